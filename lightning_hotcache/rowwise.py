@@ -1,0 +1,162 @@
+"""Row-wise embedding optimizers: the one update rule every strategy applies to embedding rows.
+
+Embedding tables are trained the way TorchRec trains them: only the rows a batch looked up
+are updated, duplicate ids are summed first, and the optimizer state is per row, so it can
+live next to its row in any memory tier. The rule is written once (`RowWiseOptimizerConfig.
+update_rows`, on gathered rows) and used by the plain path (`RowWiseOptimizer`, a
+torch.optim.Optimizer over sparse gradients, usable with TorchRec's
+`apply_optimizer_in_backward`) and by the hot/cold cache, so all paths learn the same thing.
+
+Written here rather than taken from a library because none does all three on CPU and GPU
+alike: torch.optim has no row-wise Adagrad and its sparse Adam keeps one step count per
+tensor (state could not travel with a row), and FBGEMM's fused kernels keep their state
+inside the table-batched module (and have no CPU Adam).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Literal
+
+import torch
+from torch import Tensor
+
+RowWiseOptimizerName = Literal["sgd", "rowwise_adagrad", "adam"]
+ROWWISE_OPTIMIZERS: tuple[str, ...] = ("sgd", "rowwise_adagrad", "adam")
+
+
+@dataclass(frozen=True)
+class RowWiseOptimizerConfig:
+    """Which row-wise rule trains the embedding tables, and its hyperparameters.
+
+    Args:
+        name: ``sgd``; ``rowwise_adagrad`` (FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator
+            per row, ``acc += mean(g**2)``, ``w -= lr * g / (sqrt(acc) + eps)``); or ``adam``
+            (lazy Adam: per-element moments updated only for rows looked up, bias correction
+            by the number of updates that row has had).
+        lr: learning rate.
+        eps: added to the denominator (Adagrad, Adam).
+        beta1: Adam's first-moment decay.
+        beta2: Adam's second-moment decay.
+    """
+
+    name: RowWiseOptimizerName = "rowwise_adagrad"
+    lr: float = 0.05
+    eps: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.999
+
+    def __post_init__(self) -> None:
+        if self.name not in ROWWISE_OPTIMIZERS:
+            raise ValueError(
+                f"Unknown row-wise optimizer {self.name!r}; choose one of {', '.join(ROWWISE_OPTIMIZERS)}."
+            )
+        if not self.lr > 0:
+            raise ValueError(f"Row-wise optimizer lr must be > 0, got {self.lr}.")
+        if not self.eps > 0:
+            raise ValueError(f"Row-wise optimizer eps must be > 0, got {self.eps}.")
+        for beta_name in ("beta1", "beta2"):
+            beta = getattr(self, beta_name)
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"Row-wise optimizer {beta_name} must be in [0, 1), got {beta}.")
+
+    def state_widths(self, embedding_dim: int) -> dict[str, int]:
+        """Per-row optimizer state: name -> number of float32 values per row."""
+        if self.name == "sgd":
+            return {}
+        if self.name == "rowwise_adagrad":
+            return {"momentum": 1}
+        return {"exp_avg": embedding_dim, "exp_avg_sq": embedding_dim, "step": 1}
+
+    def update_rows(self, weights: Tensor, state: dict[str, Tensor], grads: Tensor) -> None:
+        """Apply one step in place to gathered rows.
+
+        ``weights`` and ``grads`` are (rows, dim) with one row per *unique* id (duplicates
+        already summed); ``state`` holds the same rows of each state tensor, (rows, width).
+        """
+        if self.name == "sgd":
+            weights.add_(grads, alpha=-self.lr)
+        elif self.name == "rowwise_adagrad":
+            momentum = state["momentum"]
+            momentum.add_(grads.square().mean(dim=1, keepdim=True))
+            weights.addcdiv_(grads, momentum.sqrt().add_(self.eps), value=-self.lr)
+        else:
+            step = state["step"].add_(1.0)
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            exp_avg.lerp_(grads, 1.0 - self.beta1)
+            exp_avg_sq.mul_(self.beta2).addcmul_(grads, grads, value=1.0 - self.beta2)
+            bias_correction1 = 1.0 - torch.pow(self.beta1, step)
+            bias_correction2 = 1.0 - torch.pow(self.beta2, step)
+            denom = (exp_avg_sq / bias_correction2).sqrt_().add_(self.eps)
+            weights.addcdiv_(exp_avg / bias_correction1, denom, value=-self.lr)
+
+
+def coalesce_rows(grad: Tensor) -> tuple[Tensor, Tensor]:
+    """(unique row ids, summed gradient rows) of a sparse row gradient."""
+    grad = grad.coalesce()
+    return grad.indices()[0], grad.values()
+
+
+class RowWiseOptimizer(torch.optim.Optimizer):
+    """``torch.optim.Optimizer`` applying a `RowWiseOptimizerConfig` to embedding weights.
+
+    Needs sparse gradients (``nn.EmbeddingBag(sparse=True)``; see `use_sparse_gradients`):
+    a dense gradient cannot tell a row that was looked up with zero gradient from one that
+    was not looked up, and the two differ for Adam. Zeroes (drops) the gradients it used, so
+    a dense optimizer that sees the same parameters afterwards skips them.
+    """
+
+    def __init__(self, params: Iterable[Tensor], config: RowWiseOptimizerConfig | None = None) -> None:
+        self.config = config or RowWiseOptimizerConfig()
+        super().__init__(params, defaults={})
+
+    def _row_state(self, param: Tensor) -> dict[str, Tensor]:
+        state = self.state[param]
+        if not state:
+            for key, width in self.config.state_widths(param.shape[1]).items():
+                state[key] = torch.zeros(param.shape[0], width, dtype=torch.float32, device=param.device)
+        for key, value in state.items():
+            # A checkpoint may restore state on another device than the table it belongs to.
+            if value.device != param.device:
+                state[key] = value.to(param.device)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if not param.grad.is_sparse:
+                    raise RuntimeError(
+                        "RowWiseOptimizer needs sparse embedding gradients; build the tables with "
+                        "nn.EmbeddingBag(sparse=True) (lightning_hotcache.use_sparse_gradients(module))."
+                    )
+                rows, grads = coalesce_rows(param.grad)
+                param.grad = None
+                state = self._row_state(param)
+                weights = param.index_select(0, rows)
+                row_state = {key: value.index_select(0, rows) for key, value in state.items()}
+                self.config.update_rows(weights, row_state, grads.to(weights.dtype))
+                param.index_copy_(0, rows, weights)
+                for key, value in row_state.items():
+                    state[key].index_copy_(0, rows, value)
+        return loss
+
+
+def use_sparse_gradients(module: torch.nn.Module) -> list[Tensor]:
+    """Switch every ``nn.EmbeddingBag`` under ``module`` to sparse gradients; return their weights.
+
+    torchrec's unsharded EmbeddingBagCollection builds dense-gradient bags: every step would
+    then materialize a gradient the size of the whole table.
+    """
+    weights = []
+    for bag in module.modules():
+        if isinstance(bag, torch.nn.EmbeddingBag):
+            bag.sparse = True
+            weights.append(bag.weight)
+    return weights

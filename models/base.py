@@ -1,0 +1,238 @@
+"""CTRModel: the LightningModule every zoo model is; subclasses only say how logits are made.
+
+A CTR model here is torchrec's sparse arch (an EmbeddingBagCollection looked up with a
+KeyedJaggedTensor) plus dense layers. The base class owns what is the same for all of
+them: the embedding tables, the click loss and metrics, and the split between the two
+kinds of parameters:
+
+* embedding rows are trained by a row-wise rule (`RowWiseOptimizerConfig`) on sparse
+  gradients, stepped right after the dense optimizer's backward pass; a placement strategy
+  (e.g. ``hotcache``) that replaces the tables applies the same rule where the rows live;
+* dense parameters use the optimizer from `configure_optimizers` (Adam by default, or
+  LightningCLI's ``--optimizer``).
+
+The model code never decides where rows live: strategies do.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import asdict
+from typing import Any, Mapping, Sequence
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics.classification import BinaryAUROC
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.datasets.utils import Batch
+from torchrec.models.dlrm import SparseArch
+from torchrec.modules.embedding_configs import PoolingType
+from typing_extensions import override
+
+from lightning_hotcache.rowwise import RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
+
+TableSpec = EmbeddingBagConfig | Mapping[str, Any]
+
+
+def as_table_config(table: TableSpec) -> EmbeddingBagConfig:
+    """An EmbeddingBagConfig from itself or from the plain dict kept in hyperparameters."""
+    if isinstance(table, EmbeddingBagConfig):
+        return table
+    fields = dict(table)
+    if isinstance(fields.get("pooling"), str):
+        fields["pooling"] = PoolingType[fields["pooling"]]
+    return EmbeddingBagConfig(**fields)
+
+
+def table_to_dict(table: EmbeddingBagConfig) -> dict[str, Any]:
+    """The fields that define a table, as plain values (checkpoints load with weights_only)."""
+    return {
+        "name": table.name,
+        "num_embeddings": table.num_embeddings,
+        "embedding_dim": table.embedding_dim,
+        "feature_names": list(table.feature_names),
+        "pooling": table.pooling.name,
+    }
+
+
+class CTRModel(pl.LightningModule):
+    """Base LightningModule for click-through-rate models on torchrec batches.
+
+    Args:
+        tables: one ``EmbeddingBagConfig`` per embedding table (the datamodule's ``.tables``);
+            all tables share one ``embedding_dim``.
+        num_dense_features: width of the dense input (the datamodule's ``.num_dense_features``).
+        embedding_optimizer: the row-wise rule for embedding rows.
+        dense_lr: learning rate of the default dense optimizer (Adam).
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        num_dense_features: int,
+        embedding_optimizer: RowWiseOptimizerConfig = RowWiseOptimizerConfig(),
+        dense_lr: float = 1e-3,
+    ) -> None:
+        super().__init__()
+        table_configs = [as_table_config(t) for t in tables]
+        if not table_configs:
+            raise ValueError("A CTR model needs at least one embedding table; `tables` is empty.")
+        dims = {t.embedding_dim for t in table_configs}
+        if len(dims) != 1:
+            raise ValueError(
+                f"All tables must share one embedding_dim (the interaction layers need it); got {sorted(dims)} "
+                f"across {[t.name for t in table_configs]}."
+            )
+        if num_dense_features < 1:
+            raise ValueError(f"num_dense_features must be >= 1, got {num_dense_features}.")
+        if not dense_lr > 0:
+            raise ValueError(f"dense_lr must be > 0, got {dense_lr}.")
+        if isinstance(embedding_optimizer, Mapping):
+            embedding_optimizer = RowWiseOptimizerConfig(**embedding_optimizer)
+
+        # Plain values only, so checkpoints load with torch.load(weights_only=True).
+        self.save_hyperparameters(ignore=["tables", "embedding_optimizer"])
+        self.hparams["tables"] = [table_to_dict(t) for t in table_configs]
+        self.hparams["embedding_optimizer"] = asdict(embedding_optimizer)
+
+        self.tables = table_configs
+        self.num_dense_features = num_dense_features
+        self.embedding_dim = dims.pop()
+        self.embedding_optimizer_config = embedding_optimizer
+        self.sparse_arch = SparseArch(EmbeddingBagCollection(tables=table_configs))
+        self.num_sparse_features = self.sparse_arch.F
+        use_sparse_gradients(self.sparse_arch)
+        self._embedding_optimizer: RowWiseOptimizer | None = None
+
+        self.loss_fn = nn.BCEWithLogitsLoss()
+        metrics = MetricCollection({"auc": BinaryAUROC(), "logloss": MeanMetric()})
+        self.val_metrics = metrics.clone(prefix="val/")
+        self.test_metrics = metrics.clone(prefix="test/")
+        self.assemble()
+
+    # ------------------------------------------------------------ architecture
+    # A model is TorchRec's four blocks: sparse arch (here), dense arch, interaction and
+    # over arch. Builders read their sizes from `self.hparams`, which holds the constructor
+    # arguments of every class in the chain by the time `assemble()` runs at the end of
+    # CTRModel.__init__; a user subclass overrides one builder and keeps the rest.
+    @abstractmethod
+    def build_dense_arch(self) -> nn.Module:
+        """Module mapping dense features (B, num_dense_features) to the interaction's dense input."""
+
+    @abstractmethod
+    def build_interaction(self) -> nn.Module:
+        """Module mapping (dense arch output, pooled embeddings (B, F, D)) to (B, width)."""
+
+    @abstractmethod
+    def build_over_arch(self, in_features: int) -> nn.Module:
+        """Module mapping the interaction output (B, in_features) to logits (B, 1)."""
+
+    def assemble(self) -> None:
+        """Build the dense arch, interaction and over arch from the builders."""
+        self.dense_arch = self.build_dense_arch()
+        self.inter_arch = self.build_interaction()
+        # The over arch's input width follows from whatever interaction a subclass built.
+        with torch.no_grad():
+            probe = self.inter_arch(
+                self.dense_arch(torch.zeros(2, self.num_dense_features)),
+                torch.zeros(2, self.num_sparse_features, self.embedding_dim),
+            )
+        self.over_arch = self.build_over_arch(probe.shape[1])
+
+    def embed(self, sparse_features: KeyedJaggedTensor) -> Tensor:
+        """Pooled embeddings, (B, F, D) in table/feature order."""
+        return self.sparse_arch(sparse_features)
+
+    @override
+    def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
+        """Click logits of shape (B,)."""
+        interaction = self.inter_arch(self.dense_arch(dense_features), self.embed(sparse_features))
+        return self.over_arch(interaction).squeeze(-1)
+
+    # ----------------------------------------------------------------- training
+    @override
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        logits = self(batch.dense_features, batch.sparse_features)
+        loss = self.loss_fn(logits, batch.labels)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.shape[0])
+        return loss
+
+    def _evaluate(self, batch: Batch, metrics: MetricCollection) -> None:
+        logits = self(batch.dense_features, batch.sparse_features)
+        labels = batch.labels
+        per_sample = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+        metrics["auc"].update(torch.sigmoid(logits), labels.long())
+        metrics["logloss"].update(per_sample)
+        self.log_dict(metrics, prog_bar=True, batch_size=labels.shape[0])
+
+    @override
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self._evaluate(batch, self.val_metrics)
+
+    @override
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        self._evaluate(batch, self.test_metrics)
+
+    @override
+    def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        return torch.sigmoid(self(batch.dense_features, batch.sparse_features))
+
+    def _log_reference_metrics(self, stage: str) -> None:
+        # Datamodules with a planted truth (the synthetic one) know the Bayes-optimal figures.
+        datamodule = getattr(self.trainer, "datamodule", None)
+        reference = getattr(datamodule, "reference_metrics", None)
+        if reference is None or self.trainer.sanity_checking:
+            return
+        for name, value in reference(stage).items():
+            self.log(f"{stage}/{name}", float(value), sync_dist=False)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self._log_reference_metrics("val")
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._log_reference_metrics("test")
+
+    # --------------------------------------------------------------- optimizers
+    def embedding_parameters(self) -> list[Tensor]:
+        """Weights of the plain EmbeddingBagCollections still in the model (none once a
+        strategy has replaced them with its own tables)."""
+        return [
+            p for module in self.modules() if isinstance(module, EmbeddingBagCollection) for p in module.parameters()
+        ]
+
+    def dense_parameters(self) -> list[Tensor]:
+        embedding = {id(p) for p in self.embedding_parameters()}
+        return [p for p in self.parameters() if id(p) not in embedding and p.requires_grad]
+
+    @property
+    def embedding_optimizer(self) -> RowWiseOptimizer:
+        if self._embedding_optimizer is None:
+            self._embedding_optimizer = RowWiseOptimizer(self.embedding_parameters(), self.embedding_optimizer_config)
+        return self._embedding_optimizer
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.dense_parameters(), lr=self.hparams.dense_lr)
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Runs after backward (and after DDP has reduced the sparse gradients, and after
+        # gradient accumulation), before the dense step: the same point TorchRec's fused
+        # optimizers update rows. Subclasses overriding this hook must call super().
+        if self.embedding_parameters():
+            self.embedding_optimizer.step()
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.embedding_parameters():
+            checkpoint["embedding_optimizer"] = self.embedding_optimizer.state_dict()
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("embedding_optimizer")
+        if state is not None and self.embedding_parameters():
+            self.embedding_optimizer.load_state_dict(state)

@@ -1,0 +1,56 @@
+"""DCN (Wang et al., 2017; DCN-V2, 2021): a cross network beside a deep MLP over [embeddings, dense]."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from torch import nn
+from torchrec import EmbeddingBagConfig
+from typing_extensions import override
+
+from models.base import CTRModel
+from models.interactions import CrossDeepInteraction, CrossNetVersion
+
+
+class DCN(CTRModel):
+    """Deep & Cross Network, parallel structure; cross network v2 by default.
+
+    Args:
+        tables: the datamodule's embedding tables (one shared embedding_dim).
+        num_dense_features: width of the dense input (fed raw, as in the paper).
+        cross_version: ``v2`` (full-rank DCN-V2), ``low_rank`` (DCN-V2 low-rank) or ``v1``.
+        num_cross_layers: depth of the cross network.
+        low_rank: rank of each cross layer when ``cross_version="low_rank"``.
+        deep_layer_sizes: sizes of the deep tower.
+        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr).
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        num_dense_features: int,
+        cross_version: CrossNetVersion = "v2",
+        num_cross_layers: int = 3,
+        low_rank: int = 32,
+        deep_layer_sizes: Sequence[int] = (128, 64),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(tables, num_dense_features, **kwargs)
+
+    @override
+    def build_dense_arch(self) -> nn.Module:
+        return nn.Identity()
+
+    @override
+    def build_interaction(self) -> nn.Module:
+        return CrossDeepInteraction(
+            in_features=self.num_sparse_features * self.embedding_dim + self.num_dense_features,
+            num_cross_layers=self.hparams.num_cross_layers,
+            deep_layer_sizes=self.hparams.deep_layer_sizes,
+            version=self.hparams.cross_version,
+            low_rank=self.hparams.low_rank,
+        )
+
+    @override
+    def build_over_arch(self, in_features: int) -> nn.Module:
+        return nn.Linear(in_features, 1)

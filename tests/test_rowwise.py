@@ -1,0 +1,116 @@
+"""The row-wise embedding rule: FBGEMM's math where FBGEMM has a CPU kernel, a reference elsewhere."""
+
+import pytest
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+from lightning_hotcache import RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
+
+ROWS, DIM = 20, 8
+
+
+def _bags_with_duplicates(steps: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, ROWS // 2, (12,), generator=g)  # rows >= ROWS//2 are never read
+        offsets = torch.arange(0, 12, 3)
+        out.append((ids, offsets, torch.randn(4, DIM, generator=g)))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "fbgemm_type"), [("sgd", EmbOptimType.EXACT_SGD), ("rowwise_adagrad", EmbOptimType.EXACT_ROWWISE_ADAGRAD)]
+)
+def test_matches_fbgemm_cpu_kernel(name: str, fbgemm_type: EmbOptimType) -> None:
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(ROWS, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        optimizer=fbgemm_type,
+        learning_rate=0.1,
+        eps=1e-8,
+        pooling_mode=PoolingMode.SUM,
+    )
+    bag = torch.nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True)
+    bag.weight.data.copy_(tbe.split_embedding_weights()[0])
+    optimizer = RowWiseOptimizer([bag.weight], RowWiseOptimizerConfig(name=name, lr=0.1, eps=1e-8))
+    for ids, offsets, upstream in _bags_with_duplicates(4):
+        tbe(ids, torch.cat([offsets, torch.tensor([12])])).backward(upstream)
+        bag(ids, offsets).backward(upstream)
+        optimizer.step()
+    torch.testing.assert_close(bag.weight.detach(), tbe.split_embedding_weights()[0], rtol=1e-5, atol=1e-6)
+
+
+def test_adam_matches_reference_and_leaves_unread_rows_alone() -> None:
+    config = RowWiseOptimizerConfig(name="adam", lr=0.01, beta1=0.9, beta2=0.99, eps=1e-6)
+    bag = torch.nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True)
+    reference = bag.weight.detach().clone()
+    m, v, steps = torch.zeros(ROWS, DIM), torch.zeros(ROWS, DIM), torch.zeros(ROWS)
+    optimizer = RowWiseOptimizer([bag.weight], config)
+    for ids, offsets, upstream in _bags_with_duplicates(5):
+        bag(ids, offsets).backward(upstream)
+        optimizer.step()
+        # Reference: per-sample gradient scattered, duplicates summed, lazy Adam per row.
+        grad = torch.zeros(ROWS, DIM)
+        sample_of = torch.repeat_interleave(torch.arange(4), 3)
+        grad.index_add_(0, ids, upstream[sample_of])
+        for row in ids.unique().tolist():
+            steps[row] += 1
+            m[row] = 0.9 * m[row] + 0.1 * grad[row]
+            v[row] = 0.99 * v[row] + 0.01 * grad[row] ** 2
+            m_hat, v_hat = m[row] / (1 - 0.9 ** steps[row]), v[row] / (1 - 0.99 ** steps[row])
+            reference[row] -= 0.01 * m_hat / (v_hat.sqrt() + 1e-6)
+    torch.testing.assert_close(bag.weight.detach(), reference, rtol=1e-5, atol=1e-6)
+    state = optimizer.state[bag.weight]
+    assert torch.equal(state["step"][ROWS // 2 :], torch.zeros(ROWS - ROWS // 2, 1))
+    assert torch.equal(state["step"][:, 0], steps)
+
+
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad", "adam"])
+def test_same_result_as_torchrec_in_backward_optimizer(name: str) -> None:
+    """Stepping after backward (our plain path) == TorchRec's apply_optimizer_in_backward."""
+    config = RowWiseOptimizerConfig(name=name, lr=0.05)
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=ROWS, embedding_dim=DIM, feature_names=["f"])]
+    torch.manual_seed(0)
+    in_backward = EmbeddingBagCollection(tables=tables)
+    after_backward = EmbeddingBagCollection(tables=tables)
+    after_backward.load_state_dict(in_backward.state_dict())
+    apply_optimizer_in_backward(RowWiseOptimizer, use_sparse_gradients(in_backward), {"config": config})
+    optimizer = RowWiseOptimizer(use_sparse_gradients(after_backward), config)
+    for ids, offsets, upstream in _bags_with_duplicates(4, seed=1):
+        kjt = KeyedJaggedTensor.from_offsets_sync(keys=["f"], values=ids, offsets=torch.cat([offsets, torch.tensor([12])]))
+        in_backward(kjt).values().backward(upstream)
+        after_backward(kjt).values().backward(upstream)
+        optimizer.step()
+    torch.testing.assert_close(in_backward.state_dict(), after_backward.state_dict())
+
+
+def test_state_round_trips_through_state_dict() -> None:
+    config = RowWiseOptimizerConfig(name="rowwise_adagrad")
+    bag = torch.nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True)
+    optimizer = RowWiseOptimizer([bag.weight], config)
+    (ids, offsets, upstream), *_ = _bags_with_duplicates(1)
+    bag(ids, offsets).backward(upstream)
+    optimizer.step()
+    restored = RowWiseOptimizer([bag.weight], config)
+    restored.load_state_dict(optimizer.state_dict())
+    torch.testing.assert_close(restored.state[bag.weight]["momentum"], optimizer.state[bag.weight]["momentum"])
+
+
+def test_dense_gradients_are_refused() -> None:
+    bag = torch.nn.EmbeddingBag(ROWS, DIM, mode="sum")
+    bag(torch.tensor([1, 2]), torch.tensor([0])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse"):
+        RowWiseOptimizer([bag.weight]).step()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"name": "adagrad"}, "Unknown row-wise optimizer"), ({"lr": 0.0}, "lr"), ({"beta2": 1.0}, "beta2")],
+)
+def test_bad_config_is_a_clear_error(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        RowWiseOptimizerConfig(**kwargs)
