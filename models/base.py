@@ -188,6 +188,16 @@ class CTRModel(pl.LightningModule):
         for name, value in reference(stage).items():
             self.log(f"{stage}/{name}", float(value), sync_dist=False)
 
+    # Metric states reset by an earlier `trainer.validate` under inference mode are inference
+    # tensors, which a later fit's validation (run under no_grad) cannot update in place.
+    @override
+    def on_validation_epoch_start(self) -> None:
+        self.val_metrics.reset()
+
+    @override
+    def on_test_epoch_start(self) -> None:
+        self.test_metrics.reset()
+
     @override
     def on_validation_epoch_end(self) -> None:
         self._log_reference_metrics("val")

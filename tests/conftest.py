@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny synthetic data and quiet CPU trainers."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def tiny_synthetic(**overrides: Any):
+    """A SyntheticCTRDataModule small enough for a unit test (tables of at most 200 rows)."""
+    from datamodules import SyntheticCTRDataModule
+
+    settings: dict[str, Any] = dict(
+        scale=0.001,
+        num_embeddings_cap=200,
+        num_train_samples=4096,
+        num_val_samples=2048,
+        num_test_samples=1024,
+        batch_size=256,
+        embedding_dim=8,
+        shuffle=False,
+    )
+    settings.update(overrides)
+    return SyntheticCTRDataModule(**settings)
+
+
+def cpu_trainer(**overrides: Any) -> pl.Trainer:
+    settings: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    settings.update(overrides)
+    return pl.Trainer(**settings)
+
+
+@pytest.fixture
+def synthetic_factory():
+    return tiny_synthetic
