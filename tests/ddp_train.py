@@ -1,0 +1,47 @@
+"""Train a zoo model on tiny synthetic data with N CPU processes (gloo) and save its weights.
+
+Run by tests/test_ddp.py as a script, because Lightning's DDP launcher starts the other
+ranks by re-running the command that started rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import cpu_trainer, tiny_synthetic  # noqa: E402
+
+from models import create_model  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="dlrm")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--optimizer", default="rowwise_adagrad")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    pl.seed_everything(0)
+    dm = tiny_synthetic(batch_size=args.batch_size, num_train_samples=4096)
+    model = create_model(args.model, dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer})
+    trainer = cpu_trainer(
+        strategy="ddp" if args.devices > 1 else "auto",
+        devices=args.devices,
+        max_steps=args.steps,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, dm)
+    if trainer.is_global_zero:
+        torch.save({"state_dict": model.state_dict(), "world_size": trainer.world_size}, args.out)
+
+
+if __name__ == "__main__":
+    main()

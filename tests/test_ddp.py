@@ -1,0 +1,36 @@
+"""Two CPU processes (gloo DDP) learn what one process learns with twice the batch.
+
+DDP averages gradients over ranks, so with a mean loss 2 ranks x batch B == 1 rank x batch
+2B, for the dense layers and (sparse gradients, averaged the same way) the embedding rows.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("ddp_train.py")
+REPO = SCRIPT.parents[1]
+
+
+def _train(tmp_path: Path, devices: int, batch_size: int, optimizer: str) -> dict:
+    out = tmp_path / f"ddp{devices}_{optimizer}.pt"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(SCRIPT), f"--devices={devices}", f"--batch-size={batch_size}",
+           f"--optimizer={optimizer}", f"--out={out}"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+def test_two_processes_match_one_with_double_batch(tmp_path: Path, optimizer: str) -> None:
+    two = _train(tmp_path, devices=2, batch_size=128, optimizer=optimizer)
+    one = _train(tmp_path, devices=1, batch_size=256, optimizer=optimizer)
+    assert two["world_size"] == 2
+    torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-6)
