@@ -1,0 +1,6 @@
+"""Tiered embedding rows: host store (RAM or memory-mapped files) and device cache."""
+
+from lightning_hotcache.cache.device import CACHE_POLICIES, CacheCapacityError, CacheCounters, CachePolicy, DeviceCache
+from lightning_hotcache.cache.host import HostStore
+
+__all__ = ["CACHE_POLICIES", "CacheCapacityError", "CacheCounters", "CachePolicy", "DeviceCache", "HostStore"]

@@ -1,0 +1,239 @@
+"""Device tier: one table's rows on the accelerator, addressed by slot ("virtual id").
+
+Slots ``[0, S)`` hold the plan's hot rows (FAE's static region, never evicted); slots
+``[S, S + C)`` are a dynamic cache (MixCache) refilled from the host store. A batch's ids
+are turned into slots by `acquire` (missing rows are fetched, evicting unlocked slots
+by LRU or LFU and writing changed rows back first) and its slots stay locked until
+`release`, so rows of batches in flight are never evicted. Optimizer state lives in the
+same slots, so a row and its state always move together.
+
+When the static region covers the whole table, slot == id and there is no host copy and
+no bookkeeping at all: the table simply lives on the device.
+
+Written by hand because neither TorchRec nor FBGEMM offers this on CPU: FBGEMM's LRU/LFU
+caches are CUDA kernels of its UVM table-batched embedding, with no CPU build and no
+static region chosen from measured frequencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from lightning_hotcache.cache.host import HostStore
+from lightning_hotcache.rowwise import RowWiseOptimizerConfig
+
+CachePolicy = Literal["lfu", "lru", "static"]
+CACHE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static")
+
+
+class CacheCapacityError(RuntimeError):
+    """A batch (with the batches in flight) needs more rows than the cache has free slots."""
+
+
+@dataclass
+class CacheCounters:
+    """Running totals since the last `reset` (read by the metrics callback)."""
+
+    lookups: int = 0
+    hits: int = 0
+    fetched_rows: int = 0
+    evicted_rows: int = 0
+    written_back_rows: int = 0
+
+    def reset(self) -> None:
+        self.lookups = self.hits = self.fetched_rows = self.evicted_rows = self.written_back_rows = 0
+
+
+class DeviceCache:
+    """Device rows of one table: a static hot region plus an evicting dynamic region.
+
+    Args:
+        name: table name (for errors).
+        num_embeddings: rows of the whole table.
+        embedding_dim: row width.
+        optimizer: row-wise rule (its state widths size the state slots).
+        static_ids: ids pinned on the device.
+        num_dynamic: dynamic slots.
+        policy: ``lfu``, ``lru``, or ``static`` (dynamic slots only stage each batch's misses
+            and are emptied after it, as in FAE).
+        host: the host store of the table; may be ``None`` only when static_ids cover all rows.
+        device: where the slots live.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        num_embeddings: int,
+        embedding_dim: int,
+        optimizer: RowWiseOptimizerConfig,
+        static_ids: Tensor,
+        num_dynamic: int,
+        policy: CachePolicy,
+        host: HostStore | None,
+        device: torch.device,
+    ) -> None:
+        if policy not in CACHE_POLICIES:
+            raise ValueError(f"Unknown cache policy {policy!r}; choose one of {', '.join(CACHE_POLICIES)}.")
+        static_ids = torch.as_tensor(static_ids, dtype=torch.int64).unique()  # sorted, for memory locality
+        if len(static_ids) and (static_ids[0] < 0 or static_ids[-1] >= num_embeddings):
+            raise ValueError(f"Table {name!r}: static ids must lie in [0, {num_embeddings}).")
+        self.name = name
+        self.num_embeddings = num_embeddings
+        self.policy = policy
+        self.device = device
+        self.identity = len(static_ids) == num_embeddings
+        if not self.identity and host is None:
+            raise ValueError(f"Table {name!r} is not wholly on the device, so it needs a host store.")
+        self.host = None if self.identity else host
+        self.num_static = len(static_ids)
+        self.num_dynamic = 0 if self.identity else num_dynamic
+        num_slots = self.num_static + self.num_dynamic
+        self.counters = CacheCounters()
+
+        widths = {"weight": embedding_dim, **optimizer.state_widths(embedding_dim)}
+        self.slots: dict[str, Tensor] = {
+            key: torch.zeros(num_slots, width, dtype=torch.float32, device=device) for key, width in widths.items()
+        }
+        if self.identity:
+            return
+        self.slot_of_id = torch.full((num_embeddings,), -1, dtype=torch.int64, device=device)
+        self.id_of_slot = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
+        self.dirty = torch.zeros(num_slots, dtype=torch.bool, device=device)
+        self.locks = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.last_used = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.frequency = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.clock = 0
+        static_slots = torch.arange(self.num_static, device=device)
+        self.slot_of_id[static_ids.to(device)] = static_slots
+        self.id_of_slot[: self.num_static] = static_ids.to(device)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.slots["weight"]
+
+    # ------------------------------------------------------------ residency
+    @torch.no_grad()
+    def acquire(self, ids: Tensor) -> Tensor:
+        """Slots of ``ids`` (any order, duplicates allowed), fetching missing rows and locking all."""
+        ids = ids.to(self.device, torch.int64)
+        self.counters.lookups += ids.numel()
+        if self.identity:
+            self.counters.hits += ids.numel()
+            return ids
+        slots = self.slot_of_id[ids]
+        missing = slots < 0
+        num_missing = int(missing.sum())
+        self.counters.hits += ids.numel() - num_missing
+        hits = slots[~missing]
+        # Lock the hits first, so that fetching the misses cannot evict them.
+        self.locks.index_add_(0, hits, torch.ones_like(hits))
+        if num_missing:
+            self._fetch(ids[missing].unique())
+            fetched = self.slot_of_id[ids[missing]]
+            self.locks.index_add_(0, fetched, torch.ones_like(fetched))
+            slots = self.slot_of_id[ids]
+        self.clock += 1
+        self.last_used[slots] = self.clock
+        self.frequency.index_add_(0, slots, torch.ones_like(slots))
+        return slots
+
+    @torch.no_grad()
+    def release(self, slots: Tensor) -> None:
+        """Unlock slots returned by `acquire` (once per acquire)."""
+        if self.identity:
+            return
+        self.locks.index_add_(0, slots, -torch.ones_like(slots))
+        if self.policy == "static":
+            dynamic = torch.arange(self.num_static, self.num_static + self.num_dynamic, device=self.device)
+            occupied = dynamic[(self.id_of_slot[dynamic] >= 0) & (self.locks[dynamic] == 0)]
+            self._evict(occupied)
+
+    def _fetch(self, ids: Tensor) -> None:
+        victims = self._choose_victims(len(ids))
+        self._evict(victims[self.id_of_slot[victims] >= 0])
+        assert self.host is not None
+        rows = self.host.read(ids)
+        for key, tensor in self.slots.items():
+            tensor[victims] = rows[key].to(self.device, non_blocking=True)
+        self.slot_of_id[ids] = victims
+        self.id_of_slot[victims] = ids
+        self.frequency[victims] = 0
+        self.counters.fetched_rows += len(ids)
+
+    def _choose_victims(self, count: int) -> Tensor:
+        start = self.num_static
+        locked = self.locks[start:] > 0
+        free = int((~locked).sum())
+        if count > free:
+            raise CacheCapacityError(
+                f"Table {self.name!r}: a batch needs {count} rows that are not on the device, but only {free} of "
+                f"{self.num_dynamic} dynamic cache slots are free (the others hold rows of batches in flight). "
+                "Raise the device budget, lower prefetch_depth, or use smaller batches."
+            )
+        if self.policy == "lfu":
+            score = self.frequency[start:].double() + self.last_used[start:].double() / (self.clock + 1)
+        else:
+            score = self.last_used[start:].double()
+        score[self.id_of_slot[start:] < 0] = -1.0  # empty slots first
+        score[locked] = float("inf")
+        return torch.topk(score, count, largest=False).indices + start
+
+    def _evict(self, slots: Tensor) -> None:
+        if len(slots) == 0:
+            return
+        self._write_back(slots[self.dirty[slots]])
+        self.slot_of_id[self.id_of_slot[slots]] = -1
+        self.id_of_slot[slots] = -1
+        self.counters.evicted_rows += len(slots)
+
+    def _write_back(self, slots: Tensor) -> None:
+        if len(slots) == 0:
+            return
+        assert self.host is not None
+        self.host.write(self.id_of_slot[slots], {key: tensor[slots] for key, tensor in self.slots.items()})
+        self.dirty[slots] = False
+        self.counters.written_back_rows += len(slots)
+
+    # -------------------------------------------------------------- updates
+    @torch.no_grad()
+    def apply_update(self, slots: Tensor, grads: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
+        """One row-wise step on unique ``slots`` with summed gradient rows ``grads``."""
+        rows = {key: tensor.index_select(0, slots) for key, tensor in self.slots.items()}
+        weights = rows.pop("weight")
+        optimizer.update_rows(weights, rows, grads.to(weights.dtype))
+        rows["weight"] = weights
+        for key, tensor in self.slots.items():
+            tensor.index_copy_(0, slots, rows[key])
+        if not self.identity:
+            self.dirty[slots] = True
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Write every changed row (and its state) back to the host store."""
+        if not self.identity:
+            self._write_back(self.dirty.nonzero().squeeze(1))
+
+    # ---------------------------------------------------------- whole table
+    def full(self, key: str = "weight") -> Tensor:
+        """The current whole table (``weight``) or optimizer state array, on the CPU."""
+        if self.identity:
+            return self.slots[key].detach().cpu()
+        self.flush()
+        assert self.host is not None
+        return self.host.arrays[key]
+
+    @torch.no_grad()
+    def load_full(self, key: str, values: Tensor) -> None:
+        """Replace a whole array; cached copies are refreshed from it."""
+        values = values.detach()
+        if self.identity:
+            self.slots[key].copy_(values.to(self.device))
+            return
+        assert self.host is not None
+        self.host.load(key, values.cpu())
+        occupied = (self.id_of_slot >= 0).nonzero().squeeze(1)
+        self.slots[key][occupied] = self.host.read(self.id_of_slot[occupied])[key].to(self.device)

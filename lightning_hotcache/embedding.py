@@ -1,0 +1,285 @@
+"""HotColdEmbeddingBagCollection: torchrec's EmbeddingBagCollection, with rows in a device cache.
+
+Same input (KeyedJaggedTensor), same output (KeyedTensor), same ``state_dict`` keys as the
+EmbeddingBagCollection it replaces. Each table's rows live in a `DeviceCache` (hot rows
+pinned, others cached from a `HostStore`); a batch's ids become cache slots in `prefetch`
+(ahead of time) or at the start of `forward`, and the lookup is a plain embedding-bag over
+the slot tensor. In backward, a hook on each slot tensor applies the row-wise optimizer to
+the rows the batch read (duplicate ids summed, like TorchRec's fused optimizers) and
+unlocks them.
+
+Rules a caller must keep (Lightning's loops keep them): a training forward is followed by
+its backward before the next training forward; batches are forwarded in the order they
+were prefetched. Forward under ``torch.no_grad()`` (evaluation) updates nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
+from torchrec.modules.embedding_configs import PoolingType
+
+from lightning_hotcache.cache import CachePolicy, DeviceCache, HostStore
+from lightning_hotcache.planner import HotColdPlan
+from lightning_hotcache.rowwise import RowWiseOptimizerConfig, coalesce_rows
+
+
+@dataclass
+class _StagedBatch:
+    """A batch whose rows are resident and locked: slots per feature, in KJT value order."""
+
+    features: KeyedJaggedTensor
+    slots: dict[str, Tensor]  # feature -> slot of every value
+    table_slots: dict[str, list[Tensor]]  # table -> acquired slot tensors (to release)
+    output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
+
+
+def _check_ids(values: Tensor, table: EmbeddingBagConfig, feature: str) -> None:
+    if values.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"Feature {feature!r} (table {table.name!r}) has ids of dtype {values.dtype}; expected int32/int64.")
+    if values.numel() == 0:
+        return
+    bad = (values < 0) | (values >= table.num_embeddings)
+    if bool(bad.any()):
+        first = int(values[bad][0])
+        raise ValueError(
+            f"Feature {feature!r} of table {table.name!r} has id {first}, outside [0, {table.num_embeddings}). "
+            "Hash or clip ids into the table's range (or enlarge num_embeddings); no row was touched."
+        )
+
+
+class HotColdEmbeddingBagCollection(nn.Module):
+    """Drop-in for ``torchrec.EmbeddingBagCollection`` whose rows live in a tiered cache.
+
+    Args:
+        tables: the tables, as for EmbeddingBagCollection (SUM or MEAN pooling).
+        plan: which rows of each table are static on the device and how many cache slots it gets.
+        optimizer: the row-wise rule applied in backward.
+        device: where the cached rows live.
+        cache_policy: ``lfu``, ``lru`` or ``static`` (see `DeviceCache`).
+        host_storage: ``"memory"`` (RAM, pinned when CUDA is present) or a directory for
+            memory-mapped host tables.
+        is_weighted: use the KJT's per-sample weights (SUM pooling), as torchrec's flag of that name.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        plan: HotColdPlan,
+        optimizer: RowWiseOptimizerConfig | None = None,
+        device: torch.device | str | None = None,
+        cache_policy: CachePolicy = "lfu",
+        host_storage: str | Path = "memory",
+        is_weighted: bool = False,
+    ) -> None:
+        super().__init__()
+        self._is_weighted = is_weighted
+        self._tables = list(tables)
+        self.optimizer = optimizer or RowWiseOptimizerConfig()
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.plan = plan
+        plan.check_tables(self._tables)
+        for table in self._tables:
+            if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+                raise ValueError(f"Table {table.name!r}: pooling {table.pooling} is not supported (SUM or MEAN).")
+        directory = None if str(host_storage) == "memory" else Path(host_storage)
+        pin = self.device.type == "cuda"
+        self.caches: dict[str, DeviceCache] = {}
+        for table in self._tables:
+            table_plan = plan.table(table.name)
+            static_ids = torch.as_tensor(table_plan.static_ids, dtype=torch.int64)
+            host = None
+            if len(static_ids) < table.num_embeddings:
+                widths = self.optimizer.state_widths(table.embedding_dim)
+                host = HostStore(table.name, table.num_embeddings, table.embedding_dim, widths, directory, pin)
+            cache = DeviceCache(
+                table.name,
+                table.num_embeddings,
+                table.embedding_dim,
+                self.optimizer,
+                static_ids,
+                table_plan.cache_slots,
+                cache_policy,
+                host,
+                self.device,
+            )
+            cache.weight.requires_grad_(True)
+            cache.weight.register_post_accumulate_grad_hook(self._make_update_hook(table.name))
+            self.caches[table.name] = cache
+        self._feature_table = {f: t for t in self._tables for f in t.feature_names}
+        self._queue: deque[_StagedBatch] = deque()
+        self._in_flight: list[_StagedBatch] = []
+
+    @classmethod
+    def from_ebc(
+        cls,
+        ebc: EmbeddingBagCollection,
+        plan: HotColdPlan,
+        optimizer: RowWiseOptimizerConfig | None = None,
+        device: torch.device | str | None = None,
+        cache_policy: CachePolicy = "lfu",
+        host_storage: str | Path = "memory",
+    ) -> "HotColdEmbeddingBagCollection":
+        """Replace ``ebc``: same tables, its current weights, rows placed by ``plan``."""
+        module = cls(
+            ebc.embedding_bag_configs(), plan, optimizer, device, cache_policy, host_storage, ebc.is_weighted()
+        )
+        module.load_state_dict(ebc.state_dict())
+        return module
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return list(self._tables)
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    # -------------------------------------------------------------- staging
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Make a future batch's rows resident and lock them (call in forward order)."""
+        self._queue.append(self._stage(features))
+
+    def _stage(self, features: KeyedJaggedTensor) -> _StagedBatch:
+        by_feature = features.to_dict()
+        for table in self._tables:  # validate everything before touching any row
+            for feature in table.feature_names:
+                if feature not in by_feature:
+                    raise KeyError(
+                        f"Feature {feature!r} of table {table.name!r} is missing from the batch "
+                        f"(it has {features.keys()})."
+                    )
+                _check_ids(by_feature[feature].values(), table, feature)
+        slots: dict[str, Tensor] = {}
+        table_slots: dict[str, list[Tensor]] = {}
+        for table in self._tables:
+            cache = self.caches[table.name]
+            # One acquire per table: all its features' rows must be resident together.
+            values = [by_feature[f].values() for f in table.feature_names]
+            acquired = cache.acquire(torch.cat(values) if len(values) > 1 else values[0])
+            table_slots[table.name] = [acquired]
+            for feature, part in zip(table.feature_names, acquired.split([v.numel() for v in values])):
+                slots[feature] = part
+        return _StagedBatch(features, slots, table_slots)
+
+    def _release(self, staged: _StagedBatch) -> None:
+        for name, acquired in staged.table_slots.items():
+            for slots in acquired:
+                self.caches[name].release(slots)
+
+    def _release_abandoned(self) -> None:
+        # A training forward whose output is gone can never get its backward (e.g. a skipped
+        # step): its rows may be unlocked. One whose output is alive stays locked.
+        alive = []
+        for staged in self._in_flight:
+            if staged.output is not None and staged.output() is not None:
+                alive.append(staged)
+            else:
+                self._release(staged)
+        self._in_flight = alive
+
+    # -------------------------------------------------------------- forward
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        self._release_abandoned()
+        if self._queue:
+            staged = self._queue.popleft()
+            if staged.features is not features:
+                raise RuntimeError(
+                    "forward() got a different batch than the next prefetched one; prefetch batches in the order "
+                    "they are forwarded."
+                )
+        else:
+            staged = self._stage(features)
+        by_feature = features.to_dict()
+        pooled = []
+        for table in self._tables:
+            weight = self.caches[table.name].weight
+            mode = "sum" if table.pooling == PoolingType.SUM else "mean"
+            for feature in table.feature_names:
+                jagged = by_feature[feature]
+                pooled.append(
+                    nn.functional.embedding_bag(
+                        staged.slots[feature],
+                        weight,
+                        jagged.offsets().to(self.device, torch.int64),
+                        mode=mode,
+                        sparse=True,
+                        per_sample_weights=jagged.weights() if self._is_weighted else None,
+                        include_last_offset=True,
+                    )
+                )
+        values = torch.cat(pooled, dim=1)
+        if torch.is_grad_enabled() and values.requires_grad:
+            staged.output = weakref.ref(values)
+            self._in_flight.append(staged)
+        else:
+            self._release(staged)
+        return KeyedTensor(
+            keys=[f for t in self._tables for f in t.feature_names],
+            length_per_key=[t.embedding_dim for t in self._tables for _ in t.feature_names],
+            values=values,
+        )
+
+    def _make_update_hook(self, table: str):
+        def hook(weight: Tensor) -> None:
+            grad = weight.grad
+            weight.grad = None
+            if grad is not None:
+                slots, grads = coalesce_rows(grad)
+                self.caches[table].apply_update(slots, grads, self.optimizer)
+            # Every in-flight batch's gradient for this table has now been applied.
+            for staged in self._in_flight:
+                for slots in staged.table_slots.pop(table, []):
+                    self.caches[table].release(slots)
+            self._in_flight = [s for s in self._in_flight if s.table_slots]
+
+        return hook
+
+    # ---------------------------------------------------------- whole tables
+    def flush(self) -> None:
+        """Write every changed cached row back to its host store."""
+        for cache in self.caches.values():
+            cache.flush()
+
+    def optimizer_state(self) -> dict[str, dict[str, Tensor]]:
+        """Current row-wise optimizer state of every table: table -> state name -> (rows, width)."""
+        return {
+            name: {key: cache.full(key) for key in cache.slots if key != "weight"} for name, cache in self.caches.items()
+        }
+
+    def load_optimizer_state(self, state: dict[str, dict[str, Tensor]]) -> None:
+        for name, arrays in state.items():
+            for key, values in arrays.items():
+                self.caches[name].load_full(key, values)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        # The keys of the EmbeddingBagCollection this replaces, so checkpoints interchange.
+        for name, cache in self.caches.items():
+            destination[f"{prefix}embedding_bags.{name}.weight"] = cache.full("weight")
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        for table in self._tables:
+            key = f"{prefix}embedding_bags.{table.name}.weight"
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            values = state_dict[key]
+            expected = (table.num_embeddings, table.embedding_dim)
+            if tuple(values.shape) != expected:
+                error_msgs.append(f"{key}: shape {tuple(values.shape)} in the checkpoint, {expected} in the model.")
+                continue
+            self.caches[table.name].load_full("weight", values)
