@@ -40,12 +40,12 @@ Budget = Union[int, float, str]
 PLAN_FORMAT_VERSION = 1
 # Per dynamic slot: id_of_slot, locks, last_used, frequency (int64) and dirty (bool).
 SLOT_BOOKKEEPING_BYTES = 4 * 8 + 1
-# Per row of a split table: the id -> slot map (int64).
-ID_MAP_BYTES = 8
+# Per row of a split table: the id -> slot map (int32).
+ID_MAP_BYTES = 4
 # Dynamic slots per unique row of the batches in flight: headroom so that rows read by
 # consecutive batches stay cached between them.
 DYNAMIC_HEADROOM = 2
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
 
@@ -85,13 +85,13 @@ def resolve_budget(budget: Budget, total_bytes: int, device: torch.device | str 
         else:
             free = _available_host_memory()
         return max(1, free // 2)
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?", text)
-    if match:
-        return max(1, int(float(match.group(1)) * _UNITS[match.group(2) or ""]))
-    try:
+    if re.fullmatch(r"[0-9]+", text):
+        return resolve_budget(int(text), total_bytes, device)
+    if re.fullmatch(r"[0-9]*\.[0-9]+", text):  # "0.1" from a command line: a fraction
         return resolve_budget(float(text), total_bytes, device)
-    except ValueError:
-        pass
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)", text)
+    if match:
+        return max(1, int(float(match.group(1)) * _UNITS[match.group(2)]))
     raise ValueError(
         f"Cannot read device_budget {budget!r}: use bytes (int), a size like '2GB' or '512MiB', "
         "a fraction in (0, 1] of the embedding bytes, or 'auto'."
@@ -109,7 +109,7 @@ def _available_host_memory() -> int:
     return 4 * 2**30
 
 
-@dataclass
+@dataclass(eq=False)
 class TablePlan:
     """Placement of one table.
 
@@ -145,7 +145,7 @@ class TablePlan:
         return cls(**{**data, "static_ids": static})
 
 
-@dataclass
+@dataclass(eq=False)
 class HotColdPlan:
     """Per-table placement plus the budget it was made for. Prints as a table, saves as JSON."""
 
@@ -196,8 +196,9 @@ class HotColdPlan:
         )
         return "\n".join(lines)
 
-    def save(self, path: str | Path) -> None:
-        data = {
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (what `save` writes; the TorchRec ShardingPlan is not included)."""
+        return {
             "format_version": PLAN_FORMAT_VERSION,
             "budget_bytes": self.budget_bytes,
             "world_size": self.world_size,
@@ -205,7 +206,9 @@ class HotColdPlan:
             "cache_policy": self.cache_policy,
             "tables": [t.to_json() for t in self.tables],
         }
-        Path(path).write_text(json.dumps(data, indent=1))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: str | Path, tables: Sequence[EmbeddingBagConfig] | None = None) -> "HotColdPlan":
@@ -250,6 +253,7 @@ def torchrec_sharding_plan(
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
     from torchrec.distributed.types import ShardingType
 
     compute_device = "cuda" if torch.device(device).type == "cuda" else "cpu"
@@ -257,7 +261,9 @@ def torchrec_sharding_plan(
         topology = Topology(world_size=world_size, compute_device=compute_device)
         constraints = {t.name: ParameterConstraints(sharding_types=[ShardingType.DATA_PARALLEL.value]) for t in tables}
         meta = EmbeddingBagCollection(tables=list(tables), device=torch.device("meta"))
-        planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+        # Our own budget already decided what fits; TorchRec only places the whole tables.
+        reservation = FixedPercentageStorageReservation(percentage=0.0)
+        planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, storage_reservation=reservation)
         return planner.plan(meta, [EmbeddingBagCollectionSharder()])
 
 
@@ -305,6 +311,8 @@ class HotColdPlanner:
 
     def plan(self, tables: Sequence[EmbeddingBagConfig], stats: "AccessStats | None" = None) -> HotColdPlan:
         tables = list(tables)
+        if stats is not None:
+            stats.check_tables(tables)
         whole = {t.name: t.num_embeddings * row_bytes(t, self.optimizer) for t in tables}
         budget = resolve_budget(self.device_budget, sum(whole.values()), self.device)
 
@@ -318,18 +326,22 @@ class HotColdPlanner:
             for t in tables:
                 minimum_split = self._split_bytes(t, 0, self._min_slots(t, stats))
                 (on_device.add(t.name) if whole[t.name] <= minimum_split else split.append(t))
-        min_slots = {t.name: self._min_slots(t, stats) * (1 if self.cache_policy == "static" else DYNAMIC_HEADROOM) for t in split}
-        min_slots = {t.name: min(min_slots[t.name], t.num_embeddings) for t in split}
-        fixed = sum(whole[n] for n in on_device) + sum(self._split_bytes(t, 0, min_slots[t.name]) for t in split)
+        required = {t.name: self._min_slots(t, stats) for t in split}
+        fixed = sum(whole[n] for n in on_device) + sum(self._split_bytes(t, 0, required[t.name]) for t in split)
         if fixed > budget:
-            minimum = sum(whole[n] for n in on_device) + sum(
-                self._split_bytes(t, 0, self._min_slots(t, stats)) for t in split
-            )
             raise ValueError(
                 f"A device budget of {format_bytes(budget)} cannot train these tables: the minimum is "
-                f"{format_bytes(minimum)} ({minimum} bytes) for {self.prefetch_depth + 1} batch(es) in flight. "
+                f"{format_bytes(fixed)} ({fixed} bytes) for {self.prefetch_depth + 1} batch(es) in flight. "
                 "Raise device_budget, lower prefetch_depth or use smaller batches."
             )
+        # Headroom slots keep rows read by consecutive batches cached between them; take
+        # them when the budget allows (not for the static policy, which empties its slots).
+        if self.cache_policy != "static":
+            roomy = {n: min(k * DYNAMIC_HEADROOM, t.num_embeddings) for t in split for n, k in [(t.name, required[t.name])]}
+            extra = sum(self._split_bytes(t, 0, roomy[t.name]) - self._split_bytes(t, 0, required[t.name]) for t in split)
+            if fixed + extra <= budget:
+                required, fixed = roomy, fixed + extra
+        min_slots = required
         static_rows = self._buy_hot_rows(split, stats, budget - fixed) if split else {}
 
         plans = []
@@ -373,7 +385,7 @@ class HotColdPlanner:
             if seen == 0:
                 continue
             points = np.unique(np.concatenate([[0], np.geomspace(1, seen, num=min(seen, 256)).astype(np.int64), [seen]]))
-            lookups = stats.coverage(t.name, points) * stats.num_lookups(t.name)
+            lookups = stats.coverage(t.name, points) * stats.num_lookups[t.name]
             per_row = row_bytes(t, self.optimizer)
             for (k0, k1), (c0, c1) in zip(zip(points[:-1], points[1:]), zip(lookups[:-1], lookups[1:])):
                 cost = int(k1 - k0) * per_row

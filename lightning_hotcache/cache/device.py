@@ -100,7 +100,8 @@ class DeviceCache:
         }
         if self.identity:
             return
-        self.slot_of_id = torch.full((num_embeddings,), -1, dtype=torch.int64, device=device)
+        # int32: the map costs 4 bytes per row of the whole table (slots are far fewer than 2**31).
+        self.slot_of_id = torch.full((num_embeddings,), -1, dtype=torch.int32, device=device)
         self.id_of_slot = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
         self.dirty = torch.zeros(num_slots, dtype=torch.bool, device=device)
         self.locks = torch.zeros(num_slots, dtype=torch.int64, device=device)
@@ -108,7 +109,7 @@ class DeviceCache:
         self.frequency = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.clock = 0
         static_slots = torch.arange(self.num_static, device=device)
-        self.slot_of_id[static_ids.to(device)] = static_slots
+        self.slot_of_id[static_ids.to(device)] = static_slots.int()
         self.id_of_slot[: self.num_static] = static_ids.to(device)
 
     @property
@@ -124,7 +125,7 @@ class DeviceCache:
         if self.identity:
             self.counters.hits += ids.numel()
             return ids
-        slots = self.slot_of_id[ids]
+        slots = self.slot_of_id[ids].long()
         missing = slots < 0
         num_missing = int(missing.sum())
         self.counters.hits += ids.numel() - num_missing
@@ -133,9 +134,9 @@ class DeviceCache:
         self.locks.index_add_(0, hits, torch.ones_like(hits))
         if num_missing:
             self._fetch(ids[missing].unique())
-            fetched = self.slot_of_id[ids[missing]]
+            fetched = self.slot_of_id[ids[missing]].long()
             self.locks.index_add_(0, fetched, torch.ones_like(fetched))
-            slots = self.slot_of_id[ids]
+            slots = self.slot_of_id[ids].long()
         self.clock += 1
         self.last_used[slots] = self.clock
         self.frequency.index_add_(0, slots, torch.ones_like(slots))
@@ -159,7 +160,7 @@ class DeviceCache:
         rows = self.host.read(ids)
         for key, tensor in self.slots.items():
             tensor[victims] = rows[key].to(self.device, non_blocking=True)
-        self.slot_of_id[ids] = victims
+        self.slot_of_id[ids] = victims.int()
         self.id_of_slot[victims] = ids
         self.frequency[victims] = 0
         self.counters.fetched_rows += len(ids)

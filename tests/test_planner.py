@@ -1,0 +1,123 @@
+"""HotColdPlanner: budgets in every form, greedy hot rows, the minimum, JSON round trip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+from lightning_hotcache import RowWiseOptimizerConfig
+from lightning_hotcache.planner import HotColdPlan, HotColdPlanner, resolve_budget, row_bytes
+from lightning_hotcache.profiling import AccessProfiler
+
+TABLES = [
+    EmbeddingBagConfig(name="small", num_embeddings=50, embedding_dim=8, feature_names=["s"]),
+    EmbeddingBagConfig(name="skewed", num_embeddings=20_000, embedding_dim=32, feature_names=["k"]),
+    EmbeddingBagConfig(name="flat", num_embeddings=20_000, embedding_dim=32, feature_names=["f"]),
+]
+SGD = RowWiseOptimizerConfig(name="sgd")
+TOTAL = sum(t.num_embeddings * row_bytes(t, SGD) for t in TABLES)
+
+
+def stats(batches: int = 20, batch: int = 256):
+    rng = np.random.default_rng(0)
+    profiler = AccessProfiler(TABLES)
+    for _ in range(batches):
+        s = rng.integers(0, 50, batch)
+        k = np.minimum(rng.zipf(1.3, batch) - 1, 19_999)
+        f = rng.integers(0, 20_000, batch)
+        profiler.observe(
+            KeyedJaggedTensor.from_lengths_sync(
+                keys=["s", "k", "f"],
+                values=torch.from_numpy(np.concatenate([s, k, f])),
+                lengths=torch.ones(3 * batch, dtype=torch.int32),
+            )
+        )
+    return profiler.stats()
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [(1000, 1000), ("2GB", 2 * 10**9), ("512MiB", 512 * 2**20), ("1.5kb", 1500), (0.5, TOTAL // 2), ("0.25", TOTAL // 4)],
+)
+def test_budget_forms(budget, expected) -> None:
+    assert resolve_budget(budget, TOTAL) == expected
+
+
+@pytest.mark.parametrize("budget", [0, -5, 1.5, 0.0, "lots", "2XB", True])
+def test_bad_budgets_are_clear_errors(budget) -> None:
+    with pytest.raises(ValueError, match="device_budget"):
+        resolve_budget(budget, TOTAL)
+
+
+def test_auto_budget_is_positive() -> None:
+    assert resolve_budget("auto", TOTAL) > 0
+
+
+def test_everything_fits_needs_no_stats() -> None:
+    plan = HotColdPlanner(1.0, SGD).plan(TABLES)
+    assert all(t.on_device and t.expected_hit_rate == 1.0 for t in plan.tables)
+    assert plan.device_bytes == TOTAL
+    assert plan.sharding_plan is not None  # made by TorchRec's planner
+    assert [line.split()[3] for line in str(plan).splitlines()[2:5]] == ["all"] * 3
+
+
+def test_split_prefers_coverage_per_byte_and_respects_budget() -> None:
+    st = stats()
+    plan = HotColdPlanner(0.1, SGD, prefetch_depth=1).plan(TABLES, st)
+    small, skewed, flat = (plan.table(n) for n in ("small", "skewed", "flat"))
+    assert small.on_device  # cheaper whole than as a cache
+    assert not skewed.on_device and not flat.on_device
+    # Skewed rows save more lookups per byte: its rows read more than once are all bought
+    # before any of the flat table's (each read about once).
+    ids, counts = st.top_ids("skewed")
+    assert set(ids[counts > 1].tolist()) <= set(skewed.static_ids.tolist())
+    assert skewed.expected_hit_rate > 0.95 > 0.6 > flat.expected_hit_rate
+    assert plan.device_bytes <= plan.budget_bytes
+    # Hot rows are the measured hottest ones; every split table has room for 2 batches in flight.
+    top, _ = st.top_ids("skewed", len(skewed.static_ids))
+    assert set(skewed.static_ids.tolist()) == set(top.tolist())
+    assert skewed.cache_slots >= 2 * st.unique_rows_per_batch("skewed")[1]
+
+
+def test_more_budget_never_lowers_hit_rates() -> None:
+    st = stats()
+    rates = [
+        [t.expected_hit_rate for t in HotColdPlanner(b, SGD).plan(TABLES, st).tables] for b in (0.05, 0.1, 0.3, 1.0)
+    ]
+    for low, high in zip(rates, rates[1:]):
+        assert all(h >= lo - 1e-12 for lo, h in zip(low, high))
+
+
+def test_budget_below_minimum_says_the_minimum() -> None:
+    with pytest.raises(ValueError, match=r"the minimum is .* \((\d+) bytes\)") as err:
+        HotColdPlanner(1000, SGD, prefetch_depth=2).plan(TABLES, stats())
+    minimum = int(str(err.value).split("(")[1].split(" bytes")[0])
+    HotColdPlanner(minimum * 3, SGD, prefetch_depth=2).plan(TABLES, stats())  # a bit above it works
+
+
+def test_split_without_stats_asks_for_profiling() -> None:
+    with pytest.raises(ValueError, match="hotcache profile"):
+        HotColdPlanner(0.1, SGD).plan(TABLES)
+
+
+def test_optimizer_state_counts_in_the_budget() -> None:
+    adam = RowWiseOptimizerConfig(name="adam")
+    assert row_bytes(TABLES[0], adam) == 4 * (8 + 8 + 8 + 1)
+    plan_sgd = HotColdPlanner(0.1, SGD).plan(TABLES, stats())
+    plan_adam = HotColdPlanner(int(0.1 * TOTAL), adam).plan(TABLES, stats())
+    assert len(plan_adam.table("skewed").static_ids) < len(plan_sgd.table("skewed").static_ids)
+
+
+def test_json_round_trip_and_checks(tmp_path) -> None:
+    plan = HotColdPlanner(0.1, SGD, prefetch_depth=1, cache_policy="lru").plan(TABLES, stats())
+    plan.save(tmp_path / "plan.json")
+    loaded = HotColdPlan.load(tmp_path / "plan.json", TABLES)
+    assert loaded.to_dict() == plan.to_dict()
+    other = [EmbeddingBagConfig(name="small", num_embeddings=51, embedding_dim=8, feature_names=["s"])]
+    with pytest.raises(ValueError, match="51x8 in the model but 50x8 in the plan"):
+        HotColdPlan.load(tmp_path / "plan.json", other)
+    (tmp_path / "bad.json").write_text('{"format_version": 1, "tables": [')
+    with pytest.raises(ValueError, match="bad.json is not a readable hot/cold plan"):
+        HotColdPlan.load(tmp_path / "bad.json")
