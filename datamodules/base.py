@@ -1,0 +1,190 @@
+"""Shared base of every CTR datamodule: tables, batches of ``torchrec`` type and data loaders.
+
+A concrete datamodule only says which categorical features it has (name -> rows), how many
+dense features, and how to read samples ``[start, stop)`` of a split (a :class:`BatchSource`).
+Everything else lives here: ``EmbeddingBagConfig`` tables, the numpy -> ``Batch`` conversion and
+map-style datasets over *batch* indices (batch ``k`` of size ``B`` is samples ``[k*B, (k+1)*B)``),
+so a batch never depends on the number of workers or processes reading it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Literal, Protocol, Union
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchrec import EmbeddingBagConfig, PoolingType
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+Split = Literal["train", "val", "test"]
+SPLITS: tuple[Split, ...] = ("train", "val", "test")
+
+# One categorical feature of a batch: one id per sample, or a bag as (values grouped by sample, lengths).
+SparseColumn = Union[np.ndarray, tuple[np.ndarray, np.ndarray]]
+
+
+def make_batch(keys: Sequence[str], dense: np.ndarray, labels: np.ndarray, sparse: Sequence[SparseColumn]) -> Batch:
+    """Build a ``Batch`` from numpy arrays: ``dense`` (B, D), ``labels`` (B,), one ``SparseColumn`` per key.
+
+    KJT values are laid out key by key, then sample by sample, as torchrec's own Criteo loader does.
+    """
+    batch_size = len(labels)
+    values, lengths = [], []
+    for column in sparse:
+        if isinstance(column, tuple):
+            values.append(column[0])
+            lengths.append(column[1])
+        else:
+            values.append(column)
+            lengths.append(np.ones(batch_size, dtype=np.int32))
+    return Batch(
+        dense_features=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
+        sparse_features=KeyedJaggedTensor.from_lengths_sync(
+            keys=list(keys),
+            values=torch.from_numpy(np.concatenate(values).astype(np.int64, copy=False)),
+            lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int32, copy=False)),
+        ),
+        labels=torch.from_numpy(np.ascontiguousarray(labels, dtype=np.float32)),
+    )
+
+
+def check_fractions(val_fraction: float, test_fraction: float) -> None:
+    if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+        raise ValueError(
+            f"val_fraction and test_fraction must be in [0, 1) with a sum below 1, got {val_fraction}, {test_fraction}"
+        )
+
+
+def split_ranges(n: int, val_fraction: float, test_fraction: float) -> dict[Split, tuple[int, int]]:
+    """Consecutive [start, stop) ranges of n items: train first, then val, then test (the tail)."""
+    num_val, num_test = math.floor(n * val_fraction), math.floor(n * test_fraction)
+    bounds = (0, n - num_val - num_test, n - num_test, n)
+    return {split: (bounds[i], bounds[i + 1]) for i, split in enumerate(SPLITS)}
+
+
+class BatchSource(Protocol):
+    """One split of a dataset: ``len()`` samples, readable by contiguous range."""
+
+    def __len__(self) -> int: ...
+
+    def batch(self, start: int, stop: int) -> Batch: ...
+
+
+class BatchDataset(Dataset[Batch]):
+    """Map-style dataset whose item ``k`` is the whole batch of samples ``[k*B, min((k+1)*B, n))``.
+
+    Used with ``DataLoader(batch_size=None)``: shuffling (and Lightning's distributed sampler)
+    permute batch indices, never the samples inside a batch.
+    """
+
+    def __init__(self, source: BatchSource, batch_size: int) -> None:
+        self.source = source
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.source) // self.batch_size)
+
+    def __getitem__(self, index: int) -> Batch:
+        if not 0 <= index < len(self):
+            raise IndexError(f"batch index {index} out of range [0, {len(self)})")
+        start = index * self.batch_size
+        return self.source.batch(start, min(start + self.batch_size, len(self.source)))
+
+
+class CTRDataModule(pl.LightningDataModule):
+    """Base of the CTR datamodules: yields ``torchrec.datasets.utils.Batch`` objects.
+
+    Subclasses fill ``feature_cardinalities`` (feature name -> table rows, in KJT key order) and
+    ``num_dense_features`` in ``__init__`` (LightningCLI links ``tables`` and
+    ``num_dense_features`` into the model before ``setup``) and implement ``source(split)``.
+
+    Args:
+        batch_size: samples per batch (the last batch of a split may be smaller).
+        num_workers: DataLoader worker processes; 0 reads batches in the main process.
+        embedding_dim: embedding width of every table.
+        shuffle: shuffle the order of training batches every epoch (the samples inside a batch stay fixed).
+    """
+
+    def __init__(
+        self, batch_size: int = 512, num_workers: int = 0, embedding_dim: int = 16, shuffle: bool = True
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
+        # Collects the subclass' constructor arguments too (Lightning walks the __init__ frames);
+        # they go into checkpoints as the datamodule's hyperparameters.
+        self.save_hyperparameters()
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.embedding_dim = embedding_dim
+        self.shuffle = shuffle
+        self.feature_cardinalities: dict[str, int] = {}
+        self.num_dense_features: int = 0
+
+    @property
+    def feature_names(self) -> list[str]:
+        return list(self.feature_cardinalities)
+
+    @property
+    def tables(self) -> list[EmbeddingBagConfig]:
+        """One SUM-pooled table ``t_<feature>`` per categorical feature, in KJT key order."""
+        return [
+            EmbeddingBagConfig(
+                num_embeddings=rows,
+                embedding_dim=self.embedding_dim,
+                name=f"t_{name}",
+                feature_names=[name],
+                pooling=PoolingType.SUM,
+            )
+            for name, rows in self.feature_cardinalities.items()
+        ]
+
+    def source(self, split: Split) -> BatchSource:
+        """Samples of one split; loads the data first if ``setup`` has not done it."""
+        raise NotImplementedError
+
+    def reference_metrics(self, stage: str) -> dict[str, float]:
+        """Metrics of a known reference predictor on a stage's split ("val"/"test"); none by default."""
+        return {}
+
+    def dataloader(self, split: Split, shuffle: bool = False) -> DataLoader[Batch]:
+        dataset = BatchDataset(self.source(split), self.batch_size)
+        sampler = None
+        trainer = self._trainer
+        if trainer is not None and trainer.world_size > 1:
+            # Lightning's own distributed sampler always shuffles training data; ours follows
+            # `shuffle`, so that unshuffled N-process runs see batches k*N + rank, which is what
+            # makes N processes x batch B comparable with 1 process x batch N*B.
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+            sampler = DistributedSampler(dataset, **trainer.distributed_sampler_kwargs, shuffle=shuffle, seed=seed)
+        return DataLoader(
+            dataset,
+            batch_size=None,
+            shuffle=shuffle if sampler is None else None,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        return self.dataloader("train", shuffle=self.shuffle)
+
+    def val_dataloader(self) -> DataLoader[Batch]:
+        return self.dataloader("val")
+
+    def test_dataloader(self) -> DataLoader[Batch]:
+        return self.dataloader("test")
+
+    def predict_dataloader(self) -> DataLoader[Batch]:
+        return self.dataloader("test")

@@ -1,0 +1,107 @@
+"""HotColdEmbeddingBagCollection behaviour besides exactness: bad input, checkpoints, capacity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_embedding_exactness import TABLES, UPSTREAM, make_plan, zipf_batches
+from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
+
+from lightning_hotcache.cache import CacheCapacityError
+from lightning_hotcache.embedding import HotColdEmbeddingBagCollection
+
+
+def module(fraction: float | None = 0.05, depth: int = 0, policy: str = "lru") -> HotColdEmbeddingBagCollection:
+    torch.manual_seed(0)
+    plan = make_plan(zipf_batches(), fraction, depth, policy)
+    return HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(tables=TABLES), plan, cache_policy=policy)
+
+
+def kjt(**features: list[int]) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=list(features),
+        values=torch.tensor([v for vs in features.values() for v in vs]),
+        lengths=torch.ones(sum(len(v) for v in features.values()), dtype=torch.int32),
+    )
+
+
+GOOD = dict(user=[1, 2], item=[3, 4], item_hist=[5, 6], tag=[7, 8])
+
+
+@pytest.mark.parametrize(("feature", "bad", "table"), [("user", 1500, "t_user"), ("item_hist", -1, "t_item"), ("tag", 10**6, "t_tag")])
+def test_out_of_range_ids_name_table_feature_and_id_before_touching_rows(feature, bad, table) -> None:
+    m = module()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    counters = {n: c.counters.lookups for n, c in m.caches.items()}
+    batch = kjt(**{**GOOD, feature: [0, bad]})
+    with pytest.raises(ValueError, match=rf"Feature '{feature}' of table '{table}' has id {bad}"):
+        m(batch)
+    with pytest.raises(ValueError, match=str(bad)):
+        m.prefetch(batch)
+    assert {n: c.counters.lookups for n, c in m.caches.items()} == counters  # nothing was staged
+    torch.testing.assert_close(m.state_dict(), before)
+
+
+def test_missing_feature_and_wrong_dtype() -> None:
+    m = module()
+    with pytest.raises(KeyError, match="Feature 'tag' of table 't_tag' is missing"):
+        m(kjt(user=[1], item=[2], item_hist=[3]))
+    floats = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(GOOD), values=torch.arange(8, dtype=torch.float32), lengths=torch.ones(8, dtype=torch.int32)
+    )
+    with pytest.raises(TypeError, match="dtype torch.float32"):
+        m(floats)
+
+
+def test_forward_must_follow_prefetch_order() -> None:
+    m = module(depth=1)
+    first, second = zipf_batches(2, seed=5)
+    m.prefetch(first)
+    with pytest.raises(RuntimeError, match="prefetch batches in the order"):
+        m(second)
+
+
+def test_cache_too_small_for_batches_in_flight_is_a_clear_error() -> None:
+    m = module(fraction=None, depth=0)  # slots for exactly one batch in flight
+    batches = zipf_batches(4, seed=7)
+    with pytest.raises(CacheCapacityError, match="dynamic cache slots are free"):
+        for b in batches:
+            m.prefetch(b)
+
+
+def test_state_dict_interchanges_with_plain_ebc_and_survives_training() -> None:
+    m = module(fraction=0.01)
+    for batch, grad in zip(zipf_batches(), UPSTREAM):
+        m(batch).values().backward(grad)
+    trained = m.state_dict()
+    plain = EmbeddingBagCollection(tables=TABLES)
+    plain.load_state_dict(trained)  # same keys and shapes as torchrec's module
+    fresh = module(fraction=0.01)
+    fresh.load_state_dict(trained)
+    torch.testing.assert_close(fresh.state_dict(), trained)
+    batch = zipf_batches(1, seed=11)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(batch).values(), plain(batch).values())
+    with pytest.raises(RuntimeError, match="shape"):
+        fresh.load_state_dict({**trained, "embedding_bags.t_tag.weight": torch.zeros(3, 8)})
+
+
+def test_evaluation_updates_nothing_and_unlocks_rows() -> None:
+    m = module(fraction=None)
+    before = m.state_dict()
+    before = {k: v.clone() for k, v in before.items()}
+    with torch.no_grad():
+        for batch in zipf_batches():
+            m(batch)
+    assert all(int(c.locks.sum()) == 0 for c in m.caches.values() if not c.identity)
+    torch.testing.assert_close(m.state_dict(), before)
+
+
+def test_skipped_backward_releases_rows_once_output_is_gone() -> None:
+    """A training forward whose output is dropped (a skipped step) must not keep its rows
+    locked, or a cache sized for one batch in flight would overflow on the next one."""
+    m = module(fraction=None)
+    for batch in zipf_batches():
+        m(batch)
+    kept = m(zipf_batches()[0])
+    assert len(m._in_flight) == 1 and kept.values().requires_grad
