@@ -160,7 +160,7 @@ class CTRDataModule(pl.LightningDataModule):
     def dataloader(self, split: Split, shuffle: bool = False) -> DataLoader[Batch]:
         dataset = BatchDataset(self.source(split), self.batch_size)
         sampler = None
-        trainer = self._trainer
+        trainer = self.trainer
         if trainer is not None and trainer.world_size > 1:
             # Lightning's own distributed sampler always shuffles training data; ours follows
             # `shuffle`, so that unshuffled N-process runs see batches k*N + rank, which is what

@@ -33,4 +33,7 @@ def test_two_processes_match_one_with_double_batch(tmp_path: Path, optimizer: st
     two = _train(tmp_path, devices=2, batch_size=128, optimizer=optimizer)
     one = _train(tmp_path, devices=1, batch_size=256, optimizer=optimizer)
     assert two["world_size"] == 2
-    torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-6)
+    # Float tolerance only: the all-reduce averages two half-batch means, the single process
+    # takes one mean over the whole batch; Adam's normalization magnifies that rounding for
+    # near-zero gradients, hence atol 1e-5 on weights of order 0.1.
+    torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
