@@ -91,6 +91,26 @@ def test_user_subclass_trains_by_class_path(tmp_path: Path, monkeypatch: pytest.
     assert cli.trainer.global_step == 1
 
 
+def test_profile_then_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from lightning_hotcache.planner import HotColdPlan
+    from lightning_hotcache.profiling import AccessStats
+
+    monkeypatch.chdir(tmp_path)
+    config = str(REPO / "configs" / "dlrm_synthetic.yaml")
+    data = [*SMALL_SYNTHETIC, "--data.init_args.num_embeddings_cap=null", "--data.init_args.batch_size=64"]
+    main(["profile", "-c", config, "--out", "stats.npz", "--plot", "coverage.png", "--batches", "4", *data])
+    stats = AccessStats.load(tmp_path / "stats.npz")
+    assert stats.num_batches == 4
+    assert (tmp_path / "coverage.png").read_bytes().startswith(b"\x89PNG")
+    plan = main(["plan", "-c", config, "--budget", "0.5", "--stats", "stats.npz", "--out", "plan.json", *data])
+    assert "hit rate" in capsys.readouterr().out
+    assert HotColdPlan.load(tmp_path / "plan.json").to_dict() == plan.to_dict()
+    assert plan.device_bytes <= plan.budget_bytes
+    assert any(not t.on_device for t in plan.tables)
+    with pytest.raises(SystemExit, match="the minimum is"):
+        main(["plan", "-c", config, "--budget", "10KB", "--stats", "stats.npz", *data])
+
+
 def test_module_entry_point_prints_help() -> None:
     result = subprocess.run([sys.executable, "-m", "lightning_hotcache", "--help"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
