@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torchrec import EmbeddingBagConfig
 
+from lightning_hotcache.cache.slot_map import SORTED_BYTES_PER_RESIDENT, slot_map_bytes
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
 if TYPE_CHECKING:
@@ -40,8 +41,6 @@ Budget = Union[int, float, str]
 PLAN_FORMAT_VERSION = 1
 # Per dynamic slot: id_of_slot, locks, last_used, frequency (int64) and dirty (bool).
 SLOT_BOOKKEEPING_BYTES = 4 * 8 + 1
-# Per row of a split table: the id -> slot map (int32).
-ID_MAP_BYTES = 4
 # Dynamic slots per unique row of the batches in flight: headroom so that rows read by
 # consecutive batches stay cached between them.
 DYNAMIC_HEADROOM = 2
@@ -370,7 +369,8 @@ class HotColdPlanner:
 
     def _split_bytes(self, table: EmbeddingBagConfig, static_rows: int, cache_slots: int) -> int:
         per_row = row_bytes(table, self.optimizer)
-        return table.num_embeddings * ID_MAP_BYTES + static_rows * per_row + cache_slots * (per_row + SLOT_BOOKKEEPING_BYTES)
+        id_map = slot_map_bytes(table.num_embeddings, static_rows + cache_slots)
+        return id_map + static_rows * per_row + cache_slots * (per_row + SLOT_BOOKKEEPING_BYTES)
 
     def _buy_hot_rows(self, tables: list[EmbeddingBagConfig], stats: "AccessStats", budget: int) -> dict[str, int]:
         """Static rows per table maximizing lookups covered within ``budget`` bytes.
@@ -386,7 +386,9 @@ class HotColdPlanner:
                 continue
             points = np.unique(np.concatenate([[0], np.geomspace(1, seen, num=min(seen, 256)).astype(np.int64), [seen]]))
             lookups = stats.coverage(t.name, points) * stats.num_lookups[t.name]
-            per_row = row_bytes(t, self.optimizer)
+            # Charged as if the id map were sorted (8 bytes per resident row): never less than
+            # what the cheaper map really costs, so the plan stays within the budget.
+            per_row = row_bytes(t, self.optimizer) + SORTED_BYTES_PER_RESIDENT
             for (k0, k1), (c0, c1) in zip(zip(points[:-1], points[1:]), zip(lookups[:-1], lookups[1:])):
                 cost = int(k1 - k0) * per_row
                 segments.append(((c1 - c0) / cost, t.name, int(k0), int(k1), per_row))

@@ -105,3 +105,44 @@ def test_skipped_backward_releases_rows_once_output_is_gone() -> None:
         m(batch)
     kept = m(zipf_batches()[0])
     assert len(m._in_flight) == 1 and kept.values().requires_grad
+
+
+@pytest.mark.parametrize("kind", ["dense", "sorted"])
+def test_both_slot_maps_train_exactly(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_embedding_exactness import assert_same, train_hotcache, train_reference
+
+    from lightning_hotcache import RowWiseOptimizerConfig
+    from lightning_hotcache.cache import slot_map
+
+    monkeypatch.setattr(slot_map, "slot_map_kind", lambda num_embeddings, num_resident: kind)
+    config = RowWiseOptimizerConfig(name="adam", lr=0.05)
+    batches = zipf_batches()
+    plan = make_plan(batches, 0.1, 2, "lfu")
+    module = train_hotcache(config, batches, UPSTREAM, plan, "lfu", "memory", 2)
+    expected = slot_map.DenseSlotMap if kind == "dense" else slot_map.SortedSlotMap
+    assert all(isinstance(c.slot_map, expected) for c in module.caches.values() if not c.identity)
+    assert_same(module, train_reference(config, batches, UPSTREAM))
+
+
+def test_slot_maps_agree_under_random_edits() -> None:
+    from lightning_hotcache.cache.slot_map import DenseSlotMap, SortedSlotMap
+
+    g = torch.Generator().manual_seed(0)
+    static = torch.randperm(1000, generator=g)[:50].sort().values
+    maps = [cls(1000, static, torch.device("cpu")) for cls in (DenseSlotMap, SortedSlotMap)]
+    resident: dict[int, int] = {}
+    free_slots = list(range(50, 150))
+    for _ in range(30):
+        absent = [i for i in torch.randperm(1000, generator=g).tolist() if i not in resident and i not in set(static.tolist())]
+        new = absent[:5]
+        slots = [free_slots.pop() for _ in new]
+        for m in maps:
+            m.assign(torch.tensor(new), torch.tensor(slots))
+        resident.update(zip(new, slots))
+        gone = list(resident)[:2]
+        for m in maps:
+            m.remove(torch.tensor(gone))
+        for i in gone:
+            free_slots.append(resident.pop(i))
+        probe = torch.randint(0, 1000, (200,), generator=g)
+        torch.testing.assert_close(maps[0].lookup(probe), maps[1].lookup(probe))

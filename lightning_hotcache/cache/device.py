@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_hotcache.cache.host import HostStore
+from lightning_hotcache.cache.slot_map import make_slot_map
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
 CachePolicy = Literal["lfu", "lru", "static"]
@@ -100,16 +101,13 @@ class DeviceCache:
         }
         if self.identity:
             return
-        # int32: the map costs 4 bytes per row of the whole table (slots are far fewer than 2**31).
-        self.slot_of_id = torch.full((num_embeddings,), -1, dtype=torch.int32, device=device)
+        self.slot_map = make_slot_map(num_embeddings, static_ids.to(device), num_slots, device)
         self.id_of_slot = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
         self.dirty = torch.zeros(num_slots, dtype=torch.bool, device=device)
         self.locks = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.last_used = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.frequency = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.clock = 0
-        static_slots = torch.arange(self.num_static, device=device)
-        self.slot_of_id[static_ids.to(device)] = static_slots.int()
         self.id_of_slot[: self.num_static] = static_ids.to(device)
 
     @property
@@ -125,7 +123,7 @@ class DeviceCache:
         if self.identity:
             self.counters.hits += ids.numel()
             return ids
-        slots = self.slot_of_id[ids].long()
+        slots = self.slot_map.lookup(ids)
         missing = slots < 0
         num_missing = int(missing.sum())
         self.counters.hits += ids.numel() - num_missing
@@ -134,9 +132,9 @@ class DeviceCache:
         self.locks.index_add_(0, hits, torch.ones_like(hits))
         if num_missing:
             self._fetch(ids[missing].unique())
-            fetched = self.slot_of_id[ids[missing]].long()
+            fetched = self.slot_map.lookup(ids[missing])
             self.locks.index_add_(0, fetched, torch.ones_like(fetched))
-            slots = self.slot_of_id[ids].long()
+            slots = self.slot_map.lookup(ids)
         self.clock += 1
         self.last_used[slots] = self.clock
         self.frequency.index_add_(0, slots, torch.ones_like(slots))
@@ -160,7 +158,7 @@ class DeviceCache:
         rows = self.host.read(ids)
         for key, tensor in self.slots.items():
             tensor[victims] = rows[key].to(self.device, non_blocking=True)
-        self.slot_of_id[ids] = victims.int()
+        self.slot_map.assign(ids, victims)
         self.id_of_slot[victims] = ids
         self.frequency[victims] = 0
         self.counters.fetched_rows += len(ids)
@@ -187,7 +185,7 @@ class DeviceCache:
         if len(slots) == 0:
             return
         self._write_back(slots[self.dirty[slots]])
-        self.slot_of_id[self.id_of_slot[slots]] = -1
+        self.slot_map.remove(self.id_of_slot[slots])
         self.id_of_slot[slots] = -1
         self.counters.evicted_rows += len(slots)
 
