@@ -54,20 +54,22 @@ def machine() -> dict[str, object]:
     }
 
 
-def time_steps(step: Callable[[KeyedJaggedTensor, torch.Tensor], None], batches, grads, warmup: int) -> float:
-    """Median seconds per step after ``warmup`` steps."""
-    times = []
-    for i, (kjt, grad) in enumerate(zip(batches, grads)):
-        start = time.perf_counter()
-        step(kjt, grad)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def time_interleaved(steps: dict[str, Callable[[int], None]], num_steps: int, warmup: int) -> dict[str, float]:
+    """Median seconds per step of each path. Paths take turns step by step, so drift in the
+    machine's speed (other load, page cache) hits them all alike."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(num_steps):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step(i)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", type=float, default=0.05, help="Criteo Kaggle cardinalities x scale")
+    parser.add_argument("--scale", type=float, default=0.2, help="Criteo Kaggle cardinalities x scale")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=40)
@@ -90,54 +92,47 @@ def main() -> None:
     stats = profile_batches(profile, dm.tables, progress=False)
     rows = sum(t.num_embeddings for t in dm.tables)
 
-    results: dict[str, dict[str, float]] = {}
-
+    steps: dict[str, Callable[[int], None]] = {}
     fused = FusedEmbeddingBagCollection(tables=dm.tables, optimizer_type=torch.optim.SGD, optimizer_kwargs={"lr": 0.05}, device=torch.device("cpu"))
-
-    def fused_step(kjt, grad):
-        fused(kjt).values().backward(grad)
-
-    results["fused"] = {"step_ms": 1e3 * time_steps(fused_step, timed, grads, args.warmup)}
-    del fused
+    steps["fused"] = lambda i: fused(timed[i]).values().backward(grads[i])
 
     plain = EmbeddingBagCollection(tables=dm.tables)
     plain_opt = RowWiseOptimizer(use_sparse_gradients(plain), config)
 
-    def plain_step(kjt, grad):
-        plain(kjt).values().backward(grad)
+    def plain_step(i: int) -> None:
+        plain(timed[i]).values().backward(grads[i])
         plain_opt.step()
 
-    results["plain"] = {"step_ms": 1e3 * time_steps(plain_step, timed, grads, args.warmup)}
+    steps["plain"] = plain_step
 
+    modules, plans = {}, {}
     for budget in args.budgets:
-        plan = HotColdPlanner(budget, config, prefetch_depth=args.prefetch_depth, cache_policy="lfu").plan(dm.tables, stats)
-        module = HotColdEmbeddingBagCollection.from_ebc(plain, plan, config, cache_policy="lfu")
-        pending = list(timed)
-        staged = 0
+        name = f"hotcache@{budget:g}"
+        plans[name] = HotColdPlanner(budget, config, prefetch_depth=args.prefetch_depth, cache_policy="lfu").plan(dm.tables, stats)
+        modules[name] = HotColdEmbeddingBagCollection.from_ebc(plain, plans[name], config, cache_policy="lfu")
 
-        def hot_step(kjt, grad):
-            nonlocal staged
+        def hot_step(i: int, module: HotColdEmbeddingBagCollection = modules[name]) -> None:
             # Keep `prefetch_depth` batches staged ahead, as the strategy's prefetcher does.
-            while staged < min(len(pending), pending.index(kjt) + 1 + args.prefetch_depth):
-                module.prefetch(pending[staged])
-                staged += 1
-            module(kjt).values().backward(grad)
+            ahead = range(i, min(len(timed), i + 1 + args.prefetch_depth)) if i == 0 else [i + args.prefetch_depth]
+            for j in ahead:
+                if j < len(timed):
+                    module.prefetch(timed[j])
+            module(timed[i]).values().backward(grads[i])
 
-        for cache in module.caches.values():
-            cache.counters.reset()
-        step_ms = 1e3 * time_steps(hot_step, timed, grads, args.warmup)
-        lookups = sum(c.counters.lookups for c in module.caches.values())
-        hits = sum(c.counters.hits for c in module.caches.values())
-        fetched = sum(c.counters.fetched_rows for c in module.caches.values())
-        results[f"hotcache@{budget:g}"] = {
-            "step_ms": step_ms,
-            "hit_rate": hits / lookups,
-            "expected_hit_rate": sum(t.expected_hit_rate * stats.num_lookups[t.name] for t in plan.tables)
+        steps[name] = hot_step
+
+    medians = time_interleaved(steps, len(timed), args.warmup)
+    results: dict[str, dict[str, float]] = {name: {"step_ms": 1e3 * t} for name, t in medians.items()}
+    for name, module in modules.items():
+        counters = [c.counters for c in module.caches.values()]
+        lookups = sum(c.lookups for c in counters)
+        results[name].update(
+            hit_rate=sum(c.hits for c in counters) / lookups,
+            expected_hit_rate=sum(t.expected_hit_rate * stats.num_lookups[t.name] for t in plans[name].tables)
             / sum(stats.num_lookups.values()),
-            "fetched_rows_per_step": fetched / len(timed),
-            "device_mib": plan.device_bytes / 2**20,
-        }
-        del module
+            fetched_rows_per_step=sum(c.fetched_rows for c in counters) / len(timed),
+            device_mib=plans[name].device_bytes / 2**20,
+        )
 
     for name, r in results.items():
         r["speed_vs_fused"] = results["fused"]["step_ms"] / r["step_ms"]

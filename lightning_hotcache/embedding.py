@@ -28,7 +28,7 @@ from torchrec.modules.embedding_configs import PoolingType
 
 from lightning_hotcache.cache import CachePolicy, DeviceCache, HostStore
 from lightning_hotcache.planner import HotColdPlan
-from lightning_hotcache.rowwise import RowWiseOptimizerConfig, coalesce_rows
+from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
 
 @dataclass
@@ -230,8 +230,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             grad = weight.grad
             weight.grad = None
             if grad is not None:
-                slots, grads = coalesce_rows(grad)
-                self.caches[table].apply_update(slots, grads, self.optimizer)
+                self.caches[table].apply_update(grad, self.optimizer)
             # Every in-flight batch's gradient for this table has now been applied.
             for staged in self._in_flight:
                 for slots in staged.table_slots.pop(table, []):

@@ -229,6 +229,14 @@ class HotColdPlan:
         return plan
 
 
+def _unseen_mass(stats: "AccessStats", table: str) -> float:
+    """Good-Turing estimate of the share of future lookups that go to rows the profile never
+    saw (rows seen exactly once / lookups): coverage of the profile alone is optimistic."""
+    _, counts = stats.top_ids(table)
+    lookups = stats.num_lookups[table]
+    return float((counts == 1).sum()) / lookups if lookups else 0.0
+
+
 @contextmanager
 def _quiet_torchrec_planner() -> Iterator[None]:
     # TorchRec's planner logs warnings meant for its dry-run and GPU paths on every call.
@@ -342,6 +350,10 @@ class HotColdPlanner:
                 required, fixed = roomy, fixed + extra
         min_slots = required
         static_rows = self._buy_hot_rows(split, stats, budget - fixed) if split else {}
+        if split and self.cache_policy != "static":
+            spent = sum(self._split_bytes(t, static_rows[t.name], min_slots[t.name]) for t in split)
+            leftover = budget - sum(whole[n] for n in on_device) - spent
+            min_slots = self._spread_dynamic(split, stats, static_rows, min_slots, leftover)
 
         plans = []
         for t in tables:
@@ -354,7 +366,7 @@ class HotColdPlanner:
             ids, _ = stats.top_ids(t.name, k)
             slots = min_slots[t.name]
             reach = k if self.cache_policy == "static" else k + slots
-            hit = float(stats.coverage(t.name, min(reach, t.num_embeddings)))
+            hit = float(stats.coverage(t.name, min(reach, t.num_embeddings))) * (1.0 - _unseen_mass(stats, t.name))
             plans.append(TablePlan(t.name, t.num_embeddings, t.embedding_dim, np.sort(ids.astype(np.int64)), slots,
                                    self._split_bytes(t, len(ids), slots), hit))  # fmt: skip
         device_tables = [t for t in tables if t.name in on_device]
@@ -371,6 +383,32 @@ class HotColdPlanner:
         per_row = row_bytes(table, self.optimizer)
         id_map = slot_map_bytes(table.num_embeddings, static_rows + cache_slots)
         return id_map + static_rows * per_row + cache_slots * (per_row + SLOT_BOOKKEEPING_BYTES)
+
+    def _spread_dynamic(
+        self,
+        tables: list[EmbeddingBagConfig],
+        stats: "AccessStats",
+        static_rows: dict[str, int],
+        slots: dict[str, int],
+        budget: int,
+    ) -> dict[str, int]:
+        """Budget left after the hot rows becomes extra dynamic slots, shared in proportion to
+        the lookups each table's device rows do not yet cover (rows never seen while profiling
+        can still be cached when they turn up)."""
+        misses = {
+            t.name: (1.0 - float(stats.coverage(t.name, min(static_rows[t.name] + slots[t.name], t.num_embeddings))))
+            * stats.num_lookups[t.name]
+            for t in tables
+        }
+        total = sum(misses.values())
+        out = dict(slots)
+        if budget <= 0 or total <= 0:
+            return out
+        for t in tables:
+            per_slot = row_bytes(t, self.optimizer) + SLOT_BOOKKEEPING_BYTES + SORTED_BYTES_PER_RESIDENT
+            room = t.num_embeddings - static_rows[t.name] - slots[t.name]
+            out[t.name] += max(0, min(room, int(budget * misses[t.name] / total) // per_slot))
+        return out
 
     def _buy_hot_rows(self, tables: list[EmbeddingBagConfig], stats: "AccessStats", budget: int) -> dict[str, int]:
         """Static rows per table maximizing lookups covered within ``budget`` bytes.

@@ -73,7 +73,7 @@ def test_split_prefers_coverage_per_byte_and_respects_budget() -> None:
     # before any of the flat table's (each read about once).
     ids, counts = st.top_ids("skewed")
     assert set(ids[counts > 1].tolist()) <= set(skewed.static_ids.tolist())
-    assert skewed.expected_hit_rate > 0.95 > 0.6 > flat.expected_hit_rate
+    assert skewed.expected_hit_rate > 0.85 > 0.6 > flat.expected_hit_rate
     assert plan.device_bytes <= plan.budget_bytes
     # Hot rows are the measured hottest ones; every split table has room for 2 batches in flight.
     top, _ = st.top_ids("skewed", len(skewed.static_ids))

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from lightning_hotcache.cache.host import HostStore
 from lightning_hotcache.cache.slot_map import make_slot_map
-from lightning_hotcache.rowwise import RowWiseOptimizerConfig
+from lightning_hotcache.rowwise import RowWiseOptimizerConfig, apply_sparse_update
 
 CachePolicy = Literal["lfu", "lru", "static"]
 CACHE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static")
@@ -198,17 +198,12 @@ class DeviceCache:
         self.counters.written_back_rows += len(slots)
 
     # -------------------------------------------------------------- updates
-    @torch.no_grad()
-    def apply_update(self, slots: Tensor, grads: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
-        """One row-wise step on unique ``slots`` with summed gradient rows ``grads``."""
-        rows = {key: tensor.index_select(0, slots) for key, tensor in self.slots.items()}
-        weights = rows.pop("weight")
-        optimizer.update_rows(weights, rows, grads.to(weights.dtype))
-        rows["weight"] = weights
-        for key, tensor in self.slots.items():
-            tensor.index_copy_(0, slots, rows[key])
+    def apply_update(self, grad: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
+        """One row-wise step from a sparse gradient over slots."""
+        state = {key: tensor for key, tensor in self.slots.items() if key != "weight"}
+        rows = apply_sparse_update(optimizer, self.weight, state, grad)
         if not self.identity:
-            self.dirty[slots] = True
+            self.dirty[rows] = True
 
     @torch.no_grad()
     def flush(self) -> None:
