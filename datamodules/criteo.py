@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal, NamedTuple, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional, Union
 
 import numpy as np
 from torchrec.datasets.criteo import (
@@ -156,10 +156,7 @@ class CriteoDataModule(CTRDataModule):
         num_embeddings_per_feature: table rows, one int for all 26 features or a list of 26.
         val_fraction: fraction of rows, just before the test rows, used for validation.
         test_fraction: fraction of rows at the end used for test (and predict).
-        batch_size: samples per batch.
-        num_workers: DataLoader worker processes.
-        embedding_dim: embedding width of every table.
-        shuffle: shuffle the order of training batches every epoch.
+        **kwargs: `CTRDataModule` options (batch_size, num_workers, embedding_dim, shuffle).
     """
 
     def __init__(
@@ -169,12 +166,9 @@ class CriteoDataModule(CTRDataModule):
         num_embeddings_per_feature: Union[int, list[int]] = 100_000,
         val_fraction: float = 0.05,
         test_fraction: float = 0.05,
-        batch_size: int = 512,
-        num_workers: int = 0,
-        embedding_dim: int = 16,
-        shuffle: bool = True,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, embedding_dim=embedding_dim, shuffle=shuffle)
+        super().__init__(**kwargs)
         if format not in ("auto", "tsv", "npy"):
             raise ValueError(f"format must be 'auto', 'tsv' or 'npy', got {format!r}")
         rows = (

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 from torchrec.datasets.utils import Batch
@@ -148,10 +148,7 @@ class MovieLensDataModule(CTRDataModule):
         test_fraction: fraction of ratings for test (and predict).
         seed: seed of the random train/val/test split.
         zip_prefix_length: characters of the zip code kept as a feature.
-        batch_size: samples per batch.
-        num_workers: DataLoader worker processes.
-        embedding_dim: embedding width of every table.
-        shuffle: shuffle the order of training batches every epoch.
+        **kwargs: `CTRDataModule` options (batch_size, num_workers, embedding_dim, shuffle).
     """
 
     def __init__(
@@ -161,12 +158,9 @@ class MovieLensDataModule(CTRDataModule):
         test_fraction: float = 0.1,
         seed: int = 0,
         zip_prefix_length: int = 3,
-        batch_size: int = 512,
-        num_workers: int = 0,
-        embedding_dim: int = 16,
-        shuffle: bool = True,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, embedding_dim=embedding_dim, shuffle=shuffle)
+        super().__init__(**kwargs)
         check_fractions(val_fraction, test_fraction)
         if zip_prefix_length < 1:
             raise ValueError(f"zip_prefix_length must be >= 1, got {zip_prefix_length}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -270,10 +270,7 @@ class SyntheticCTRDataModule(CTRDataModule):
         id_weight_scale: std of the teacher weight of the hottest ids.
         cross_scale: strength of the planted low-rank feature crosses.
         dense_scale: strength of the dense-feature terms.
-        batch_size: samples per batch.
-        num_workers: DataLoader worker processes.
-        embedding_dim: embedding width of every table.
-        shuffle: shuffle the order of training batches every epoch.
+        **kwargs: `CTRDataModule` options (batch_size, num_workers, embedding_dim, shuffle).
     """
 
     def __init__(
@@ -291,12 +288,9 @@ class SyntheticCTRDataModule(CTRDataModule):
         id_weight_scale: float = 0.5,
         cross_scale: float = 0.3,
         dense_scale: float = 1.5,
-        batch_size: int = 512,
-        num_workers: int = 0,
-        embedding_dim: int = 16,
-        shuffle: bool = True,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, embedding_dim=embedding_dim, shuffle=shuffle)
+        super().__init__(**kwargs)
         if not scale > 0:
             raise ValueError(f"scale must be > 0, got {scale}")
         if num_embeddings_cap is not None and num_embeddings_cap < 1:
