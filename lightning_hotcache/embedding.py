@@ -37,7 +37,7 @@ class _StagedBatch:
 
     features: KeyedJaggedTensor
     slots: dict[str, Tensor]  # feature -> slot of every value
-    table_slots: dict[str, list[Tensor]]  # table -> acquired slot tensors (to release)
+    tickets: dict[str, list[int]]  # table -> cache tickets to release
     output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
 
 
@@ -156,21 +156,21 @@ class HotColdEmbeddingBagCollection(nn.Module):
                     )
                 _check_ids(by_feature[feature].values(), table, feature)
         slots: dict[str, Tensor] = {}
-        table_slots: dict[str, list[Tensor]] = {}
+        tickets: dict[str, list[int]] = {}
         for table in self._tables:
             cache = self.caches[table.name]
             # One acquire per table: all its features' rows must be resident together.
             values = [by_feature[f].values() for f in table.feature_names]
-            acquired = cache.acquire(torch.cat(values) if len(values) > 1 else values[0])
-            table_slots[table.name] = [acquired]
+            acquired, ticket = cache.acquire(torch.cat(values) if len(values) > 1 else values[0])
+            tickets[table.name] = [ticket]
             for feature, part in zip(table.feature_names, acquired.split([v.numel() for v in values])):
                 slots[feature] = part
-        return _StagedBatch(features, slots, table_slots)
+        return _StagedBatch(features, slots, tickets)
 
     def _release(self, staged: _StagedBatch) -> None:
-        for name, acquired in staged.table_slots.items():
-            for slots in acquired:
-                self.caches[name].release(slots)
+        for name, tickets in staged.tickets.items():
+            for ticket in tickets:
+                self.caches[name].release(ticket)
 
     def _release_abandoned(self) -> None:
         # A training forward whose output is gone can never get its backward (e.g. a skipped
@@ -233,9 +233,9 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 self.caches[table].apply_update(grad, self.optimizer)
             # Every in-flight batch's gradient for this table has now been applied.
             for staged in self._in_flight:
-                for slots in staged.table_slots.pop(table, []):
-                    self.caches[table].release(slots)
-            self._in_flight = [s for s in self._in_flight if s.table_slots]
+                for ticket in staged.tickets.pop(table, []):
+                    self.caches[table].release(ticket)
+            self._in_flight = [s for s in self._in_flight if s.tickets]
 
         return hook
 

@@ -3,8 +3,10 @@
 Slots ``[0, S)`` hold the plan's hot rows (FAE's static region, never evicted); slots
 ``[S, S + C)`` are a dynamic cache (MixCache) refilled from the host store. A batch's ids
 are turned into slots by `acquire` (missing rows are fetched, evicting unlocked slots
-by LRU or LFU and writing changed rows back first) and its slots stay locked until
-`release`, so rows of batches in flight are never evicted. Optimizer state lives in the
+by LRU or LFU and writing changed rows back first) and its slots stay locked until its
+ticket is released, so rows of batches in flight are never evicted. Locks are tickets, not
+counters: a slot is locked while the latest batch that read it is unreleased, which costs
+one scatter per batch instead of two scatter-adds. Optimizer state lives in the
 same slots, so a row and its state always move together.
 
 When the static region covers the whole table, slot == id and there is no host copy and
@@ -94,6 +96,9 @@ class DeviceCache:
         self.num_dynamic = 0 if self.identity else num_dynamic
         num_slots = self.num_static + self.num_dynamic
         self.counters = CacheCounters()
+        self._issued = 0
+        self._released_upto = 0
+        self._released_early: set[int] = set()
 
         widths = {"weight": embedding_dim, **optimizer.state_widths(embedding_dim)}
         self.slots: dict[str, Tensor] = {
@@ -104,10 +109,9 @@ class DeviceCache:
         self.slot_map = make_slot_map(num_embeddings, static_ids.to(device), num_slots, device)
         self.id_of_slot = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
         self.dirty = torch.zeros(num_slots, dtype=torch.bool, device=device)
-        self.locks = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        # Ticket of the latest batch that read each slot; tickets <= _released_upto are done.
         self.last_used = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.frequency = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        self.clock = 0
         self.id_of_slot[: self.num_static] = static_ids.to(device)
 
     @property
@@ -116,40 +120,46 @@ class DeviceCache:
 
     # ------------------------------------------------------------ residency
     @torch.no_grad()
-    def acquire(self, ids: Tensor) -> Tensor:
-        """Slots of ``ids`` (any order, duplicates allowed), fetching missing rows and locking all."""
+    def acquire(self, ids: Tensor) -> tuple[Tensor, int]:
+        """Slots of ``ids`` (any order, duplicates allowed), fetching missing rows, and the
+        ticket that keeps them locked until `release`."""
         ids = ids.to(self.device, torch.int64)
         self.counters.lookups += ids.numel()
+        self._issued += 1
+        ticket = self._issued
         if self.identity:
             self.counters.hits += ids.numel()
-            return ids
+            return ids, ticket
         slots = self.slot_map.lookup(ids)
         missing = slots < 0
         num_missing = int(missing.sum())
         self.counters.hits += ids.numel() - num_missing
-        hits = slots[~missing]
         # Lock the hits first, so that fetching the misses cannot evict them.
-        self.locks.index_add_(0, hits, torch.ones_like(hits))
+        self.last_used[slots[~missing]] = ticket
         if num_missing:
             self._fetch(ids[missing].unique())
-            fetched = self.slot_map.lookup(ids[missing])
-            self.locks.index_add_(0, fetched, torch.ones_like(fetched))
             slots = self.slot_map.lookup(ids)
-        self.clock += 1
-        self.last_used[slots] = self.clock
-        self.frequency.index_add_(0, slots, torch.ones_like(slots))
-        return slots
+            self.last_used[slots[missing]] = ticket
+        if self.policy == "lfu":
+            self.frequency.index_add_(0, slots, torch.ones_like(slots))
+        return slots, ticket
+
+    def num_locked(self) -> int:
+        return 0 if self.identity else int((self.last_used > self._released_upto).sum())
 
     @torch.no_grad()
-    def release(self, slots: Tensor) -> None:
-        """Unlock slots returned by `acquire` (once per acquire)."""
+    def release(self, ticket: int) -> None:
+        """Unlock the slots of an `acquire` (tickets may come back in any order)."""
         if self.identity:
             return
-        self.locks.index_add_(0, slots, -torch.ones_like(slots))
+        self._released_early.add(ticket)
+        while self._released_upto + 1 in self._released_early:
+            self._released_upto += 1
+            self._released_early.remove(self._released_upto)
         if self.policy == "static":
             dynamic = torch.arange(self.num_static, self.num_static + self.num_dynamic, device=self.device)
-            occupied = dynamic[(self.id_of_slot[dynamic] >= 0) & (self.locks[dynamic] == 0)]
-            self._evict(occupied)
+            unlocked = self.last_used[dynamic] <= self._released_upto
+            self._evict(dynamic[(self.id_of_slot[dynamic] >= 0) & unlocked])
 
     def _fetch(self, ids: Tensor) -> None:
         victims = self._choose_victims(len(ids))
@@ -165,7 +175,7 @@ class DeviceCache:
 
     def _choose_victims(self, count: int) -> Tensor:
         start = self.num_static
-        locked = self.locks[start:] > 0
+        locked = self.last_used[start:] > self._released_upto
         free = int((~locked).sum())
         if count > free:
             raise CacheCapacityError(
@@ -174,7 +184,7 @@ class DeviceCache:
                 "Raise the device budget, lower prefetch_depth, or use smaller batches."
             )
         if self.policy == "lfu":
-            score = self.frequency[start:].double() + self.last_used[start:].double() / (self.clock + 1)
+            score = self.frequency[start:].double() + self.last_used[start:].double() / (self._issued + 1)
         else:
             score = self.last_used[start:].double()
         score[self.id_of_slot[start:] < 0] = -1.0  # empty slots first
