@@ -7,8 +7,8 @@
 
 Model and data are given by class path (subclass mode), so user subclasses work too. The
 datamodule's ``tables`` and ``num_dense_features`` are linked into the model, so a config
-never repeats table sizes. After ``fit``/``validate``/``test`` the final metrics are printed
-as a table, with the data's Bayes-optimal figures beside them when it knows them.
+never repeats table sizes. After ``fit`` the final validation metrics are printed as a
+table, with the data's Bayes-optimal figures beside them when it knows them.
 """
 
 from __future__ import annotations
@@ -52,13 +52,8 @@ class HotCacheCLI(LightningCLI):
         Console().print(table)
 
     def after_fit(self) -> None:
+        # `validate` and `test` print Lightning's own table; `fit` prints none.
         self._print_metrics("val")
-
-    def after_validate(self) -> None:
-        self._print_metrics("val")
-
-    def after_test(self) -> None:
-        self._print_metrics("test")
 
 
 def _lightning_cli(args: Any, run: bool = True) -> HotCacheCLI:
