@@ -50,13 +50,17 @@ def test_config_runs_with_fast_dev_run(config: Path, tmp_path: Path, monkeypatch
     assert cli.trainer.global_step == 1
 
 
-def test_wandb_offline_run_and_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wandb_offline_run_checkpoint_and_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.chdir(tmp_path)
     config = REPO / "configs" / "dlrm_synthetic.yaml"
     main(["fit", "-c", str(config), "--trainer.max_epochs=1", "--trainer.limit_train_batches=3",
           "--trainer.limit_val_batches=2", *SMALL_SYNTHETIC])  # fmt: skip
     assert list((tmp_path / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert (tmp_path / "checkpoints" / "dlrm_synthetic" / "last.ckpt").is_file()
+    summary = capsys.readouterr().out
+    assert "val/bayes_auc" in summary and "AUC gap to Bayes-optimal" in summary
 
 
 USER_MODEL = '''
