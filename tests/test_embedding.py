@@ -146,3 +146,21 @@ def test_slot_maps_agree_under_random_edits() -> None:
             free_slots.append(resident.pop(i))
         probe = torch.randint(0, 1000, (200,), generator=g)
         torch.testing.assert_close(maps[0].lookup(probe), maps[1].lookup(probe))
+
+
+def test_mmap_host_files_hold_the_current_tables_after_flush(tmp_path) -> None:
+    import numpy as np
+
+    from test_embedding_exactness import train_hotcache
+
+    from lightning_hotcache import RowWiseOptimizerConfig
+
+    batches = zipf_batches()
+    plan = make_plan(batches, 0.01, 0, "lru")
+    m = train_hotcache(RowWiseOptimizerConfig(name="rowwise_adagrad"), batches, UPSTREAM, plan, "lru", tmp_path, 0)
+    m.flush()
+    for table in TABLES:
+        on_disk = np.fromfile(tmp_path / f"{table.name}.weight.f32", dtype=np.float32).reshape(-1, table.embedding_dim)
+        torch.testing.assert_close(torch.from_numpy(on_disk), m.state_dict()[f"embedding_bags.{table.name}.weight"])
+        momentum = np.fromfile(tmp_path / f"{table.name}.momentum.f32", dtype=np.float32)
+        assert (momentum > 0).any()  # optimizer state travels to disk with its rows

@@ -39,16 +39,13 @@ class CacheCapacityError(RuntimeError):
 
 @dataclass
 class CacheCounters:
-    """Running totals since the last `reset` (read by the metrics callback)."""
+    """Running totals since the cache was built (readers take differences)."""
 
     lookups: int = 0
     hits: int = 0
     fetched_rows: int = 0
     evicted_rows: int = 0
     written_back_rows: int = 0
-
-    def reset(self) -> None:
-        self.lookups = self.hits = self.fetched_rows = self.evicted_rows = self.written_back_rows = 0
 
 
 class DeviceCache:
@@ -217,9 +214,12 @@ class DeviceCache:
 
     @torch.no_grad()
     def flush(self) -> None:
-        """Write every changed row (and its state) back to the host store."""
+        """Write every changed row (and its state) back to the host store, and make
+        memory-mapped host files durable."""
         if not self.identity:
+            assert self.host is not None
             self._write_back(self.dirty.nonzero().squeeze(1))
+            self.host.flush_to_disk()
 
     # ---------------------------------------------------------- whole table
     def full(self, key: str = "weight") -> Tensor:

@@ -70,10 +70,6 @@ class HostStore:
     def weight(self) -> Tensor:
         return self.arrays["weight"]
 
-    @property
-    def state_keys(self) -> list[str]:
-        return [key for key in self.arrays if key != "weight"]
-
     def read(self, ids: Tensor) -> dict[str, Tensor]:
         """Copies of rows ``ids`` of every array."""
         ids = ids.cpu()
