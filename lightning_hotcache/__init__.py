@@ -7,7 +7,9 @@ embedding module, CLI) load on first attribute access.
 from importlib import import_module
 from typing import Any
 
-from lightning_hotcache.callbacks import SamplesPerSecond
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_hotcache.callbacks import CacheMetrics, SamplesPerSecond
 from lightning_hotcache.rowwise import (
     ROWWISE_OPTIMIZERS,
     RowWiseOptimizer,
@@ -27,7 +29,30 @@ _LAZY = {
     "HostStore": "lightning_hotcache.cache",
     "DeviceCache": "lightning_hotcache.cache",
     "CacheCapacityError": "lightning_hotcache.cache",
+    "HotCacheStrategy": "lightning_hotcache.strategy",
 }
+
+# Registered names take no settings (Lightning), so common settings get names of their own;
+# anything else: `class_path: lightning_hotcache.HotCacheStrategy` with `init_args`.
+STRATEGY_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "hotcache": ("hot rows on the device within half the free device memory, LFU cache for the rest", {}),
+    "hotcache_10pct": ("hotcache with a device budget of 10% of the embedding bytes", {"device_budget": 0.1}),
+    "hotcache_1pct": ("hotcache with a device budget of 1% of the embedding bytes", {"device_budget": 0.01}),
+    "hotcache_lru": ("hotcache with an LRU dynamic cache", {"cache_policy": "lru"}),
+    "hotcache_static": ("FAE: static hot rows only, misses staged per batch", {"cache_policy": "static"}),
+}
+
+
+def _make_hotcache_strategy(**init_args: Any) -> Any:
+    # A factory, so that importing lightning_hotcache does not import torchrec.
+    from lightning_hotcache.strategy import HotCacheStrategy
+
+    return HotCacheStrategy(**init_args)
+
+
+for _name, (_description, _init_args) in STRATEGY_PRESETS.items():
+    if _name not in StrategyRegistry:
+        StrategyRegistry.register(_name, _make_hotcache_strategy, description=_description, **_init_args)
 
 
 def __getattr__(name: str) -> Any:
@@ -40,7 +65,9 @@ __all__ = [
     "ROWWISE_OPTIMIZERS",
     "RowWiseOptimizer",
     "RowWiseOptimizerConfig",
+    "CacheMetrics",
     "SamplesPerSecond",
+    "STRATEGY_PRESETS",
     "use_sparse_gradients",
     *_LAZY,
 ]

@@ -49,3 +49,72 @@ class SamplesPerSecond(Callback):
             self._rate = rate if self._rate is None else self.smoothing * self._rate + (1 - self.smoothing) * rate
             pl_module.log("train/samples_per_s", self._rate, prog_bar=True, on_step=True, on_epoch=False)
         self._last = now
+
+
+class CacheMetrics(Callback):
+    """Hot/cold cache figures for the loggers and the progress bar, per training step.
+
+    ``cache/hit_rate`` (all tables, on the progress bar), ``cache/<table>/hit_rate``, rows
+    fetched into and evicted from the device, and host->device / device->host bytes per
+    sample. The strategy's plan is logged once: as a W&B table under ``hotcache/plan`` when a
+    WandbLogger is attached, and as text in every logger's hyperparameters.
+    """
+
+    def __init__(self, per_table: bool = True) -> None:
+        self.per_table = per_table
+        self._last: dict[str, tuple[int, int, int, int, int]] = {}
+
+    def _snapshot(self, pl_module: pl.LightningModule) -> dict[str, tuple[int, int, int, int, int, int]]:
+        from lightning_hotcache.embedding import hot_cold_modules
+
+        out = {}
+        for module in hot_cold_modules(pl_module).values():
+            for name, cache in module.caches.items():
+                c = cache.counters
+                row_bytes = 4 * sum(t.shape[1] for t in cache.slots.values())
+                out[name] = (c.lookups, c.hits, c.fetched_rows, c.evicted_rows, c.written_back_rows, row_bytes)
+        return out
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last = {k: v[:5] for k, v in self._snapshot(pl_module).items()}
+        plan = getattr(trainer.strategy, "plan", None)
+        if plan is None:
+            return
+        from lightning.pytorch.loggers import WandbLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                rows = [[t.name, t.num_embeddings, t.embedding_dim, len(t.static_ids), t.cache_slots, t.device_bytes,
+                         t.expected_hit_rate] for t in plan.tables]  # fmt: skip
+                columns = ["table", "rows", "dim", "static_rows", "cache_slots", "device_bytes", "expected_hit_rate"]
+                logger.log_table(key="hotcache/plan", columns=columns, data=rows)
+            logger.log_hyperparams({"hotcache_plan": str(plan)})
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = self._snapshot(pl_module)
+        samples = _num_samples(batch)
+        lookups = hits = h2d = d2h = fetched = evicted = 0
+        for name, (n, h, f, e, w, row_bytes) in now.items():
+            dn, dh, df, de, dw = (a - b for a, b in zip((n, h, f, e, w), self._last.get(name, (0,) * 5)))
+            lookups, hits, fetched, evicted = lookups + dn, hits + dh, fetched + df, evicted + de
+            h2d, d2h = h2d + df * row_bytes, d2h + dw * row_bytes
+            if self.per_table and dn:
+                pl_module.log(f"cache/{name}/hit_rate", dh / dn, on_step=True, on_epoch=False)
+        self._last = {k: v[:5] for k, v in now.items()}
+        if not lookups:
+            return
+        pl_module.log("cache/hit_rate", hits / lookups, prog_bar=True, on_step=True, on_epoch=False)
+        pl_module.log_dict(
+            {
+                "cache/rows_fetched": float(fetched),
+                "cache/rows_evicted": float(evicted),
+                "cache/h2d_bytes_per_sample": h2d / samples,
+                "cache/d2h_bytes_per_sample": d2h / samples,
+            },
+            on_step=True,
+            on_epoch=False,
+        )

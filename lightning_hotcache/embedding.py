@@ -9,8 +9,9 @@ the rows the batch read (duplicate ids summed, like TorchRec's fused optimizers)
 unlocks them.
 
 Rules a caller must keep (Lightning's loops keep them): a training forward is followed by
-its backward before the next training forward; batches are forwarded in the order they
-were prefetched. Forward under ``torch.no_grad()`` (evaluation) updates nothing.
+its backward before the next training forward; training batches are forwarded in the
+order they were prefetched. Forward in eval mode or under ``torch.no_grad()`` updates
+nothing and may come between prefetched training batches.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ class _StagedBatch:
     slots: dict[str, Tensor]  # feature -> slot of every value
     tickets: dict[str, list[int]]  # table -> cache tickets to release
     output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
+
+
+def _same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
+    # Moving a batch to the device it is already on makes new KJT objects around the same
+    # tensors, so compare storage, not identity.
+    va, vb = a.values(), b.values()
+    return a is b or (va.data_ptr() == vb.data_ptr() and va.shape == vb.shape and a.keys() == b.keys())
 
 
 def _check_ids(values: Tensor, table: EmbeddingBagConfig, feature: str) -> None:
@@ -140,10 +148,19 @@ class HotColdEmbeddingBagCollection(nn.Module):
     def is_weighted(self) -> bool:
         return self._is_weighted
 
+    def reads(self, features: KeyedJaggedTensor) -> bool:
+        """Whether ``features`` has every feature this module looks up."""
+        return set(self._feature_table) <= set(features.keys())
+
     # -------------------------------------------------------------- staging
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Make a future batch's rows resident and lock them (call in forward order)."""
         self._queue.append(self._stage(features))
+
+    def clear_prefetched(self) -> None:
+        """Drop (and unlock) batches prefetched but never forwarded, e.g. when an epoch was cut short."""
+        while self._queue:
+            self._release(self._queue.popleft())
 
     def _stage(self, features: KeyedJaggedTensor) -> _StagedBatch:
         by_feature = features.to_dict()
@@ -186,14 +203,14 @@ class HotColdEmbeddingBagCollection(nn.Module):
     # -------------------------------------------------------------- forward
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         self._release_abandoned()
-        if self._queue:
+        if self._queue and _same_batch(self._queue[0].features, features):
             staged = self._queue.popleft()
-            if staged.features is not features:
-                raise RuntimeError(
-                    "forward() got a different batch than the next prefetched one; prefetch batches in the order "
-                    "they are forwarded."
-                )
-        else:
+        elif self._queue and self.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                "forward() got a different training batch than the next prefetched one; prefetch batches in the "
+                "order they are forwarded."
+            )
+        else:  # not prefetched (or an evaluation batch between prefetched training batches)
             staged = self._stage(features)
         by_feature = features.to_dict()
         pooled = []
@@ -282,3 +299,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 error_msgs.append(f"{key}: shape {tuple(values.shape)} in the checkpoint, {expected} in the model.")
                 continue
             self.caches[table.name].load_full("weight", values)
+
+
+def hot_cold_modules(model: nn.Module) -> dict[str, HotColdEmbeddingBagCollection]:
+    """Module path -> every HotColdEmbeddingBagCollection in ``model``."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, HotColdEmbeddingBagCollection)}

@@ -323,18 +323,10 @@ class HotColdPlanner:
         whole = {t.name: t.num_embeddings * row_bytes(t, self.optimizer) for t in tables}
         budget = resolve_budget(self.device_budget, sum(whole.values()), self.device)
 
-        # Smallest tables first: whole on the device while it costs no more than its
-        # minimum split, or while the budget covers every table whole.
-        if sum(whole.values()) <= budget:
-            on_device = {t.name for t in tables}
-            split: list[EmbeddingBagConfig] = []
+        if sum(whole.values()) <= budget:  # everything fits whole: no stats needed
+            on_device, split, required, fixed = {t.name for t in tables}, [], {}, sum(whole.values())
         else:
-            on_device, split = set(), []
-            for t in tables:
-                minimum_split = self._split_bytes(t, 0, self._min_slots(t, stats))
-                (on_device.add(t.name) if whole[t.name] <= minimum_split else split.append(t))
-        required = {t.name: self._min_slots(t, stats) for t in split}
-        fixed = sum(whole[n] for n in on_device) + sum(self._split_bytes(t, 0, required[t.name]) for t in split)
+            on_device, split, required, fixed = self._smallest_layout(tables, stats)
         if fixed > budget:
             raise ValueError(
                 f"A device budget of {format_bytes(budget)} cannot train these tables: the minimum is "
@@ -378,6 +370,32 @@ class HotColdPlanner:
             cache_policy=self.cache_policy,
             sharding_plan=torchrec_sharding_plan(device_tables, self.world_size, self.device),
         )
+
+    def _smallest_layout(
+        self, tables: list[EmbeddingBagConfig], stats: "AccessStats | None"
+    ) -> tuple[set[str], list[EmbeddingBagConfig], dict[str, int], int]:
+        """Each table whole on the device if that costs no more than its smallest split
+        (no static rows, slots for the batches in flight); returns (whole tables, split
+        tables, their slots, bytes)."""
+        on_device: set[str] = set()
+        split: list[EmbeddingBagConfig] = []
+        required: dict[str, int] = {}
+        fixed = 0
+        for t in tables:
+            whole = t.num_embeddings * row_bytes(t, self.optimizer)
+            slots = self._min_slots(t, stats)
+            if whole <= self._split_bytes(t, 0, slots):
+                on_device.add(t.name)
+                fixed += whole
+            else:
+                split.append(t)
+                required[t.name] = slots
+                fixed += self._split_bytes(t, 0, slots)
+        return on_device, split, required, fixed
+
+    def minimum_bytes(self, tables: Sequence[EmbeddingBagConfig], stats: "AccessStats") -> int:
+        """The smallest device budget `plan` accepts for these tables and stats."""
+        return self._smallest_layout(list(tables), stats)[3]
 
     def _split_bytes(self, table: EmbeddingBagConfig, static_rows: int, cache_slots: int) -> int:
         per_row = row_bytes(table, self.optimizer)

@@ -22,6 +22,9 @@ import torch
 from torch import Tensor
 
 RowWiseOptimizerName = Literal["sgd", "rowwise_adagrad", "adam"]
+# Checkpoint key of the row-wise optimizer state: {"<module path>.<table>": {state name: (rows, width)}}.
+# One format for every strategy, so training resumes under another strategy than it started.
+ROW_STATE_KEY = "embedding_row_state"
 ROWWISE_OPTIMIZERS: tuple[str, ...] = ("sgd", "rowwise_adagrad", "adam")
 
 

@@ -31,7 +31,7 @@ from torchrec.models.dlrm import SparseArch
 from torchrec.modules.embedding_configs import PoolingType
 from typing_extensions import override
 
-from lightning_hotcache.rowwise import RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
+from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
 
 TableSpec = EmbeddingBagConfig | Mapping[str, Any]
 
@@ -236,13 +236,25 @@ class CTRModel(pl.LightningModule):
         if self.embedding_parameters():
             self.embedding_optimizer.step()
 
+    def _plain_table_weights(self) -> dict[str, Tensor]:
+        """``"<module path>.<table>"`` -> weight of every plain table (the row-state key format)."""
+        return {
+            f"{path}.{name}": bag.weight
+            for path, module in self.named_modules()
+            if isinstance(module, EmbeddingBagCollection)
+            for name, bag in module.embedding_bags.items()
+        }
+
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.embedding_parameters():
-            checkpoint["embedding_optimizer"] = self.embedding_optimizer.state_dict()
+        weights = self._plain_table_weights()
+        if weights:
+            state = self.embedding_optimizer.state
+            checkpoint[ROW_STATE_KEY] = {key: dict(state[w]) for key, w in weights.items() if state.get(w)}
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("embedding_optimizer")
-        if state is not None and self.embedding_parameters():
-            self.embedding_optimizer.load_state_dict(state)
+        saved = checkpoint.get(ROW_STATE_KEY, {})
+        for key, weight in self._plain_table_weights().items():
+            if key in saved:
+                self.embedding_optimizer.state[weight] = {k: v.clone() for k, v in saved[key].items()}

@@ -50,6 +50,28 @@ def test_config_runs_with_fast_dev_run(config: Path, tmp_path: Path, monkeypatch
     assert cli.trainer.global_step == 1
 
 
+SYNTHETIC_CONFIGS = [c for c in CONFIGS if "datamodules.SyntheticCTRDataModule" in c.read_text()]
+
+
+@pytest.mark.parametrize("config", SYNTHETIC_CONFIGS, ids=[c.stem for c in SYNTHETIC_CONFIGS])
+def test_synthetic_configs_run_with_hotcache(config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_hotcache import HotCacheStrategy
+    from lightning_hotcache.embedding import hot_cold_modules
+
+    monkeypatch.chdir(tmp_path)
+    cli = main(["fit", "-c", str(config), "--trainer.fast_dev_run=true", "--trainer.strategy=hotcache", *SMALL_SYNTHETIC])
+    assert isinstance(cli.trainer.strategy, HotCacheStrategy)
+    assert hot_cold_modules(cli.model) and cli.trainer.global_step == 1
+
+
+def test_strategy_by_class_path_with_init_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = str(REPO / "configs" / "dlrm_synthetic.yaml")
+    cli = main(["fit", "-c", config, "--trainer.fast_dev_run=true", "--trainer.strategy=lightning_hotcache.HotCacheStrategy",
+                "--trainer.strategy.cache_policy=lru", "--trainer.strategy.prefetch_depth=2", *SMALL_SYNTHETIC])  # fmt: skip
+    assert cli.trainer.strategy.cache_policy == "lru" and cli.trainer.strategy.prefetch_depth == 2
+
+
 def test_wandb_offline_run_checkpoint_and_summary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

@@ -59,6 +59,12 @@ def test_forward_must_follow_prefetch_order() -> None:
     m.prefetch(first)
     with pytest.raises(RuntimeError, match="prefetch batches in the order"):
         m(second)
+    with torch.no_grad():
+        m(second)  # an evaluation batch may come between prefetched training batches
+    m(first).values().sum().backward()
+    m.prefetch(second)
+    m.clear_prefetched()
+    assert all(c.num_locked() == 0 for c in m.caches.values())
 
 
 def test_cache_too_small_for_batches_in_flight_is_a_clear_error() -> None:

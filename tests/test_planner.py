@@ -94,7 +94,9 @@ def test_budget_below_minimum_says_the_minimum() -> None:
     with pytest.raises(ValueError, match=r"the minimum is .* \((\d+) bytes\)") as err:
         HotColdPlanner(1000, SGD, prefetch_depth=2).plan(TABLES, stats())
     minimum = int(str(err.value).split("(")[1].split(" bytes")[0])
-    HotColdPlanner(minimum * 3, SGD, prefetch_depth=2).plan(TABLES, stats())  # a bit above it works
+    planner = HotColdPlanner(minimum, SGD, prefetch_depth=2)
+    assert planner.minimum_bytes(TABLES, stats()) == minimum
+    assert planner.plan(TABLES, stats()).device_bytes <= minimum  # exactly the minimum works
 
 
 def test_split_without_stats_asks_for_profiling() -> None:

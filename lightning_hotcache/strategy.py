@@ -1,0 +1,247 @@
+"""HotCacheStrategy: ``Trainer(strategy="hotcache")`` trains any model with hybrid embeddings.
+
+On setup it finds every torchrec EmbeddingBagCollection in the LightningModule (at any
+depth), loads access stats or profiles the first training batches, plans which rows stay
+on the device within ``device_budget``, and swaps each collection for a
+`HotColdEmbeddingBagCollection` with the same tables, weights and row-wise optimizer rule
+(``model.embedding_optimizer_config`` when the model has one). The model's code does not
+change. While training, the training dataloader is wrapped so that the rows of the next
+``prefetch_depth`` batches are staged ahead of the step that reads them.
+
+Checkpoints hold the full tables under the plain keys (a hotcache checkpoint loads into the
+same model under ``strategy="auto"``), the row-wise optimizer state in the strategy-neutral
+`ROW_STATE_KEY` format, and the plan.
+
+This version runs one process (CPU or one GPU); several processes come with the sharded
+host stores of the multi-process design (see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning_utilities.core.apply_func import apply_to_collection
+from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
+from typing_extensions import override
+
+from lightning_hotcache.cache import CACHE_POLICIES
+from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
+from lightning_hotcache.planner import Budget, HotColdPlan, HotColdPlanner
+from lightning_hotcache.profiling import AccessStats, profile_batches
+from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
+
+PLAN_KEY = "hotcache_plan"
+
+
+class _PrefetchingLoader:
+    """Iterates a training dataloader, staging the rows of the next ``depth`` batches.
+
+    Batches are moved to the device here (the loop's own transfer then finds them there),
+    so the rows a step reads are resident before the step starts. Outside training mode
+    (sanity checks, validation) it passes batches through untouched.
+    """
+
+    def __init__(self, loader: Iterable[Any], strategy: "HotCacheStrategy") -> None:
+        self.loader = loader
+        self.strategy = strategy
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:  # sampler, dataset, batch_size... as Lightning expects
+        return getattr(self.loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        modules = list(hot_cold_modules(self.strategy.lightning_module).values())
+        if not modules or not self.strategy.lightning_module.training or self.strategy.prefetch_depth == 0:
+            yield from self.loader
+            return
+        for module in modules:  # an epoch cut short (limit_train_batches, max_steps) leaves some staged
+            module.clear_prefetched()
+        ahead: list[Any] = []
+        iterator = iter(self.loader)
+        exhausted = False
+        while True:
+            while not exhausted and len(ahead) < self.strategy.prefetch_depth + 1:
+                try:
+                    batch = self.strategy.batch_to_device(next(iterator))
+                except StopIteration:
+                    exhausted = True
+                    break
+                for features in _features_of(batch):
+                    for module in modules:
+                        if module.reads(features):
+                            module.prefetch(features)
+                ahead.append(batch)
+            if not ahead:
+                return
+            yield ahead.pop(0)
+
+
+def _features_of(batch: Any) -> list[KeyedJaggedTensor]:
+    found: list[KeyedJaggedTensor] = []
+    apply_to_collection(batch, KeyedJaggedTensor, found.append)
+    return found
+
+
+class HotCacheStrategy(SingleDeviceStrategy):
+    """Hybrid embeddings: hot rows on the device, the rest in a host store behind a cache.
+
+    Args:
+        device_budget: device memory for embedding rows, optimizer state and cache
+            bookkeeping: bytes, a size like ``"2GB"``, a fraction in (0, 1] of the tables'
+            bytes, or ``"auto"`` (half the free device memory).
+        stats_path: access stats from ``hotcache profile``; without them the first
+            ``profile_batches`` training batches are profiled when the plan needs stats.
+        profile_batches: training batches to profile when there are no stats.
+        cache_policy: ``lfu``, ``lru`` or ``static`` (FAE: hot rows only, misses staged per batch).
+        host_storage: ``"memory"`` or a directory for memory-mapped host tables.
+        prefetch_depth: training batches whose rows are staged ahead of the current one.
+        cache_metrics: add a `CacheMetrics` callback (hit rates, traffic) unless one is there.
+        device: the device; by default the accelerator's first (``cuda:0``) or the CPU.
+    """
+
+    strategy_name = "hotcache"
+
+    def __init__(
+        self,
+        device_budget: Budget = "auto",
+        stats_path: str | None = None,
+        profile_batches: int = 100,
+        cache_policy: str = "lfu",
+        host_storage: str = "memory",
+        prefetch_depth: int = 1,
+        cache_metrics: bool = True,
+        device: str | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        super().__init__(
+            device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+        )
+        if cache_policy not in CACHE_POLICIES:
+            raise ValueError(f"cache_policy must be one of {', '.join(CACHE_POLICIES)}; got {cache_policy!r}.")
+        if prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}.")
+        if profile_batches < 1:
+            raise ValueError(f"profile_batches must be >= 1, got {profile_batches}.")
+        if stats_path is not None and not Path(stats_path).is_file():
+            raise FileNotFoundError(f"stats_path {stats_path} does not exist; make it with `hotcache profile`.")
+        self.device_budget = device_budget
+        self.stats_path = stats_path
+        self.profile_batches = profile_batches
+        self.cache_policy = cache_policy
+        self.host_storage = host_storage
+        self.prefetch_depth = prefetch_depth
+        self.cache_metrics = cache_metrics
+        self._requested_device = device
+        self.plan: HotColdPlan | None = None
+        self._restored_row_state: Mapping[str, Mapping[str, torch.Tensor]] = {}
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self._requested_device is not None:
+            return torch.device(self._requested_device)
+        return torch.device("cuda", 0) if isinstance(self.accelerator, CUDAAccelerator) else torch.device("cpu")
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._install_hot_cold_embeddings(trainer)
+        super().setup(trainer)
+        if self.cache_metrics and self.plan is not None:
+            from lightning_hotcache.callbacks import CacheMetrics
+
+            if not any(isinstance(cb, CacheMetrics) for cb in trainer.callbacks):
+                trainer.callbacks.append(CacheMetrics())
+
+    def _install_hot_cold_embeddings(self, trainer: pl.Trainer) -> None:
+        model = self.lightning_module
+        assert model is not None
+        if hot_cold_modules(model):
+            return  # a second fit with the same model: already installed
+        collections = {n: m for n, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
+        if not collections:
+            rank_zero_warn(f"{type(model).__name__} has no torchrec EmbeddingBagCollection; hotcache changes nothing.")
+            return
+        tables = [t for m in collections.values() for t in m.embedding_bag_configs()]
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"hotcache needs unique table names across the model's collections; got {names}.")
+        optimizer = getattr(model, "embedding_optimizer_config", None) or RowWiseOptimizerConfig()
+        # In flight besides the training step: `prefetch_depth` staged batches, the one
+        # Lightning's data fetcher holds ahead, and a validation batch between them.
+        planner = HotColdPlanner(
+            self.device_budget, optimizer, prefetch_depth=self.prefetch_depth + 2,
+            cache_policy=self.cache_policy, device=self.root_device,
+        )  # fmt: skip
+        stats = AccessStats.load(self.stats_path, tables) if self.stats_path else None
+        try:
+            self.plan = planner.plan(tables, stats)
+        except ValueError as err:
+            if stats is not None or "hotcache profile" not in str(err):
+                raise
+            self.plan = planner.plan(tables, profile_batches(self._training_batches(trainer), tables, self.profile_batches))
+        rank_zero_info(f"hotcache plan:\n{self.plan}")
+        for path, collection in collections.items():
+            hot = HotColdEmbeddingBagCollection.from_ebc(
+                collection, self.plan, optimizer, self.root_device, self.cache_policy, self.host_storage  # type: ignore[arg-type]
+            )
+            hot.load_optimizer_state(
+                {t: self._restored_row_state[f"{path}.{t}"] for t in hot.caches if f"{path}.{t}" in self._restored_row_state}
+            )
+            model.set_submodule(path, hot)
+        self._restored_row_state = {}
+
+    def _training_batches(self, trainer: pl.Trainer) -> Iterable[Any]:
+        if trainer.datamodule is not None:
+            return trainer.datamodule.train_dataloader()
+        if is_overridden("train_dataloader", self.lightning_module):
+            return self.lightning_module.train_dataloader()
+        raise ValueError(
+            "hotcache needs access stats to plan, and found no datamodule or train_dataloader to profile: pass "
+            "stats_path (from `hotcache profile`) or fit with a datamodule."
+        )
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        return _PrefetchingLoader(dataloader, self)
+
+    # ----------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        modules = hot_cold_modules(self.lightning_module)
+        if modules:
+            checkpoint[ROW_STATE_KEY] = {
+                f"{path}.{table}": arrays for path, m in modules.items() for table, arrays in m.optimizer_state().items()
+            }
+            assert self.plan is not None
+            checkpoint[PLAN_KEY] = self.plan.to_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict)
+        saved = checkpoint.get(ROW_STATE_KEY, {})
+        modules = hot_cold_modules(self.lightning_module)
+        if not modules:
+            self._restored_row_state = saved  # applied when the tables are swapped in setup
+            return
+        for path, module in modules.items():
+            module.load_optimizer_state({t: saved[f"{path}.{t}"] for t in module.caches if f"{path}.{t}" in saved})
+
+    @override
+    def teardown(self) -> None:
+        for module in hot_cold_modules(self.lightning_module).values() if self.lightning_module else []:
+            module.clear_prefetched()
+            module.flush()
+        super().teardown()
