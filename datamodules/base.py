@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Literal, Protocol, Union
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import ParallelStrategy
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -161,10 +162,11 @@ class CTRDataModule(pl.LightningDataModule):
         dataset = BatchDataset(self.source(split), self.batch_size)
         sampler = None
         trainer = self.trainer
-        if trainer is not None and trainer.world_size > 1:
-            # Lightning's own distributed sampler always shuffles training data; ours follows
-            # `shuffle`, so that unshuffled N-process runs see batches k*N + rank, which is what
-            # makes N processes x batch B comparable with 1 process x batch N*B.
+        if trainer is not None and isinstance(trainer.strategy, ParallelStrategy):
+            # Lightning's own distributed sampler (injected under any parallel strategy, even
+            # with one process) always shuffles training data; ours follows `shuffle`, so that
+            # unshuffled N-process runs see batches k*N + rank, which is what makes N processes
+            # x batch B comparable with 1 process x batch N*B.
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
             sampler = DistributedSampler(dataset, **trainer.distributed_sampler_kwargs, shuffle=shuffle, seed=seed)
         return DataLoader(

@@ -30,6 +30,7 @@ _LAZY = {
     "DeviceCache": "lightning_hotcache.cache",
     "CacheCapacityError": "lightning_hotcache.cache",
     "HotCacheStrategy": "lightning_hotcache.strategy",
+    "TorchRecStrategy": "lightning_hotcache.torchrec_strategy",
 }
 
 # Registered names take no settings (Lightning), so common settings get names of their own;
@@ -50,9 +51,19 @@ def _make_hotcache_strategy(**init_args: Any) -> Any:
     return HotCacheStrategy(**init_args)
 
 
+def _make_torchrec_strategy(**init_args: Any) -> Any:
+    from lightning_hotcache.torchrec_strategy import TorchRecStrategy
+
+    return TorchRecStrategy(**init_args)
+
+
 for _name, (_description, _init_args) in STRATEGY_PRESETS.items():
     if _name not in StrategyRegistry:
         StrategyRegistry.register(_name, _make_hotcache_strategy, description=_description, **_init_args)
+if "torchrec" not in StrategyRegistry:
+    StrategyRegistry.register(
+        "torchrec", _make_torchrec_strategy, description="TorchRec's DistributedModelParallel sharding (baseline)"
+    )
 
 
 def __getattr__(name: str) -> Any:

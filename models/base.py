@@ -111,6 +111,8 @@ class CTRModel(pl.LightningModule):
         self.val_metrics = metrics.clone(prefix="val/")
         self.test_metrics = metrics.clone(prefix="test/")
         self.assemble()
+        # Recorded now: strategies later swap the tables for other module types at these paths.
+        self._embedding_paths = [p for p, m in self.named_modules() if isinstance(m, EmbeddingBagCollection)]
 
     # ------------------------------------------------------------ architecture
     # A model is TorchRec's four blocks: sparse arch (here), dense arch, interaction and
@@ -215,8 +217,10 @@ class CTRModel(pl.LightningModule):
         ]
 
     def dense_parameters(self) -> list[Tensor]:
-        embedding = {id(p) for p in self.embedding_parameters()}
-        return [p for p in self.parameters() if id(p) not in embedding and p.requires_grad]
+        """Everything but the embedding tables, wherever a strategy has put the tables (by
+        module path: sharded or cached tables are other objects under the same names)."""
+        prefixes = tuple(f"{path}." for path in self._embedding_paths)
+        return [p for name, p in self.named_parameters() if not name.startswith(prefixes) and p.requires_grad]
 
     @property
     def embedding_optimizer(self) -> RowWiseOptimizer:

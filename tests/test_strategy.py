@@ -169,3 +169,26 @@ def test_model_without_tables_trains_unchanged() -> None:
         trainer = cpu_trainer(strategy="hotcache", max_steps=2)
         trainer.fit(model)
     assert trainer.global_step == 2 and trainer.strategy.plan is None
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_REGISTRY))
+def test_torchrec_matches_auto(name, baselines, tmp_path) -> None:
+    model, trainer, metrics = fit(name, "torchrec")
+    expected_state, expected_metrics = baselines[name]
+    gathered = trainer.strategy.lightning_module_state_dict()
+    torch.testing.assert_close(gathered, expected_state, rtol=1e-5, atol=1e-5)
+    assert metrics["val/auc"] == pytest.approx(expected_metrics["val/auc"], abs=1e-5)
+    if name == "dlrm":  # its checkpoint holds plain tables, so it evaluates under auto
+        trainer.save_checkpoint(tmp_path / "torchrec.ckpt")
+        dm = data()
+        plain = create_model(name, dm.tables, dm.num_dense_features)
+        plain_metrics = cpu_trainer().validate(plain, dm, ckpt_path=tmp_path / "torchrec.ckpt", verbose=False)[0]
+        assert plain_metrics["val/auc"] == pytest.approx(metrics["val/auc"], abs=1e-6)
+
+
+def test_torchrec_refuses_rules_it_cannot_match() -> None:
+    pl.seed_everything(0)
+    dm = data()
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer={"name": "adam"})
+    with pytest.raises(ValueError, match="no row-lazy 'adam'"):
+        cpu_trainer(strategy="torchrec", max_steps=1).fit(model, dm)
