@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import cpu_trainer, tiny_synthetic  # noqa: E402
 
+import lightning_hotcache  # noqa: E402, F401  (registers the strategies)
 from models import create_model  # noqa: E402
 
 
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--optimizer", default="rowwise_adagrad")
+    parser.add_argument("--strategy", default="ddp", help="strategy for more than one process")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -33,14 +35,15 @@ def main() -> None:
     dm = tiny_synthetic(batch_size=args.batch_size, num_train_samples=4096)
     model = create_model(args.model, dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer})
     trainer = cpu_trainer(
-        strategy="ddp" if args.devices > 1 else "auto",
+        strategy=args.strategy if args.devices > 1 else "auto",
         devices=args.devices,
         max_steps=args.steps,
         limit_val_batches=0,
     )
     trainer.fit(model, dm)
+    state = trainer.strategy.lightning_module_state_dict()  # sharded tables gathered
     if trainer.is_global_zero:
-        torch.save({"state_dict": model.state_dict(), "world_size": trainer.world_size}, args.out)
+        torch.save({"state_dict": state, "world_size": trainer.world_size}, args.out)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,11 @@ SCRIPT = Path(__file__).with_name("ddp_train.py")
 REPO = SCRIPT.parents[1]
 
 
-def _train(tmp_path: Path, devices: int, batch_size: int, optimizer: str) -> dict:
-    out = tmp_path / f"ddp{devices}_{optimizer}.pt"
+def _train(tmp_path: Path, devices: int, batch_size: int, optimizer: str, strategy: str = "ddp") -> dict:
+    out = tmp_path / f"{strategy}{devices}_{optimizer}.pt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(SCRIPT), f"--devices={devices}", f"--batch-size={batch_size}",
-           f"--optimizer={optimizer}", f"--out={out}"]  # fmt: skip
+           f"--optimizer={optimizer}", f"--strategy={strategy}", f"--out={out}"]  # fmt: skip
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out)
@@ -36,4 +36,12 @@ def test_two_processes_match_one_with_double_batch(tmp_path: Path, optimizer: st
     # Float tolerance only: the all-reduce averages two half-batch means, the single process
     # takes one mean over the whole batch; Adam's normalization magnifies that rounding for
     # near-zero gradients, hence atol 1e-5 on weights of order 0.1.
+    torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
+
+
+def test_torchrec_two_processes_match_one_with_double_batch(tmp_path: Path) -> None:
+    """TorchRec shards tables across the 2 ranks (table-wise) and averages like DDP."""
+    two = _train(tmp_path, devices=2, batch_size=128, optimizer="rowwise_adagrad", strategy="torchrec")
+    one = _train(tmp_path, devices=1, batch_size=256, optimizer="rowwise_adagrad")
+    assert two["world_size"] == 2
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
