@@ -160,20 +160,20 @@ class CTRDataModule(pl.LightningDataModule):
 
     def dataloader(self, split: Split, shuffle: bool = False) -> DataLoader[Batch]:
         dataset = BatchDataset(self.source(split), self.batch_size)
-        sampler = None
+        # Our own sampler in every run, one process or many: Lightning's injected sampler
+        # always shuffles training data and a plain RandomSampler draws from the global RNG,
+        # so either would make the batch order depend on the strategy. This one follows
+        # `shuffle` with a fixed seed per epoch; unshuffled N-process runs see batches
+        # k*N + rank, which makes N processes x batch B comparable with 1 process x N*B.
         trainer = self.trainer
+        replicas = {"num_replicas": 1, "rank": 0}
         if trainer is not None and isinstance(trainer.strategy, ParallelStrategy):
-            # Lightning's own distributed sampler (injected under any parallel strategy, even
-            # with one process) always shuffles training data; ours follows `shuffle`, so that
-            # unshuffled N-process runs see batches k*N + rank, which is what makes N processes
-            # x batch B comparable with 1 process x batch N*B.
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-            sampler = DistributedSampler(dataset, **trainer.distributed_sampler_kwargs, shuffle=shuffle, seed=seed)
+            replicas = trainer.distributed_sampler_kwargs
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         return DataLoader(
             dataset,
             batch_size=None,
-            shuffle=shuffle if sampler is None else None,
-            sampler=sampler,
+            sampler=DistributedSampler(dataset, **replicas, shuffle=shuffle, seed=seed),
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 from torchrec.modules.embedding_configs import PoolingType
@@ -40,6 +41,25 @@ class _StagedBatch:
     slots: dict[str, Tensor]  # feature -> slot of every value
     tickets: dict[str, list[int]]  # table -> cache tickets to release
     output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
+
+
+def _all_gather_rows(ids: Tensor, rows: Tensor, group: Any) -> tuple[Tensor, Tensor]:
+    """Every rank's (ids, gradient rows), concatenated in rank order (sizes differ by rank)."""
+    world = dist.get_world_size(group)
+    count = torch.tensor([ids.numel()], device=ids.device)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    longest = int(max(c.item() for c in counts))
+    padded_ids = torch.zeros(longest, dtype=ids.dtype, device=ids.device)
+    padded_rows = torch.zeros(longest, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    padded_ids[: ids.numel()] = ids
+    padded_rows[: ids.numel()] = rows
+    all_ids = [torch.empty_like(padded_ids) for _ in range(world)]
+    all_rows = [torch.empty_like(padded_rows) for _ in range(world)]
+    dist.all_gather(all_ids, padded_ids, group=group)
+    dist.all_gather(all_rows, padded_rows, group=group)
+    n = [int(c.item()) for c in counts]
+    return torch.cat([a[:k] for a, k in zip(all_ids, n)]), torch.cat([r[:k] for r, k in zip(all_rows, n)])
 
 
 def _same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
@@ -75,6 +95,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
         host_storage: ``"memory"`` (RAM, pinned when CUDA is present) or a directory for
             memory-mapped host tables.
         is_weighted: use the KJT's per-sample weights (SUM pooling), as torchrec's flag of that name.
+        process_group: data-parallel ranks training the same tables (None: this process alone).
+            Each rank keeps a full, identical copy of every table (its own cache over its own
+            host store); in backward the ranks all-gather the rows they read with their
+            gradients, average them as DDP does, and every rank applies the same update to its
+            copy of each row, cached or not.
     """
 
     def __init__(
@@ -86,9 +111,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
         cache_policy: CachePolicy = "lfu",
         host_storage: str | Path = "memory",
         is_weighted: bool = False,
+        process_group: Any = None,
     ) -> None:
         super().__init__()
         self._is_weighted = is_weighted
+        self.process_group = process_group
         self._tables = list(tables)
         self.optimizer = optimizer or RowWiseOptimizerConfig()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -134,11 +161,13 @@ class HotColdEmbeddingBagCollection(nn.Module):
         device: torch.device | str | None = None,
         cache_policy: CachePolicy = "lfu",
         host_storage: str | Path = "memory",
+        process_group: Any = None,
     ) -> "HotColdEmbeddingBagCollection":
         """Replace ``ebc``: same tables, its current weights, rows placed by ``plan``."""
         module = cls(
-            ebc.embedding_bag_configs(), plan, optimizer, device, cache_policy, host_storage, ebc.is_weighted()
-        )
+            ebc.embedding_bag_configs(), plan, optimizer, device, cache_policy, host_storage, ebc.is_weighted(),
+            process_group,
+        )  # fmt: skip
         module.load_state_dict(ebc.state_dict())
         return module
 
@@ -247,7 +276,17 @@ class HotColdEmbeddingBagCollection(nn.Module):
             grad = weight.grad
             weight.grad = None
             if grad is not None:
-                self.caches[table].apply_update(grad, self.optimizer)
+                cache = self.caches[table]
+                world = dist.get_world_size(self.process_group) if self.process_group is not None else 1
+                if world == 1:
+                    cache.apply_update(grad, self.optimizer)
+                else:
+                    grad = grad.coalesce()
+                    ids, rows = _all_gather_rows(cache.ids_of_slots(grad.indices()[0]), grad.values(), self.process_group)
+                    # DDP's convention: the gradient is the mean over ranks.
+                    summed = torch.sparse_coo_tensor(ids[None], rows / world, (cache.num_embeddings, rows.shape[1]))
+                    summed = summed.coalesce()
+                    cache.apply_update_to_ids(summed.indices()[0], summed.values(), self.optimizer)
             # Every in-flight batch's gradient for this table has now been applied.
             for staged in self._in_flight:
                 for ticket in staged.tickets.pop(table, []):

@@ -12,8 +12,13 @@ Checkpoints hold the full tables under the plain keys (a hotcache checkpoint loa
 same model under ``strategy="auto"``), the row-wise optimizer state in the strategy-neutral
 `ROW_STATE_KEY` format, and the plan.
 
-This version runs one process (CPU or one GPU); several processes come with the sharded
-host stores of the multi-process design (see DESIGN.md).
+Processes are launched and the dense layers reduced exactly as by Lightning's DDPStrategy
+(``devices``, ``num_nodes``, torchrun, SLURM; gloo on CPU, NCCL on GPUs). Every rank keeps a
+full copy of each table (device cache over its own host store); in backward the ranks
+all-gather the rows they read with their gradients, and each applies the same mean update
+to its copy, so the copies never diverge and N ranks x batch B learn what 1 rank x N*B
+learns. Host stores are replicated, not yet sharded across ranks: host memory per rank is
+the whole model.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.strategies import SingleDeviceStrategy
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -91,7 +96,7 @@ def _features_of(batch: Any) -> list[KeyedJaggedTensor]:
     return found
 
 
-class HotCacheStrategy(SingleDeviceStrategy):
+class HotCacheStrategy(DDPStrategy):
     """Hybrid embeddings: hot rows on the device, the rest in a host store behind a cache.
 
     Args:
@@ -105,7 +110,7 @@ class HotCacheStrategy(SingleDeviceStrategy):
         host_storage: ``"memory"`` or a directory for memory-mapped host tables.
         prefetch_depth: training batches whose rows are staged ahead of the current one.
         cache_metrics: add a `CacheMetrics` callback (hit rates, traffic) unless one is there.
-        device: the device; by default the accelerator's first (``cuda:0``) or the CPU.
+        **kwargs: DDPStrategy options (process_group_backend, timeout, DDP arguments, ...).
     """
 
     strategy_name = "hotcache"
@@ -119,14 +124,9 @@ class HotCacheStrategy(SingleDeviceStrategy):
         host_storage: str = "memory",
         prefetch_depth: int = 1,
         cache_metrics: bool = True,
-        device: str | None = None,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
-        )
+        super().__init__(**kwargs)
         if cache_policy not in CACHE_POLICIES:
             raise ValueError(f"cache_policy must be one of {', '.join(CACHE_POLICIES)}; got {cache_policy!r}.")
         if prefetch_depth < 0:
@@ -142,16 +142,8 @@ class HotCacheStrategy(SingleDeviceStrategy):
         self.host_storage = host_storage
         self.prefetch_depth = prefetch_depth
         self.cache_metrics = cache_metrics
-        self._requested_device = device
         self.plan: HotColdPlan | None = None
         self._restored_row_state: Mapping[str, Mapping[str, torch.Tensor]] = {}
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if self._requested_device is not None:
-            return torch.device(self._requested_device)
-        return torch.device("cuda", 0) if isinstance(self.accelerator, CUDAAccelerator) else torch.device("cpu")
 
     # ------------------------------------------------------------------ setup
     @override
@@ -192,15 +184,25 @@ class HotCacheStrategy(SingleDeviceStrategy):
                 raise
             self.plan = planner.plan(tables, profile_batches(self._training_batches(trainer), tables, self.profile_batches))
         rank_zero_info(f"hotcache plan:\n{self.plan}")
+        # A group of our own, so the row all-gathers in backward never interleave with DDP's
+        # bucket all-reduces on the default group.
+        group = dist.new_group() if self.world_size > 1 else None
         for path, collection in collections.items():
             hot = HotColdEmbeddingBagCollection.from_ebc(
-                collection, self.plan, optimizer, self.root_device, self.cache_policy, self.host_storage  # type: ignore[arg-type]
-            )
+                collection, self.plan, optimizer, self.root_device, self.cache_policy,  # type: ignore[arg-type]
+                self._rank_storage(), group,
+            )  # fmt: skip
             hot.load_optimizer_state(
                 {t: self._restored_row_state[f"{path}.{t}"] for t in hot.caches if f"{path}.{t}" in self._restored_row_state}
             )
             model.set_submodule(path, hot)
         self._restored_row_state = {}
+
+    def _rank_storage(self) -> str:
+        # Memory-mapped host tables: one directory per rank, as each rank keeps its own copy.
+        if self.host_storage == "memory" or self.world_size == 1:
+            return self.host_storage
+        return str(Path(self.host_storage) / f"rank{self.global_rank}")
 
     def _training_batches(self, trainer: pl.Trainer) -> Iterable[Any]:
         if trainer.datamodule is not None:

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import cpu_trainer, tiny_synthetic  # noqa: E402
 
-import lightning_hotcache  # noqa: E402, F401  (registers the strategies)
+from lightning_hotcache import HotCacheStrategy  # noqa: E402  (importing registers the strategies)
 from models import create_model  # noqa: E402
 
 
@@ -28,14 +28,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--optimizer", default="rowwise_adagrad")
     parser.add_argument("--strategy", default="ddp", help="strategy for more than one process")
+    parser.add_argument("--device-budget", type=float, default=None, help="hotcache budget (fraction)")
+    parser.add_argument("--big-tables", action="store_true", help="tables up to 100k rows, so budgets split them")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
     pl.seed_everything(0)
-    dm = tiny_synthetic(batch_size=args.batch_size, num_train_samples=4096)
+    tables = {"scale": 0.01, "num_embeddings_cap": None} if args.big_tables else {}
+    dm = tiny_synthetic(batch_size=args.batch_size, num_train_samples=4096, **tables)
     model = create_model(args.model, dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer})
+    strategy = args.strategy if args.devices > 1 else "auto"
+    if strategy == "hotcache" and args.device_budget is not None:
+        strategy = HotCacheStrategy(device_budget=args.device_budget, profile_batches=8)
     trainer = cpu_trainer(
-        strategy=args.strategy if args.devices > 1 else "auto",
+        strategy=strategy,
         devices=args.devices,
         max_steps=args.steps,
         limit_val_batches=0,

@@ -18,11 +18,11 @@ SCRIPT = Path(__file__).with_name("ddp_train.py")
 REPO = SCRIPT.parents[1]
 
 
-def _train(tmp_path: Path, devices: int, batch_size: int, optimizer: str, strategy: str = "ddp") -> dict:
+def _train(tmp_path: Path, devices: int, batch_size: int, optimizer: str, strategy: str = "ddp", *extra: str) -> dict:
     out = tmp_path / f"{strategy}{devices}_{optimizer}.pt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(SCRIPT), f"--devices={devices}", f"--batch-size={batch_size}",
-           f"--optimizer={optimizer}", f"--strategy={strategy}", f"--out={out}"]  # fmt: skip
+           f"--optimizer={optimizer}", f"--strategy={strategy}", f"--out={out}", *extra]  # fmt: skip
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out)
@@ -43,5 +43,15 @@ def test_torchrec_two_processes_match_one_with_double_batch(tmp_path: Path) -> N
     """TorchRec shards tables across the 2 ranks (table-wise) and averages like DDP."""
     two = _train(tmp_path, devices=2, batch_size=128, optimizer="rowwise_adagrad", strategy="torchrec")
     one = _train(tmp_path, devices=1, batch_size=256, optimizer="rowwise_adagrad")
+    assert two["world_size"] == 2
+    torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_hotcache_two_processes_match_one_with_double_batch(tmp_path: Path, optimizer: str) -> None:
+    """Each rank caches its own rows; the all-gathered mean update keeps every copy equal."""
+    split = ["--big-tables", "--device-budget=0.05"]
+    two = _train(tmp_path, 2, 128, optimizer, "hotcache", *split)
+    one = _train(tmp_path, 1, 256, optimizer, "auto", *split)
     assert two["world_size"] == 2
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)

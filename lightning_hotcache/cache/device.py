@@ -213,6 +213,28 @@ class DeviceCache:
             self.dirty[rows] = True
 
     @torch.no_grad()
+    def apply_update_to_ids(self, ids: Tensor, grads: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
+        """One row-wise step for unique row ``ids`` with gradient rows ``grads``, wherever the
+        rows are: cached rows in their slots, the others in the host store."""
+        if self.identity:
+            self.apply_update(torch.sparse_coo_tensor(ids[None], grads, self.weight.shape), optimizer)
+            return
+        slots = self.slot_map.lookup(ids)
+        cached = slots >= 0
+        if bool(cached.any()):
+            self.apply_update(torch.sparse_coo_tensor(slots[cached][None], grads[cached], self.weight.shape), optimizer)
+        if not bool(cached.all()):
+            assert self.host is not None
+            host_ids = ids[~cached]
+            rows = self.host.read(host_ids)
+            weights = rows.pop("weight")
+            optimizer.update_rows(weights, rows, grads[~cached].to("cpu", weights.dtype))
+            self.host.write(host_ids, {"weight": weights, **rows})
+
+    def ids_of_slots(self, slots: Tensor) -> Tensor:
+        return slots if self.identity else self.id_of_slot[slots]
+
+    @torch.no_grad()
     def flush(self) -> None:
         """Write every changed row (and its state) back to the host store, and make
         memory-mapped host files durable."""
