@@ -20,7 +20,10 @@ REPO = SCRIPT.parents[1]
 
 def _train(tmp_path: Path, devices: int, batch_size: int, optimizer: str, strategy: str = "ddp", *extra: str) -> dict:
     out = tmp_path / f"{strategy}{devices}_{optimizer}.pt"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # In-process tests of DDP-based strategies leave their rendezvous variables (and a live
+    # store on MASTER_PORT) behind; a fresh launch must pick its own.
+    stale = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED"}
+    env = {**{k: v for k, v in os.environ.items() if k not in stale}, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(SCRIPT), f"--devices={devices}", f"--batch-size={batch_size}",
            f"--optimizer={optimizer}", f"--strategy={strategy}", f"--out={out}", *extra]  # fmt: skip
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
