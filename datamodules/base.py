@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
-from typing import Literal, Protocol, Union
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, Protocol, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import ParallelStrategy
@@ -98,6 +98,28 @@ class BatchDataset(Dataset[Batch]):
         return self.source.batch(start, min(start + self.batch_size, len(self.source)))
 
 
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start its next epoch a number of batches in.
+
+    Lightning restores a run killed mid-epoch at the right batch index but iterates a plain
+    sampler from the start again, so a resumed run would see the epoch's first batches twice
+    and never its last. The datamodule tells the sampler how many batches the restored
+    epoch had already completed.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._skip = 0
+
+    def skip_next(self, batches: int) -> None:
+        self._skip = batches
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        skip, self._skip = self._skip, 0
+        return iter(indices[skip:])
+
+
 class CTRDataModule(pl.LightningDataModule):
     """Base of the CTR datamodules: yields ``torchrec.datasets.utils.Batch`` objects.
 
@@ -173,14 +195,18 @@ class CTRDataModule(pl.LightningDataModule):
         return DataLoader(
             dataset,
             batch_size=None,
-            sampler=DistributedSampler(dataset, **replicas, shuffle=shuffle, seed=seed),
+            sampler=ResumableSampler(dataset, **replicas, shuffle=shuffle, seed=seed),
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader[Batch]:
-        return self.dataloader("train", shuffle=self.shuffle)
+        loader = self.dataloader("train", shuffle=self.shuffle)
+        trainer = self.trainer
+        if trainer is not None and trainer.fit_loop.restarting:  # resumed from a mid-epoch checkpoint
+            loader.sampler.skip_next(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        return loader
 
     def val_dataloader(self) -> DataLoader[Batch]:
         return self.dataloader("val")

@@ -192,3 +192,45 @@ def test_torchrec_refuses_rules_it_cannot_match() -> None:
     model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer={"name": "adam"})
     with pytest.raises(ValueError, match="no row-lazy 'adam'"):
         cpu_trainer(strategy="torchrec", max_steps=1).fit(model, dm)
+
+
+class _Killed(RuntimeError):
+    pass
+
+
+class _KillAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise _Killed(f"killed at step {self.step}")
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hotcache"])
+def test_run_killed_mid_epoch_resumes_exactly(strategy, tmp_path, stats_path) -> None:
+    """Checkpoint every 5 steps, die at step 23 (epoch 2 of 16-batch epochs), resume from
+    step 20: the replayed batches are the epoch's remaining ones and the tables end equal."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def make():
+        if strategy == "auto":
+            return "auto"
+        return HotCacheStrategy(device_budget=0.05, stats_path=str(stats_path), cache_policy="lfu")
+
+    straight, _, _ = fit("dlrm", make(), epochs=2)
+
+    pl.seed_everything(0)
+    dm = data()
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    every5 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)
+    trainer = cpu_trainer(strategy=make(), max_epochs=2, enable_checkpointing=True, callbacks=[every5, _KillAt(23)])
+    with pytest.raises(_Killed):
+        trainer.fit(model, dm)
+
+    pl.seed_everything(0)
+    resumed = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    trainer = cpu_trainer(strategy=make(), max_epochs=2)
+    trainer.fit(resumed, dm, ckpt_path=tmp_path / "epoch=1-step=20.ckpt")
+    assert trainer.global_step == 32
+    torch.testing.assert_close(resumed.state_dict(), straight.state_dict(), rtol=1e-5, atol=1e-5)
