@@ -29,6 +29,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.modules.embedding_configs import PoolingType
 
 from lightning_hotcache.cache import CachePolicy, DeviceCache, HostStore
+from lightning_hotcache.cache.exchange import RowSharding, all_gather_rows
 from lightning_hotcache.planner import HotColdPlan
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
@@ -41,25 +42,6 @@ class _StagedBatch:
     slots: dict[str, Tensor]  # feature -> slot of every value
     tickets: dict[str, list[int]]  # table -> cache tickets to release
     output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
-
-
-def _all_gather_rows(ids: Tensor, rows: Tensor, group: Any) -> tuple[Tensor, Tensor]:
-    """Every rank's (ids, gradient rows), concatenated in rank order (sizes differ by rank)."""
-    world = dist.get_world_size(group)
-    count = torch.tensor([ids.numel()], device=ids.device)
-    counts = [torch.zeros_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
-    longest = int(max(c.item() for c in counts))
-    padded_ids = torch.zeros(longest, dtype=ids.dtype, device=ids.device)
-    padded_rows = torch.zeros(longest, rows.shape[1], dtype=rows.dtype, device=rows.device)
-    padded_ids[: ids.numel()] = ids
-    padded_rows[: ids.numel()] = rows
-    all_ids = [torch.empty_like(padded_ids) for _ in range(world)]
-    all_rows = [torch.empty_like(padded_rows) for _ in range(world)]
-    dist.all_gather(all_ids, padded_ids, group=group)
-    dist.all_gather(all_rows, padded_rows, group=group)
-    n = [int(c.item()) for c in counts]
-    return torch.cat([a[:k] for a, k in zip(all_ids, n)]), torch.cat([r[:k] for r, k in zip(all_rows, n)])
 
 
 def _same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
@@ -96,10 +78,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
             memory-mapped host tables.
         is_weighted: use the KJT's per-sample weights (SUM pooling), as torchrec's flag of that name.
         process_group: data-parallel ranks training the same tables (None: this process alone).
-            Each rank keeps a full, identical copy of every table (its own cache over its own
-            host store); in backward the ranks all-gather the rows they read with their
-            gradients, average them as DDP does, and every rank applies the same update to its
-            copy of each row, cached or not.
+            Host stores are sharded round-robin across the ranks and each rank caches the rows
+            its batches read (see `DeviceCache`); in backward the ranks all-gather the rows
+            they read with their gradients, average them as DDP does, and every copy of each
+            row (caches, owner's store) gets the same update. Every rank must make the same
+            calls (forward, prefetch, state_dict) in the same order.
     """
 
     def __init__(
@@ -126,6 +109,9 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 raise ValueError(f"Table {table.name!r}: pooling {table.pooling} is not supported (SUM or MEAN).")
         directory = None if str(host_storage) == "memory" else Path(host_storage)
         pin = self.device.type == "cuda"
+        sharding = RowSharding()
+        if process_group is not None:
+            sharding = RowSharding(dist.get_rank(process_group), dist.get_world_size(process_group), process_group)
         self.caches: dict[str, DeviceCache] = {}
         for table in self._tables:
             table_plan = plan.table(table.name)
@@ -133,7 +119,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
             host = None
             if len(static_ids) < table.num_embeddings:
                 widths = self.optimizer.state_widths(table.embedding_dim)
-                host = HostStore(table.name, table.num_embeddings, table.embedding_dim, widths, directory, pin)
+                rows = sharding.num_local(table.num_embeddings)
+                host = HostStore(table.name, rows, table.embedding_dim, widths, directory, pin)
             cache = DeviceCache(
                 table.name,
                 table.num_embeddings,
@@ -144,6 +131,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 cache_policy,
                 host,
                 self.device,
+                sharding,
             )
             cache.weight.requires_grad_(True)
             cache.weight.register_post_accumulate_grad_hook(self._make_update_hook(table.name))
@@ -282,7 +270,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
                     cache.apply_update(grad, self.optimizer)
                 else:
                     grad = grad.coalesce()
-                    ids, rows = _all_gather_rows(cache.ids_of_slots(grad.indices()[0]), grad.values(), self.process_group)
+                    ids, rows = all_gather_rows(cache.ids_of_slots(grad.indices()[0]), grad.values(), self.process_group)
                     # DDP's convention: the gradient is the mean over ranks.
                     summed = torch.sparse_coo_tensor(ids[None], rows / world, (cache.num_embeddings, rows.shape[1]))
                     summed = summed.coalesce()

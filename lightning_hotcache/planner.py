@@ -210,18 +210,23 @@ class HotColdPlan:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
 
     @classmethod
+    def from_dict(cls, data: dict[str, Any], sharding_plan: "ShardingPlan | None" = None) -> "HotColdPlan":
+        """Inverse of `to_dict`."""
+        if data.get("format_version") != PLAN_FORMAT_VERSION:
+            raise ValueError(f"format version {data.get('format_version')!r}, expected {PLAN_FORMAT_VERSION}")
+        return cls(
+            tables=[TablePlan.from_json(t) for t in data["tables"]],
+            budget_bytes=int(data["budget_bytes"]),
+            world_size=int(data["world_size"]),
+            prefetch_depth=int(data["prefetch_depth"]),
+            cache_policy=str(data["cache_policy"]),
+            sharding_plan=sharding_plan,
+        )
+
+    @classmethod
     def load(cls, path: str | Path, tables: Sequence[EmbeddingBagConfig] | None = None) -> "HotColdPlan":
         try:
-            data = json.loads(Path(path).read_text())
-            if data.get("format_version") != PLAN_FORMAT_VERSION:
-                raise ValueError(f"format version {data.get('format_version')!r}, expected {PLAN_FORMAT_VERSION}")
-            plan = cls(
-                tables=[TablePlan.from_json(t) for t in data["tables"]],
-                budget_bytes=int(data["budget_bytes"]),
-                world_size=int(data["world_size"]),
-                prefetch_depth=int(data["prefetch_depth"]),
-                cache_policy=str(data["cache_policy"]),
-            )
+            plan = cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{path} is not a readable hot/cold plan ({err}); make it again with `hotcache plan`.") from err
         if tables is not None:

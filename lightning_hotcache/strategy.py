@@ -13,12 +13,11 @@ same model under ``strategy="auto"``), the row-wise optimizer state in the strat
 `ROW_STATE_KEY` format, and the plan.
 
 Processes are launched and the dense layers reduced exactly as by Lightning's DDPStrategy
-(``devices``, ``num_nodes``, torchrun, SLURM; gloo on CPU, NCCL on GPUs). Every rank keeps a
-full copy of each table (device cache over its own host store); in backward the ranks
-all-gather the rows they read with their gradients, and each applies the same mean update
-to its copy, so the copies never diverge and N ranks x batch B learn what 1 rank x N*B
-learns. Host stores are replicated, not yet sharded across ranks: host memory per rank is
-the whole model.
+(``devices``, ``num_nodes``, torchrun, SLURM; gloo on CPU, NCCL on GPUs). Host stores are
+sharded round-robin across ranks and each rank caches the rows its batches read (hot rows
+on every rank); misses come from their owners, and in backward the ranks all-gather the
+rows they read with their gradients so that every copy gets the same mean update: N ranks
+x batch B learn what 1 rank x N*B learns. Checkpoints gather the shards into whole tables.
 """
 
 from __future__ import annotations
@@ -183,6 +182,10 @@ class HotCacheStrategy(DDPStrategy):
             if stats is not None or "hotcache profile" not in str(err):
                 raise
             self.plan = planner.plan(tables, profile_batches(self._training_batches(trainer), tables, self.profile_batches))
+        if self.world_size > 1:
+            # Ranks profiled different batches; they must share one plan (their row exchanges
+            # must match), so rank 0's wins.
+            self.plan = HotColdPlan.from_dict(self.broadcast(self.plan.to_dict()), self.plan.sharding_plan)
         rank_zero_info(f"hotcache plan:\n{self.plan}")
         # A group of our own, so the row all-gathers in backward never interleave with DDP's
         # bucket all-reduces on the default group.
@@ -199,7 +202,7 @@ class HotCacheStrategy(DDPStrategy):
         self._restored_row_state = {}
 
     def _rank_storage(self) -> str:
-        # Memory-mapped host tables: one directory per rank, as each rank keeps its own copy.
+        # Memory-mapped host tables: one directory per rank, each holding that rank's shard.
         if self.host_storage == "memory" or self.world_size == 1:
             return self.host_storage
         return str(Path(self.host_storage) / f"rank{self.global_rank}")

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import cpu_trainer, tiny_synthetic  # noqa: E402
 
 from lightning_hotcache import HotCacheStrategy  # noqa: E402  (importing registers the strategies)
+from lightning_hotcache.embedding import hot_cold_modules  # noqa: E402
 from models import create_model  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def main() -> None:
     model = create_model(args.model, dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer})
     strategy = args.strategy if args.devices > 1 else "auto"
     if strategy == "hotcache" and args.device_budget is not None:
-        strategy = HotCacheStrategy(device_budget=args.device_budget, profile_batches=8)
+        strategy = HotCacheStrategy(device_budget=args.device_budget, profile_batches=2)
     trainer = cpu_trainer(
         strategy=strategy,
         devices=args.devices,
@@ -48,8 +49,17 @@ def main() -> None:
     )
     trainer.fit(model, dm)
     state = trainer.strategy.lightning_module_state_dict()  # sharded tables gathered
+    # Rows this rank's host stores hold, and rows fetched into its caches (hotcache only).
+    caches = [c for m in hot_cold_modules(model).values() for c in m.caches.values() if c.host is not None]
+    host_rows = sum(c.host.num_embeddings for c in caches)
+    table_rows = sum(c.num_embeddings for c in caches)
+    fetched = sum(c.counters.fetched_rows for c in caches)
     if trainer.is_global_zero:
-        torch.save({"state_dict": state, "world_size": trainer.world_size}, args.out)
+        torch.save(
+            {"state_dict": state, "world_size": trainer.world_size, "host_rows": host_rows, "table_rows": table_rows,
+             "fetched_rows": fetched},
+            args.out,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

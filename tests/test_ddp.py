@@ -52,9 +52,12 @@ def test_torchrec_two_processes_match_one_with_double_batch(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_hotcache_two_processes_match_one_with_double_batch(tmp_path: Path, optimizer: str) -> None:
-    """Each rank caches its own rows; the all-gathered mean update keeps every copy equal."""
+    """Host stores sharded across the 2 ranks, each caching the rows its batches read, and
+    the all-gathered mean update reaching every copy: the same tables as 1 process x 2B."""
     split = ["--big-tables", "--device-budget=0.05"]
     two = _train(tmp_path, 2, 128, optimizer, "hotcache", *split)
     one = _train(tmp_path, 1, 256, optimizer, "auto", *split)
     assert two["world_size"] == 2
+    assert two["fetched_rows"] > 0  # the caches really fetched rows from the ranks' stores
+    assert two["host_rows"] * 2 - two["table_rows"] in range(0, 27)  # rank 0 holds half of every split table
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)

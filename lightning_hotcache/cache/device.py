@@ -12,6 +12,11 @@ same slots, so a row and its state always move together.
 When the static region covers the whole table, slot == id and there is no host copy and
 no bookkeeping at all: the table simply lives on the device.
 
+Across data-parallel ranks (`RowSharding`), each rank's host store holds its round-robin
+shard of the rows; misses are fetched from their owners (from the owner's cache when the
+owner has the row cached, since its host copy may be stale), every copy of a row receives
+every update, and only the owner writes a row back, so evicting another rank's row is free.
+
 Written by hand because neither TorchRec nor FBGEMM offers this on CPU: FBGEMM's LRU/LFU
 caches are CUDA kernels of its UVM table-batched embedding, with no CPU build and no
 static region chosen from measured frequencies.
@@ -25,6 +30,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_hotcache.cache.exchange import RowSharding, exchange_rows, gather_table
 from lightning_hotcache.cache.host import HostStore
 from lightning_hotcache.cache.slot_map import make_slot_map
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig, apply_sparse_update
@@ -60,8 +66,10 @@ class DeviceCache:
         num_dynamic: dynamic slots.
         policy: ``lfu``, ``lru``, or ``static`` (dynamic slots only stage each batch's misses
             and are emptied after it, as in FAE).
-        host: the host store of the table; may be ``None`` only when static_ids cover all rows.
+        host: the host store of this rank's rows of the table (see ``sharding``); may be
+            ``None`` only when static_ids cover all rows.
         device: where the slots live.
+        sharding: ranks sharing the table (default: this process alone).
     """
 
     def __init__(
@@ -75,6 +83,7 @@ class DeviceCache:
         policy: CachePolicy,
         host: HostStore | None,
         device: torch.device,
+        sharding: RowSharding = RowSharding(),
     ) -> None:
         if policy not in CACHE_POLICIES:
             raise ValueError(f"Unknown cache policy {policy!r}; choose one of {', '.join(CACHE_POLICIES)}.")
@@ -83,6 +92,7 @@ class DeviceCache:
             raise ValueError(f"Table {name!r}: static ids must lie in [0, {num_embeddings}).")
         self.name = name
         self.num_embeddings = num_embeddings
+        self.sharding = sharding
         self.policy = policy
         self.device = device
         self.identity = len(static_ids) == num_embeddings
@@ -133,7 +143,8 @@ class DeviceCache:
         self.counters.hits += ids.numel() - num_missing
         # Lock the hits first, so that fetching the misses cannot evict them.
         self.last_used[slots[~missing]] = ticket
-        if num_missing:
+        # With several ranks every rank joins the row exchange, misses or not.
+        if num_missing or self.sharding.world > 1:
             self._fetch(ids[missing].unique())
             slots = self.slot_map.lookup(ids)
             self.last_used[slots[missing]] = ticket
@@ -161,14 +172,33 @@ class DeviceCache:
     def _fetch(self, ids: Tensor) -> None:
         victims = self._choose_victims(len(ids))
         self._evict(victims[self.id_of_slot[victims] >= 0])
-        assert self.host is not None
-        rows = self.host.read(ids)
+        rows = self._read_rows(ids)
         for key, tensor in self.slots.items():
             tensor[victims] = rows[key].to(self.device, non_blocking=True)
         self.slot_map.assign(ids, victims)
         self.id_of_slot[victims] = ids
         self.frequency[victims] = 0
         self.counters.fetched_rows += len(ids)
+
+    def _read_rows(self, ids: Tensor) -> dict[str, Tensor]:
+        """Rows and state of ``ids``, from this rank's store or, across ranks, their owners'."""
+        if self.sharding.world == 1:
+            assert self.host is not None
+            return self.host.read(ids)
+        widths = {key: tensor.shape[1] for key, tensor in self.slots.items()}
+        packed = exchange_rows(ids, self._serve, sum(widths.values()), self.sharding)
+        return dict(zip(widths, packed.split(list(widths.values()), dim=1)))
+
+    def _serve(self, ids: Tensor) -> Tensor:
+        """Packed current rows of ``ids`` (all owned here): cached copy if any, else host."""
+        assert self.host is not None
+        rows = self.host.read(self.sharding.local(ids))
+        packed = torch.cat([rows[key].to(self.device) for key in self.slots], dim=1)
+        slots = self.slot_map.lookup(ids.to(self.device))
+        cached = slots >= 0
+        if bool(cached.any()):
+            packed[cached] = torch.cat([tensor[slots[cached]] for tensor in self.slots.values()], dim=1)
+        return packed
 
     def _choose_victims(self, count: int) -> Tensor:
         start = self.num_static
@@ -200,7 +230,8 @@ class DeviceCache:
         if len(slots) == 0:
             return
         assert self.host is not None
-        self.host.write(self.id_of_slot[slots], {key: tensor[slots] for key, tensor in self.slots.items()})
+        ids = self.id_of_slot[slots]
+        self.host.write(self.sharding.local(ids), {key: tensor[slots] for key, tensor in self.slots.items()})
         self.dirty[slots] = False
         self.counters.written_back_rows += len(slots)
 
@@ -210,7 +241,8 @@ class DeviceCache:
         state = {key: tensor for key, tensor in self.slots.items() if key != "weight"}
         rows = apply_sparse_update(optimizer, self.weight, state, grad)
         if not self.identity:
-            self.dirty[rows] = True
+            # Only the owner writes a row back: other ranks' copies are dropped on eviction.
+            self.dirty[rows] = self.dirty[rows] | self.sharding.owned(self.id_of_slot[rows])
 
     @torch.no_grad()
     def apply_update_to_ids(self, ids: Tensor, grads: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
@@ -223,13 +255,14 @@ class DeviceCache:
         cached = slots >= 0
         if bool(cached.any()):
             self.apply_update(torch.sparse_coo_tensor(slots[cached][None], grads[cached], self.weight.shape), optimizer)
-        if not bool(cached.all()):
+        in_host = ~cached & self.sharding.owned(ids)  # rows cached nowhere here: the owner's store
+        if bool(in_host.any()):
             assert self.host is not None
-            host_ids = ids[~cached]
-            rows = self.host.read(host_ids)
+            local = self.sharding.local(ids[in_host])
+            rows = self.host.read(local)
             weights = rows.pop("weight")
-            optimizer.update_rows(weights, rows, grads[~cached].to("cpu", weights.dtype))
-            self.host.write(host_ids, {"weight": weights, **rows})
+            optimizer.update_rows(weights, rows, grads[in_host].to("cpu", weights.dtype))
+            self.host.write(local, {"weight": weights, **rows})
 
     def ids_of_slots(self, slots: Tensor) -> Tensor:
         return slots if self.identity else self.id_of_slot[slots]
@@ -245,12 +278,15 @@ class DeviceCache:
 
     # ---------------------------------------------------------- whole table
     def full(self, key: str = "weight") -> Tensor:
-        """The current whole table (``weight``) or optimizer state array, on the CPU."""
+        """The current whole table (``weight``) or optimizer state array, on the CPU (across
+        ranks a collective: every rank must ask)."""
         if self.identity:
             return self.slots[key].detach().cpu()
         self.flush()
         assert self.host is not None
-        return self.host.arrays[key]
+        if self.sharding.world == 1:
+            return self.host.arrays[key]
+        return gather_table(self.host.arrays[key], self.num_embeddings, self.sharding)
 
     @torch.no_grad()
     def load_full(self, key: str, values: Tensor) -> None:
@@ -260,6 +296,7 @@ class DeviceCache:
             self.slots[key].copy_(values.to(self.device))
             return
         assert self.host is not None
-        self.host.load(key, values.cpu())
+        values = values.cpu()
+        self.host.load(key, values[self.sharding.rank :: self.sharding.world])
         occupied = (self.id_of_slot >= 0).nonzero().squeeze(1)
-        self.slots[key][occupied] = self.host.read(self.id_of_slot[occupied])[key].to(self.device)
+        self.slots[key][occupied] = values[self.id_of_slot[occupied].cpu()].to(self.device)
