@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torchrec import EmbeddingBagConfig
 
+from lightning_hotcache.cache.device import check_cache_policy
 from lightning_hotcache.cache.slot_map import SORTED_BYTES_PER_RESIDENT, slot_map_bytes
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
@@ -305,6 +306,7 @@ class HotColdPlanner:
             raise ValueError(f"world_size must be >= 1, got {world_size}.")
         if prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}.")
+        check_cache_policy(cache_policy)
         self.device_budget = device_budget
         self.optimizer = optimizer or RowWiseOptimizerConfig()
         self.world_size = world_size

@@ -35,7 +35,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 from typing_extensions import override
 
-from lightning_hotcache.cache import CACHE_POLICIES
+from lightning_hotcache.cache import check_cache_policy
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
 from lightning_hotcache.planner import Budget, HotColdPlan, HotColdPlanner
 from lightning_hotcache.profiling import AccessStats, profile_batches
@@ -126,8 +126,7 @@ class HotCacheStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if cache_policy not in CACHE_POLICIES:
-            raise ValueError(f"cache_policy must be one of {', '.join(CACHE_POLICIES)}; got {cache_policy!r}.")
+        check_cache_policy(cache_policy)
         if prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}.")
         if profile_batches < 1:

@@ -133,7 +133,7 @@ def test_presets_are_registered_and_build_the_strategy() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [
-        ({"cache_policy": "fifo"}, "cache_policy"),
+        ({"cache_policy": "fifo"}, "Unknown cache policy 'fifo'"),
         ({"prefetch_depth": -1}, "prefetch_depth"),
         ({"profile_batches": 0}, "profile_batches"),
         ({"stats_path": "/nonexistent/stats.npz"}, "hotcache profile"),

@@ -39,6 +39,11 @@ CachePolicy = Literal["lfu", "lru", "static"]
 CACHE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static")
 
 
+def check_cache_policy(policy: str) -> None:
+    if policy not in CACHE_POLICIES:
+        raise ValueError(f"Unknown cache policy {policy!r}; choose one of {', '.join(CACHE_POLICIES)}.")
+
+
 class CacheCapacityError(RuntimeError):
     """A batch (with the batches in flight) needs more rows than the cache has free slots."""
 
@@ -85,8 +90,7 @@ class DeviceCache:
         device: torch.device,
         sharding: RowSharding = RowSharding(),
     ) -> None:
-        if policy not in CACHE_POLICIES:
-            raise ValueError(f"Unknown cache policy {policy!r}; choose one of {', '.join(CACHE_POLICIES)}.")
+        check_cache_policy(policy)
         static_ids = torch.as_tensor(static_ids, dtype=torch.int64).unique()  # sorted, for memory locality
         if len(static_ids) and (static_ids[0] < 0 or static_ids[-1] >= num_embeddings):
             raise ValueError(f"Table {name!r}: static ids must lie in [0, {num_embeddings}).")
