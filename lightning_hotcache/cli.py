@@ -4,6 +4,7 @@
     hotcache fit --model models.DeepFM --data datamodules.SyntheticCTRDataModule --trainer.max_epochs 1
     hotcache profile -c configs/dlrm_synthetic.yaml --out stats.npz --plot coverage.png
     hotcache plan -c configs/dlrm_synthetic.yaml --budget 2GB [--stats stats.npz] [--out plan.json]
+    hotcache consolidate checkpoints/run/last.ckpt --out plain.ckpt   # from checkpoint_shards=True
 
 Model and data are given by class path (subclass mode), so user subclasses work too. The
 datamodule's ``tables`` and ``num_dense_features`` are linked into the model, so a config
@@ -144,6 +145,21 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
     return plan
 
 
+def _consolidate(argv: Sequence[str]) -> dict[str, Any]:
+    from lightning_hotcache.strategy import consolidate_checkpoint
+
+    parser = argparse.ArgumentParser(
+        prog="hotcache consolidate",
+        description="Turn a checkpoint saved with checkpoint_shards=True into a plain one (whole tables).",
+    )
+    parser.add_argument("checkpoint")
+    parser.add_argument("--out", required=True, help="where to write the plain checkpoint")
+    options = parser.parse_args(argv)
+    checkpoint = consolidate_checkpoint(options.checkpoint, options.out)
+    print(f"saved {options.out}")
+    return checkpoint
+
+
 def main(args: Any = None) -> Any:
     """Entry point of the ``hotcache`` script (``args`` as for LightningCLI, for tests)."""
     # W&B never reaches the network unless the user asks for it (configs use offline mode too).
@@ -151,6 +167,8 @@ def main(args: Any = None) -> Any:
     argv = list(sys.argv[1:] if args is None else args)
     if argv and argv[0] in ("profile", "plan"):
         return run_tool(argv[0], argv[1:])
+    if argv and argv[0] == "consolidate":
+        return _consolidate(argv[1:])
     return _lightning_cli(args)
 
 

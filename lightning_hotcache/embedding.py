@@ -99,6 +99,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
         super().__init__()
         self._is_weighted = is_weighted
         self.process_group = process_group
+        # False while a strategy saves split tables shard by shard instead of gathering them.
+        self.gather_split_tables = True
         self._tables = list(tables)
         self.optimizer = optimizer or RowWiseOptimizerConfig()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -290,10 +292,24 @@ class HotColdEmbeddingBagCollection(nn.Module):
             cache.flush()
 
     def optimizer_state(self) -> dict[str, dict[str, Tensor]]:
-        """Current row-wise optimizer state of every table: table -> state name -> (rows, width)."""
+        """Current row-wise optimizer state of every table: table -> state name -> (rows, width).
+        Tables whose rows are split over host stores are left out while `gather_split_tables`
+        is False (their state is in `host_shards`)."""
         return {
-            name: {key: cache.full(key) for key in cache.slots if key != "weight"} for name, cache in self.caches.items()
+            name: {key: cache.full(key) for key in cache.slots if key != "weight"}
+            for name, cache in self.caches.items()
+            if cache.identity or self.gather_split_tables
         }
+
+    def host_shards(self) -> dict[str, dict[str, Tensor]]:
+        """This rank's host rows (round-robin shard) of every split table, current: table ->
+        array name -> (local rows, width). No collective."""
+        shards = {}
+        for name, cache in self.caches.items():
+            if cache.host is not None:
+                cache.flush()
+                shards[name] = dict(cache.host.arrays)
+        return shards
 
     def load_optimizer_state(self, state: dict[str, dict[str, Tensor]]) -> None:
         for name, arrays in state.items():
@@ -303,7 +319,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         # The keys of the EmbeddingBagCollection this replaces, so checkpoints interchange.
         for name, cache in self.caches.items():
-            destination[f"{prefix}embedding_bags.{name}.weight"] = cache.full("weight")
+            if cache.identity or self.gather_split_tables:
+                destination[f"{prefix}embedding_bags.{name}.weight"] = cache.full("weight")
 
     def _load_from_state_dict(
         self,

@@ -17,7 +17,10 @@ Processes are launched and the dense layers reduced exactly as by Lightning's DD
 sharded round-robin across ranks and each rank caches the rows its batches read (hot rows
 on every rank); misses come from their owners, and in backward the ranks all-gather the
 rows they read with their gradients so that every copy gets the same mean update: N ranks
-x batch B learn what 1 rank x N*B learns. Checkpoints gather the shards into whole tables.
+x batch B learn what 1 rank x N*B learns. Checkpoints gather the shards into whole tables,
+or, with ``checkpoint_shards=True`` (tables too large to gather on one rank), each rank
+writes its own shard file beside the checkpoint; `consolidate_checkpoint` (or ``hotcache
+consolidate``) turns such a checkpoint into a plain one.
 """
 
 from __future__ import annotations
@@ -42,6 +45,42 @@ from lightning_hotcache.profiling import AccessStats, profile_batches
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
 
 PLAN_KEY = "hotcache_plan"
+SHARDS_KEY = "hotcache_shards"
+
+
+def shard_path(checkpoint_path: str | Path, rank: int, world: int) -> Path:
+    return Path(f"{checkpoint_path}.rank{rank}-of-{world}")
+
+
+def consolidate_checkpoint(path: str | Path, out: str | Path | None = None) -> dict[str, Any]:
+    """A plain checkpoint from one saved with ``checkpoint_shards=True``: the shard files of
+    every rank are interleaved back into whole tables (state_dict) and row state. Needs the
+    whole tables in memory. Saves to ``out`` when given."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    meta = checkpoint.pop(SHARDS_KEY, None)
+    if meta is None:
+        raise ValueError(f"{path} is not a sharded hotcache checkpoint (it has no {SHARDS_KEY!r}).")
+    world = int(meta["world_size"])
+    shards = []
+    for rank in range(world):
+        file = shard_path(path, rank, world)
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} is missing: a sharded checkpoint needs all {world} rank files.")
+        shards.append(torch.load(file, map_location="cpu", weights_only=True))
+    row_state = checkpoint.setdefault(ROW_STATE_KEY, {})
+    for key, rows in meta["num_embeddings"].items():
+        arrays = {}
+        for name in shards[0][key]:
+            full = torch.empty(rows, shards[0][key][name].shape[1])
+            for rank, shard in enumerate(shards):
+                full[rank::world] = shard[key][name]
+            arrays[name] = full
+        module_path, table = key.rsplit(".", 1)
+        checkpoint["state_dict"][f"{module_path}.embedding_bags.{table}.weight"] = arrays.pop("weight")
+        row_state[key] = arrays
+    if out is not None:
+        torch.save(checkpoint, out)
+    return checkpoint
 
 
 class _PrefetchingLoader:
@@ -109,6 +148,9 @@ class HotCacheStrategy(DDPStrategy):
         host_storage: ``"memory"`` or a directory for memory-mapped host tables.
         prefetch_depth: training batches whose rows are staged ahead of the current one.
         cache_metrics: add a `CacheMetrics` callback (hit rates, traffic) unless one is there.
+        checkpoint_shards: save split tables as one file per rank (``<ckpt>.rank<r>-of-<n>``)
+            instead of gathering them into the checkpoint. Loading one consolidates it in
+            each rank's memory.
         **kwargs: DDPStrategy options (process_group_backend, timeout, DDP arguments, ...).
     """
 
@@ -123,6 +165,7 @@ class HotCacheStrategy(DDPStrategy):
         host_storage: str = "memory",
         prefetch_depth: int = 1,
         cache_metrics: bool = True,
+        checkpoint_shards: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -140,6 +183,7 @@ class HotCacheStrategy(DDPStrategy):
         self.host_storage = host_storage
         self.prefetch_depth = prefetch_depth
         self.cache_metrics = cache_metrics
+        self.checkpoint_shards = checkpoint_shards
         self.plan: HotColdPlan | None = None
         self._restored_row_state: Mapping[str, Mapping[str, torch.Tensor]] = {}
 
@@ -222,15 +266,45 @@ class HotCacheStrategy(DDPStrategy):
 
     # ----------------------------------------------------------- checkpoints
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        modules = hot_cold_modules(self.lightning_module).values()
+        for module in modules:
+            module.gather_split_tables = not self.checkpoint_shards
+        try:
+            return super().lightning_module_state_dict()
+        finally:
+            for module in modules:
+                module.gather_split_tables = True
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         modules = hot_cold_modules(self.lightning_module)
         if modules:
+            assert self.plan is not None
+            checkpoint[PLAN_KEY] = self.plan.to_dict()
+            for m in modules.values():
+                m.gather_split_tables = not self.checkpoint_shards
             checkpoint[ROW_STATE_KEY] = {
                 f"{path}.{table}": arrays for path, m in modules.items() for table, arrays in m.optimizer_state().items()
             }
-            assert self.plan is not None
-            checkpoint[PLAN_KEY] = self.plan.to_dict()
+            for m in modules.values():
+                m.gather_split_tables = True
+        if modules and self.checkpoint_shards:
+            shards = {f"{path}.{table}": arrays for path, m in modules.items() for table, arrays in m.host_shards().items()}
+            rows = {f"{path}.{t}": m.caches[t].num_embeddings for path, m in modules.items() for t in m.host_shards()}
+            checkpoint[SHARDS_KEY] = {"world_size": self.world_size, "num_embeddings": rows}
+            # Every rank writes its own shard; the main file is written by rank 0 below.
+            target = shard_path(filepath, self.global_rank, self.world_size)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(shards, target)
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if SHARDS_KEY in checkpoint:
+            return consolidate_checkpoint(checkpoint_path)
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="ddp", help="strategy for more than one process")
     parser.add_argument("--device-budget", type=float, default=None, help="hotcache budget (fraction)")
     parser.add_argument("--big-tables", action="store_true", help="tables up to 100k rows, so budgets split them")
+    parser.add_argument("--sharded-checkpoint", type=Path, help="hotcache: also save a checkpoint with per-rank shards")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -40,7 +41,9 @@ def main() -> None:
     model = create_model(args.model, dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer})
     strategy = args.strategy if args.devices > 1 else "auto"
     if strategy == "hotcache" and args.device_budget is not None:
-        strategy = HotCacheStrategy(device_budget=args.device_budget, profile_batches=2)
+        strategy = HotCacheStrategy(
+            device_budget=args.device_budget, profile_batches=2, checkpoint_shards=args.sharded_checkpoint is not None
+        )
     trainer = cpu_trainer(
         strategy=strategy,
         devices=args.devices,
@@ -48,6 +51,9 @@ def main() -> None:
         limit_val_batches=0,
     )
     trainer.fit(model, dm)
+    if args.sharded_checkpoint is not None:
+        trainer.save_checkpoint(args.sharded_checkpoint)
+        trainer.strategy.checkpoint_shards = False
     state = trainer.strategy.lightning_module_state_dict()  # sharded tables gathered
     # Rows this rank's host stores hold, and rows fetched into its caches (hotcache only).
     caches = [c for m in hot_cold_modules(model).values() for c in m.caches.values() if c.host is not None]

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_hotcache.strategy import consolidate_checkpoint
+
 SCRIPT = Path(__file__).with_name("ddp_train.py")
 REPO = SCRIPT.parents[1]
 
@@ -55,9 +57,14 @@ def test_hotcache_two_processes_match_one_with_double_batch(tmp_path: Path, opti
     """Host stores sharded across the 2 ranks, each caching the rows its batches read, and
     the all-gathered mean update reaching every copy: the same tables as 1 process x 2B."""
     split = ["--big-tables", "--device-budget=0.05"]
-    two = _train(tmp_path, 2, 128, optimizer, "hotcache", *split)
+    sharded = tmp_path / "sharded.ckpt"
+    two = _train(tmp_path, 2, 128, optimizer, "hotcache", *split, f"--sharded-checkpoint={sharded}")
     one = _train(tmp_path, 1, 256, optimizer, "auto", *split)
     assert two["world_size"] == 2
     assert two["fetched_rows"] > 0  # the caches really fetched rows from the ranks' stores
     assert two["host_rows"] * 2 - two["table_rows"] in range(0, 27)  # rank 0 holds half of every split table
+    # Each rank wrote its shard; consolidating them gives the gathered tables.
+    consolidated = consolidate_checkpoint(sharded)
+    assert {f.name for f in tmp_path.glob("sharded.ckpt.rank*")} == {"sharded.ckpt.rank0-of-2", "sharded.ckpt.rank1-of-2"}
+    torch.testing.assert_close(consolidated["state_dict"], two["state_dict"])
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)

@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_hotcache
 from lightning_hotcache import AccessProfiler, HotColdPlanner, HotCacheStrategy, RowWiseOptimizerConfig
 from lightning_hotcache.embedding import hot_cold_modules
+from lightning_hotcache.cli import main
 from models import MODEL_REGISTRY, CTRModel, create_model
 
 OPTIMIZER = {"name": "rowwise_adagrad", "lr": 0.05}
@@ -93,9 +94,10 @@ def test_profiles_when_no_stats_and_logs_cache_metrics() -> None:
     assert "cache/h2d_bytes_per_sample" in trainer.callback_metrics
 
 
-def test_resume_matches_straight_through_and_loads_under_auto(tmp_path, stats_path) -> None:
+@pytest.mark.parametrize("shards", [False, True], ids=["gathered", "sharded"])
+def test_resume_matches_straight_through_and_loads_under_auto(tmp_path, stats_path, shards) -> None:
     def strategy() -> HotCacheStrategy:
-        return HotCacheStrategy(device_budget=0.05, stats_path=str(stats_path), cache_policy="lru")
+        return HotCacheStrategy(device_budget=0.05, stats_path=str(stats_path), cache_policy="lru", checkpoint_shards=shards)
 
     straight, _, _ = fit("dlrm", strategy(), epochs=2)
 
@@ -107,6 +109,13 @@ def test_resume_matches_straight_through_and_loads_under_auto(tmp_path, stats_pa
     trainer.save_checkpoint(tmp_path / "epoch1.ckpt")
     checkpoint = torch.load(tmp_path / "epoch1.ckpt", weights_only=True)
     assert checkpoint["hotcache_plan"]["budget_bytes"] > 0
+    if shards:  # split tables live in the rank file, not in the checkpoint
+        split = [t.name for t in trainer.strategy.plan.tables if not t.on_device]
+        assert not any(k.endswith(f"{split[0]}.weight") for k in checkpoint["state_dict"])
+        assert (tmp_path / "epoch1.ckpt.rank0-of-1").is_file()
+        consolidated = main(["consolidate", str(tmp_path / "epoch1.ckpt"), "--out", str(tmp_path / "plain.ckpt")])
+        torch.testing.assert_close(consolidated["state_dict"], first.state_dict())
+        checkpoint = torch.load(tmp_path / "plain.ckpt", weights_only=True)
     assert all("momentum" in s for s in checkpoint[lightning_hotcache.rowwise.ROW_STATE_KEY].values())
 
     pl.seed_everything(0)
@@ -114,10 +123,11 @@ def test_resume_matches_straight_through_and_loads_under_auto(tmp_path, stats_pa
     cpu_trainer(strategy=strategy(), max_epochs=2).fit(resumed, dm, ckpt_path=tmp_path / "epoch1.ckpt")
     torch.testing.assert_close(resumed.state_dict(), straight.state_dict(), rtol=1e-5, atol=1e-6)
 
-    # The same checkpoint evaluates under the plain strategy.
     hot_metrics = cpu_trainer(strategy=strategy()).validate(first, dm, verbose=False)[0]
     plain = create_model("dlrm", dm.tables, dm.num_dense_features)
-    plain_metrics = cpu_trainer().validate(plain, dm, ckpt_path=tmp_path / "epoch1.ckpt", verbose=False)[0]
+    # The same checkpoint (consolidated, when sharded) evaluates under the plain strategy.
+    plain_checkpoint = tmp_path / ("plain.ckpt" if shards else "epoch1.ckpt")
+    plain_metrics = cpu_trainer().validate(plain, dm, ckpt_path=plain_checkpoint, verbose=False)[0]
     assert plain_metrics["val/auc"] == pytest.approx(hot_metrics["val/auc"], abs=1e-6)
 
 
