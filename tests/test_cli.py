@@ -82,6 +82,9 @@ def test_wandb_offline_run_checkpoint_and_summary(
     main(["fit", "-c", str(config), "--trainer.max_epochs=1", "--trainer.limit_train_batches=3",
           "--trainer.limit_val_batches=2", *_data_overrides(config, tmp_path)])  # fmt: skip
     assert list((tmp_path / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))
+    # The demo config trains with hotcache: its plan goes to W&B as a table.
+    (table,) = (tmp_path / "logs" / "wandb").glob("offline-run-*/files/media/table/hotcache/plan_*.table.json")
+    assert "expected_hit_rate" in table.read_text()
     assert (tmp_path / "checkpoints" / "dlrm_synthetic" / "last.ckpt").is_file()
     summary = capsys.readouterr().out
     assert "val/bayes_auc" in summary and "AUC gap to Bayes-optimal" in summary
