@@ -215,7 +215,7 @@ class HotCacheStrategy(DDPStrategy):
         # In flight besides the training step: `prefetch_depth` staged batches, the one
         # Lightning's data fetcher holds ahead, and a validation batch between them.
         planner = HotColdPlanner(
-            self.device_budget, optimizer, prefetch_depth=self.prefetch_depth + 2,
+            self.device_budget, optimizer, world_size=self.world_size, prefetch_depth=self.prefetch_depth + 2,
             cache_policy=self.cache_policy, device=self.root_device,
         )  # fmt: skip
         stats = AccessStats.load(self.stats_path, tables) if self.stats_path else None
