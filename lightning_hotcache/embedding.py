@@ -39,6 +39,7 @@ class _StagedBatch:
     """A batch whose rows are resident and locked: slots per feature, in KJT value order."""
 
     features: KeyedJaggedTensor
+    by_feature: dict[str, Any]  # feature -> JaggedTensor (features.to_dict(), computed once)
     slots: dict[str, Tensor]  # feature -> slot of every value
     tickets: dict[str, list[int]]  # table -> cache tickets to release
     output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
@@ -201,7 +202,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             tickets[table.name] = [ticket]
             for feature, part in zip(table.feature_names, acquired.split([v.numel() for v in values])):
                 slots[feature] = part
-        return _StagedBatch(features, slots, tickets)
+        return _StagedBatch(features, by_feature, slots, tickets)
 
     def _release(self, staged: _StagedBatch) -> None:
         for name, tickets in staged.tickets.items():
@@ -231,7 +232,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             )
         else:  # not prefetched (or an evaluation batch between prefetched training batches)
             staged = self._stage(features)
-        by_feature = features.to_dict()
+        by_feature = staged.by_feature
         pooled = []
         for table in self._tables:
             weight = self.caches[table.name].weight

@@ -290,8 +290,11 @@ class HotCacheStrategy(DDPStrategy):
             for m in modules.values():
                 m.gather_split_tables = True
         if modules and self.checkpoint_shards:
-            shards = {f"{path}.{table}": arrays for path, m in modules.items() for table, arrays in m.host_shards().items()}
-            rows = {f"{path}.{t}": m.caches[t].num_embeddings for path, m in modules.items() for t in m.host_shards()}
+            shards, rows = {}, {}
+            for path, m in modules.items():
+                for table, arrays in m.host_shards().items():
+                    shards[f"{path}.{table}"] = arrays
+                    rows[f"{path}.{table}"] = m.caches[table].num_embeddings
             checkpoint[SHARDS_KEY] = {"world_size": self.world_size, "num_embeddings": rows}
             # Every rank writes its own shard; the main file is written by rank 0 below.
             target = shard_path(filepath, self.global_rank, self.world_size)
