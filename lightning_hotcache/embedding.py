@@ -16,11 +16,13 @@ nothing and may come between prefetched training batches.
 
 from __future__ import annotations
 
+import functools
+import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,17 @@ class _StagedBatch:
     slots: dict[str, Tensor]  # feature -> slot of every value
     tickets: dict[str, list[int]]  # table -> cache tickets to release
     output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
+
+
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a method under the module's lock: a background thread may be staging batches."""
+
+    @functools.wraps(method)
+    def wrapper(self: "HotColdEmbeddingBagCollection", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
@@ -102,6 +115,9 @@ class HotColdEmbeddingBagCollection(nn.Module):
         self.process_group = process_group
         # False while a strategy saves split tables shard by shard instead of gathering them.
         self.gather_split_tables = True
+        # Staging (possibly on a prefetch thread), forward and the backward update all change
+        # the caches; one re-entrant lock keeps them from interleaving.
+        self._lock = threading.RLock()
         self._tables = list(tables)
         self.optimizer = optimizer or RowWiseOptimizerConfig()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -173,10 +189,12 @@ class HotColdEmbeddingBagCollection(nn.Module):
         return set(self._feature_table) <= set(features.keys())
 
     # -------------------------------------------------------------- staging
+    @_locked
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Make a future batch's rows resident and lock them (call in forward order)."""
         self._queue.append(self._stage(features))
 
+    @_locked
     def clear_prefetched(self) -> None:
         """Drop (and unlock) batches prefetched but never forwarded, e.g. when an epoch was cut short."""
         while self._queue:
@@ -221,6 +239,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         self._in_flight = alive
 
     # -------------------------------------------------------------- forward
+    @_locked
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         self._release_abandoned()
         if self._queue and _same_batch(self._queue[0].features, features):
@@ -264,34 +283,41 @@ class HotColdEmbeddingBagCollection(nn.Module):
 
     def _make_update_hook(self, table: str):
         def hook(weight: Tensor) -> None:
-            grad = weight.grad
-            weight.grad = None
-            if grad is not None:
-                cache = self.caches[table]
-                world = dist.get_world_size(self.process_group) if self.process_group is not None else 1
-                if world == 1:
-                    cache.apply_update(grad, self.optimizer)
-                else:
-                    grad = grad.coalesce()
-                    ids, rows = all_gather_rows(cache.ids_of_slots(grad.indices()[0]), grad.values(), self.process_group)
-                    # DDP's convention: the gradient is the mean over ranks.
-                    summed = torch.sparse_coo_tensor(ids[None], rows / world, (cache.num_embeddings, rows.shape[1]))
-                    summed = summed.coalesce()
-                    cache.apply_update_to_ids(summed.indices()[0], summed.values(), self.optimizer)
-            # Every in-flight batch's gradient for this table has now been applied.
-            for staged in self._in_flight:
-                for ticket in staged.tickets.pop(table, []):
-                    self.caches[table].release(ticket)
-            self._in_flight = [s for s in self._in_flight if s.tickets]
+            with self._lock:
+                self._update(table, weight)
 
         return hook
 
+    def _update(self, table: str, weight: Tensor) -> None:
+        """Backward of ``table``: the row-wise step for the rows read, then unlock them."""
+        grad = weight.grad
+        weight.grad = None
+        if grad is not None:
+            cache = self.caches[table]
+            world = dist.get_world_size(self.process_group) if self.process_group is not None else 1
+            if world == 1:
+                cache.apply_update(grad, self.optimizer)
+            else:
+                grad = grad.coalesce()
+                ids, rows = all_gather_rows(cache.ids_of_slots(grad.indices()[0]), grad.values(), self.process_group)
+                # DDP's convention: the gradient is the mean over ranks.
+                summed = torch.sparse_coo_tensor(ids[None], rows / world, (cache.num_embeddings, rows.shape[1]))
+                summed = summed.coalesce()
+                cache.apply_update_to_ids(summed.indices()[0], summed.values(), self.optimizer)
+        # Every in-flight batch's gradient for this table has now been applied.
+        for staged in self._in_flight:
+            for ticket in staged.tickets.pop(table, []):
+                self.caches[table].release(ticket)
+        self._in_flight = [s for s in self._in_flight if s.tickets]
+
     # ---------------------------------------------------------- whole tables
+    @_locked
     def flush(self) -> None:
         """Write every changed cached row back to its host store."""
         for cache in self.caches.values():
             cache.flush()
 
+    @_locked
     def optimizer_state(self) -> dict[str, dict[str, Tensor]]:
         """Current row-wise optimizer state of every table: table -> state name -> (rows, width).
         Tables whose rows are split over host stores are left out while `gather_split_tables`
@@ -302,6 +328,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             if cache.identity or self.gather_split_tables
         }
 
+    @_locked
     def host_shards(self) -> dict[str, dict[str, Tensor]]:
         """This rank's host rows (round-robin shard) of every split table, current: table ->
         array name -> (local rows, width). No collective."""
@@ -312,17 +339,20 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 shards[name] = dict(cache.host.arrays)
         return shards
 
+    @_locked
     def load_optimizer_state(self, state: dict[str, dict[str, Tensor]]) -> None:
         for name, arrays in state.items():
             for key, values in arrays.items():
                 self.caches[name].load_full(key, values)
 
+    @_locked
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         # The keys of the EmbeddingBagCollection this replaces, so checkpoints interchange.
         for name, cache in self.caches.items():
             if cache.identity or self.gather_split_tables:
                 destination[f"{prefix}embedding_bags.{name}.weight"] = cache.full("weight")
 
+    @_locked
     def _load_from_state_dict(
         self,
         state_dict: dict[str, Any],

@@ -25,12 +25,18 @@ consolidate``) turns such a checkpoint into a plain one.
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -87,8 +93,13 @@ class _PrefetchingLoader:
     """Iterates a training dataloader, staging the rows of the next ``depth`` batches.
 
     Batches are moved to the device here (the loop's own transfer then finds them there),
-    so the rows a step reads are resident before the step starts. Outside training mode
-    (sanity checks, validation) it passes batches through untouched.
+    so the rows a step reads are resident before the step starts. A model whose
+    ``on_before_batch_transfer`` rewrites the sparse features would not match what was
+    staged; forward then says so. In one process the
+    staging runs on a background thread, overlapping the model's dense compute (torch ops
+    release the GIL); across processes it stays on the training thread, because the row
+    exchanges of staging and of backward must reach every rank in the same order. Outside
+    training mode (sanity checks, validation) batches pass through untouched.
     """
 
     def __init__(self, loader: Iterable[Any], strategy: "HotCacheStrategy") -> None:
@@ -108,24 +119,71 @@ class _PrefetchingLoader:
             return
         for module in modules:  # an epoch cut short (limit_train_batches, max_steps) leaves some staged
             module.clear_prefetched()
-        ahead: list[Any] = []
-        iterator = iter(self.loader)
-        exhausted = False
-        while True:
-            while not exhausted and len(ahead) < self.strategy.prefetch_depth + 1:
-                try:
-                    batch = self.strategy.batch_to_device(next(iterator))
-                except StopIteration:
-                    exhausted = True
-                    break
-                for features in _features_of(batch):
-                    for module in modules:
-                        if module.reads(features):
-                            module.prefetch(features)
-                ahead.append(batch)
-            if not ahead:
-                return
-            yield ahead.pop(0)
+        if self.strategy.uses_prefetch_thread:
+            yield from self._staged_in_background(modules)
+        else:
+            yield from self._staged_inline(modules)
+
+    def _stage(self, batch: Any, modules: list[HotColdEmbeddingBagCollection]) -> Any:
+        # A plain move, not strategy.batch_to_device: that runs the module's transfer hooks,
+        # which mark the module as inside a hook and would break `self.log` on the training
+        # thread. The loop runs the hooks itself afterwards, on a batch already in place.
+        batch = move_data_to_device(batch, self.strategy.root_device)
+        for features in _features_of(batch):
+            for module in modules:
+                if module.reads(features):
+                    module.prefetch(features)
+        return batch
+
+    def _staged_inline(self, modules: list[HotColdEmbeddingBagCollection]) -> Iterator[Any]:
+        ahead: deque[Any] = deque()
+        for batch in self.loader:
+            ahead.append(self._stage(batch, modules))
+            if len(ahead) > self.strategy.prefetch_depth:
+                yield ahead.popleft()
+        yield from ahead
+
+    def _staged_in_background(self, modules: list[HotColdEmbeddingBagCollection]) -> Iterator[Any]:
+        ready: queue.Queue[Any] = queue.Queue(maxsize=self.strategy.prefetch_depth)
+        stop = threading.Event()
+
+        def work() -> None:
+            try:
+                for batch in self.loader:
+                    staged = self._stage(batch, modules)
+                    while not stop.is_set():
+                        try:
+                            ready.put(staged, timeout=0.05)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+                ready.put(_END)
+            except BaseException as err:  # handed to the training thread, which raises it
+                ready.put(_Failed(err))
+
+        worker = threading.Thread(target=work, name="hotcache-prefetch", daemon=True)
+        worker.start()
+        try:
+            while (item := ready.get()) is not _END:
+                if isinstance(item, _Failed):
+                    raise item.error
+                yield item
+        finally:
+            stop.set()
+            while worker.is_alive():  # unblock a worker waiting on a full queue
+                with contextlib.suppress(queue.Empty):
+                    ready.get(timeout=0.05)
+            worker.join()
+
+
+_END = object()
+
+
+@dataclass
+class _Failed:
+    error: BaseException
 
 
 def _features_of(batch: Any) -> list[KeyedJaggedTensor]:
@@ -147,6 +205,8 @@ class HotCacheStrategy(DDPStrategy):
         cache_policy: ``lfu``, ``lru`` or ``static`` (FAE: hot rows only, misses staged per batch).
         host_storage: ``"memory"`` or a directory for memory-mapped host tables.
         prefetch_depth: training batches whose rows are staged ahead of the current one.
+        prefetch_thread: stage on a background thread (one process only; across processes
+            staging stays on the training thread).
         cache_metrics: add a `CacheMetrics` callback (hit rates, traffic) unless one is there.
         checkpoint_shards: save split tables as one file per rank (``<ckpt>.rank<r>-of-<n>``)
             instead of gathering them into the checkpoint. Loading one consolidates it in
@@ -164,6 +224,7 @@ class HotCacheStrategy(DDPStrategy):
         cache_policy: str = "lfu",
         host_storage: str = "memory",
         prefetch_depth: int = 1,
+        prefetch_thread: bool = True,
         cache_metrics: bool = True,
         checkpoint_shards: bool = False,
         **kwargs: Any,
@@ -182,10 +243,15 @@ class HotCacheStrategy(DDPStrategy):
         self.cache_policy = cache_policy
         self.host_storage = host_storage
         self.prefetch_depth = prefetch_depth
+        self.prefetch_thread = prefetch_thread
         self.cache_metrics = cache_metrics
         self.checkpoint_shards = checkpoint_shards
         self.plan: HotColdPlan | None = None
         self._restored_row_state: Mapping[str, Mapping[str, torch.Tensor]] = {}
+
+    @property
+    def uses_prefetch_thread(self) -> bool:
+        return self.prefetch_thread and self.world_size == 1
 
     # ------------------------------------------------------------------ setup
     @override
@@ -213,9 +279,11 @@ class HotCacheStrategy(DDPStrategy):
             raise ValueError(f"hotcache needs unique table names across the model's collections; got {names}.")
         optimizer = getattr(model, "embedding_optimizer_config", None) or RowWiseOptimizerConfig()
         # In flight besides the training step: `prefetch_depth` staged batches, the one
-        # Lightning's data fetcher holds ahead, and a validation batch between them.
+        # Lightning's data fetcher holds ahead, a validation batch between them, and the
+        # one a prefetch thread is staging.
+        in_flight = self.prefetch_depth + 2 + int(self.uses_prefetch_thread)
         planner = HotColdPlanner(
-            self.device_budget, optimizer, world_size=self.world_size, prefetch_depth=self.prefetch_depth + 2,
+            self.device_budget, optimizer, world_size=self.world_size, prefetch_depth=in_flight,
             cache_policy=self.cache_policy, device=self.root_device,
         )  # fmt: skip
         stats = AccessStats.load(self.stats_path, tables) if self.stats_path else None

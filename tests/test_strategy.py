@@ -59,7 +59,9 @@ def minimum_budget(stats_path: Path, depth: int = 1) -> int:
     from lightning_hotcache.profiling import AccessStats
 
     dm = data()
-    planner = HotColdPlanner(1.0, RowWiseOptimizerConfig(**OPTIMIZER), prefetch_depth=depth + 2)
+    # As the strategy plans: staged batches, the data fetcher's, a validation batch and the
+    # prefetch thread's one besides the training step.
+    planner = HotColdPlanner(1.0, RowWiseOptimizerConfig(**OPTIMIZER), prefetch_depth=depth + 3)
     return planner.minimum_bytes(dm.tables, AccessStats.load(stats_path))
 
 
@@ -244,3 +246,32 @@ def test_run_killed_mid_epoch_resumes_exactly(strategy, tmp_path, stats_path) ->
     trainer.fit(resumed, dm, ckpt_path=tmp_path / "epoch=1-step=20.ckpt")
     assert trainer.global_step == 32
     torch.testing.assert_close(resumed.state_dict(), straight.state_dict(), rtol=1e-5, atol=1e-5)
+
+
+class _SeesPrefetchThread(pl.Callback):
+    seen = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import threading
+
+        self.seen |= any(t.name == "hotcache-prefetch" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("thread", [True, False], ids=["thread", "inline"])
+def test_prefetch_thread_and_inline_staging_match_auto(thread, stats_path, baselines) -> None:
+    watcher = _SeesPrefetchThread()
+    strategy = HotCacheStrategy(device_budget=0.05, stats_path=str(stats_path), prefetch_thread=thread, prefetch_depth=2)
+    model, _, _ = fit("dlrm", strategy, callbacks=[watcher])
+    assert watcher.seen == thread
+    torch.testing.assert_close(model.state_dict(), baselines["dlrm"][0], rtol=1e-5, atol=1e-5)
+
+
+def test_bad_ids_found_on_the_prefetch_thread_surface_in_training() -> None:
+    from torchrec import EmbeddingBagConfig
+
+    pl.seed_everything(0)
+    dm = data()
+    tables = [EmbeddingBagConfig(**{**t.__dict__, "num_embeddings": 1}) if t.name == "t_cat_2" else t for t in dm.tables]
+    model = create_model("dlrm", tables, dm.num_dense_features)
+    with pytest.raises(ValueError, match="Feature 'cat_2' of table 't_cat_2' has id"):
+        cpu_trainer(strategy=HotCacheStrategy(device_budget=1.0), max_steps=2).fit(model, dm)
