@@ -206,7 +206,10 @@ class HotCacheStrategy(DDPStrategy):
         host_storage: ``"memory"`` or a directory for memory-mapped host tables.
         prefetch_depth: training batches whose rows are staged ahead of the current one.
         prefetch_thread: stage on a background thread (one process only; across processes
-            staging stays on the training thread).
+            staging stays on the training thread). Default: on CUDA devices, where the host
+            bookkeeping then overlaps GPU compute; not on CPU, where the thread competes with
+            the model for the same cores (measured slower on 2 cores: 32.1 s vs 26.7 s for the
+            demo epoch).
         cache_metrics: add a `CacheMetrics` callback (hit rates, traffic) unless one is there.
         checkpoint_shards: save split tables as one file per rank (``<ckpt>.rank<r>-of-<n>``)
             instead of gathering them into the checkpoint. Loading one consolidates it in
@@ -224,7 +227,7 @@ class HotCacheStrategy(DDPStrategy):
         cache_policy: str = "lfu",
         host_storage: str = "memory",
         prefetch_depth: int = 1,
-        prefetch_thread: bool = True,
+        prefetch_thread: bool | None = None,
         cache_metrics: bool = True,
         checkpoint_shards: bool = False,
         **kwargs: Any,
@@ -251,7 +254,8 @@ class HotCacheStrategy(DDPStrategy):
 
     @property
     def uses_prefetch_thread(self) -> bool:
-        return self.prefetch_thread and self.world_size == 1
+        wanted = self.root_device.type == "cuda" if self.prefetch_thread is None else self.prefetch_thread
+        return wanted and self.world_size == 1
 
     # ------------------------------------------------------------------ setup
     @override

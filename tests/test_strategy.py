@@ -59,9 +59,9 @@ def minimum_budget(stats_path: Path, depth: int = 1) -> int:
     from lightning_hotcache.profiling import AccessStats
 
     dm = data()
-    # As the strategy plans: staged batches, the data fetcher's, a validation batch and the
-    # prefetch thread's one besides the training step.
-    planner = HotColdPlanner(1.0, RowWiseOptimizerConfig(**OPTIMIZER), prefetch_depth=depth + 3)
+    # As the strategy plans on CPU (no prefetch thread): staged batches, the data fetcher's
+    # and a validation batch besides the training step.
+    planner = HotColdPlanner(1.0, RowWiseOptimizerConfig(**OPTIMIZER), prefetch_depth=depth + 2)
     return planner.minimum_bytes(dm.tables, AccessStats.load(stats_path))
 
 
