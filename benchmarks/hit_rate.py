@@ -1,0 +1,143 @@
+"""Trace-driven device hit rate against budget: ours (static + dynamic) vs FAE, LRU, LFU.
+
+For each dataset the first ``--profile-batches`` training batches are profiled, and the
+next ``--trace-batches`` are replayed through the device caches (`DeviceCache.acquire` /
+`release`, no training: hit rates do not depend on the row values). Budgets are fractions
+of the tables' rows; each is turned into bytes for the planner, so every policy gets the
+same device memory:
+
+* ``ours``: HotColdPlanner's plan (hot rows from the profile + LFU dynamic slots);
+* ``static``: FAE, the planner's static-policy plan (hot rows; misses staged per batch);
+* ``lru`` / ``lfu``: no static rows, the same number of device rows per table as ``ours``,
+  all dynamic.
+
+Prints a table and writes benchmarks/results/hit_rate.json.
+
+    python benchmarks/hit_rate.py [--scale 0.05] [--trace-batches 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from torchrec import EmbeddingBagConfig
+
+from datamodules import MovieLensDataModule, SyntheticCTRDataModule
+from lightning_hotcache import HotColdPlanner, RowWiseOptimizerConfig
+from lightning_hotcache.cache import DeviceCache, HostStore
+from lightning_hotcache.planner import HotColdPlan, TablePlan, row_bytes
+from lightning_hotcache.profiling import profile_batches
+
+RESULTS = Path(__file__).parent / "results"
+SGD = RowWiseOptimizerConfig(name="sgd")
+POLICIES = ("ours", "static", "lru", "lfu")
+
+
+def replay(tables: list[EmbeddingBagConfig], plan: HotColdPlan, policy: str, trace: Iterable[Any]) -> float:
+    """Fraction of lookups found on the device while replaying ``trace``."""
+    caches = {}
+    for t in tables:
+        p = plan.table(t.name)
+        host = None if p.on_device else HostStore(t.name, t.num_embeddings, t.embedding_dim, {})
+        caches[t.name] = DeviceCache(
+            t.name, t.num_embeddings, t.embedding_dim, SGD, torch.as_tensor(p.static_ids), p.cache_slots,
+            policy, host, torch.device("cpu"),
+        )  # fmt: skip
+    for batch in trace:
+        by_feature = batch.sparse_features.to_dict()
+        for t in tables:
+            ids = torch.cat([by_feature[f].values() for f in t.feature_names])
+            _, ticket = caches[t.name].acquire(ids)
+            caches[t.name].release(ticket)
+    lookups = sum(c.counters.lookups for c in caches.values())
+    return sum(c.counters.hits for c in caches.values()) / lookups
+
+
+def all_dynamic(plan: HotColdPlan) -> HotColdPlan:
+    """Same device rows per table as ``plan``, none of them static."""
+    tables = [
+        t if t.on_device else TablePlan(t.name, t.num_embeddings, t.embedding_dim, np.empty(0, np.int64),
+                                        len(t.static_ids) + t.cache_slots, t.device_bytes, 0.0)
+        for t in plan.tables
+    ]  # fmt: skip
+    return HotColdPlan(tables, plan.budget_bytes)
+
+
+def run(name: str, dm: Any, budgets: list[float], profile: int, trace_len: int) -> list[dict[str, Any]]:
+    source = dm.source("train")
+    bs = dm.batch_size
+    batches = [source.batch(i * bs, (i + 1) * bs) for i in range(min(profile + trace_len, len(source) // bs))]
+    stats = profile_batches(batches[:profile], dm.tables, progress=False)
+    trace = batches[profile:]
+    rows_total = sum(t.num_embeddings for t in dm.tables)
+    bytes_per_row = sum(t.num_embeddings * row_bytes(t, SGD) for t in dm.tables) / rows_total
+    out = []
+    for fraction in budgets:
+        budget = max(1, int(fraction * rows_total * bytes_per_row))
+        result: dict[str, Any] = {"dataset": name, "budget_rows": fraction}
+        try:
+            ours = HotColdPlanner(budget, SGD, cache_policy="lfu").plan(dm.tables, stats)
+        except ValueError:
+            out.append({**result, **{p: None for p in POLICIES}})  # below the minimum for one batch
+            continue
+        result["ours"] = replay(dm.tables, ours, "lfu", trace)
+        try:
+            static = HotColdPlanner(budget, SGD, cache_policy="static").plan(dm.tables, stats)
+            result["static"] = replay(dm.tables, static, "static", trace)
+        except ValueError:
+            result["static"] = None
+        result["lru"] = replay(dm.tables, all_dynamic(ours), "lru", trace)
+        result["lfu"] = replay(dm.tables, all_dynamic(ours), "lfu", trace)
+        others = [result[p] for p in ("static", "lru", "lfu") if result[p] is not None]
+        result["ours_at_least_best_other"] = bool(result["ours"] >= max(others) - 1e-9)
+        out.append(result)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=0.05, help="synthetic: Criteo Kaggle cardinalities x scale")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--profile-batches", type=int, default=50)
+    parser.add_argument("--trace-batches", type=int, default=200)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.001, 0.003, 0.01, 0.03, 0.1, 0.2])
+    parser.add_argument("--out", type=Path, default=RESULTS / "hit_rate.json")
+    args = parser.parse_args()
+
+    samples = args.batch_size * (args.profile_batches + args.trace_batches)
+    results = []
+    for s in (0.9, 1.05, 1.2):
+        dm = SyntheticCTRDataModule(scale=args.scale, zipf_exponent=s, batch_size=args.batch_size,
+                                    embedding_dim=8, num_train_samples=samples)  # fmt: skip
+        results += run(f"synthetic zipf {s}", dm, args.budgets, args.profile_batches, args.trace_batches)
+    # Small batches: its tables have 21 to 1,682 rows, so one batch of 256 fills 20% of them.
+    movielens = MovieLensDataModule(batch_size=32, embedding_dim=8)
+    movielens.setup("fit")
+    results += run("movielens-100k", movielens, args.budgets, 200, 2000)
+
+    print(f"{'dataset':<22}{'budget':>8}" + "".join(f"{p:>9}" for p in POLICIES) + "  ours>=best")
+    for r in results:
+        cells = "".join(f"{r[p]:>9.3f}" if r[p] is not None else f"{'-':>9}" for p in POLICIES)
+        print(f"{r['dataset']:<22}{r['budget_rows']:>8.3f}{cells}  {r.get('ours_at_least_best_other', '-')}")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report = {
+        "benchmark": "hit_rate",
+        "machine": {"cpu": platform.machine(), "python": platform.python_version(), "torch": torch.__version__,
+                    "commit": commit},
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "results": results,
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
