@@ -18,17 +18,14 @@ benchmarks/results/cache_micro.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torchrec
-from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
+from report import write_report
+from torchrec import EmbeddingBagCollection
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
 from datamodules import SyntheticCTRDataModule
@@ -37,21 +34,6 @@ from lightning_hotcache.profiling import profile_batches
 from lightning_hotcache.rowwise import use_sparse_gradients
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def machine() -> dict[str, object]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torchrec": torchrec.__version__ if hasattr(torchrec, "__version__") else "1.8.0",
-        "commit": commit,
-    }
 
 
 def time_interleaved(steps: dict[str, Callable[[int], None]], num_steps: int, warmup: int) -> dict[str, float]:
@@ -138,21 +120,12 @@ def main() -> None:
         r["speed_vs_fused"] = results["fused"]["step_ms"] / r["step_ms"]
         r["speed_vs_plain"] = results["plain"]["step_ms"] / r["step_ms"]
 
-    report = {
-        "benchmark": "cache_micro",
-        "machine": machine(),
-        "settings": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows, "tables": len(dm.tables), "optimizer": "sgd", "policy": "lfu"},
-        "results": results,
-    }
     print(f"{'path':<16}{'ms/step':>10}{'x fused':>9}{'x plain':>9}{'hit rate':>10}{'fetched/step':>14}")
     for name, r in results.items():
         hit = f"{r['hit_rate']:.3f}" if "hit_rate" in r else "-"
         fetched = f"{r['fetched_rows_per_step']:.0f}" if "fetched_rows_per_step" in r else "-"
         print(f"{name:<16}{r['step_ms']:>10.2f}{r['speed_vs_fused']:>9.2f}{r['speed_vs_plain']:>9.2f}{hit:>10}{fetched:>14}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report))
-
+    write_report("cache_micro", args, results, rows=rows, tables=len(dm.tables), optimizer="sgd", policy="lfu")
 
 if __name__ == "__main__":
     main()

@@ -12,19 +12,15 @@ benchmarks/results/cpu_throughput.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
+from report import write_report
 
-import lightning_hotcache  # noqa: F401  (registers the strategies)
 from datamodules import SyntheticCTRDataModule
-from lightning_hotcache import HotCacheStrategy
+from lightning_hotcache import HotCacheStrategy  # importing the package registers "torchrec" too
 from models import DLRM
 
 RESULTS = Path(__file__).parent / "results"
@@ -85,18 +81,7 @@ def main() -> None:
     print(f"{'strategy':<16}{'samples/s':>12}{'x auto':>9}")
     for name, r in results.items():
         print(f"{name:<16}{r['samples_per_s']:>12.0f}{r['x_auto']:>9.2f}")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    report = {
-        "benchmark": "cpu_throughput",
-        "machine": {"cpu": platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "commit": commit},
-        "settings": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": 33_762_577},
-        "results": results,
-    }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report))
-
+    write_report("cpu_throughput", args, results, rows=33_762_577)
 
 if __name__ == "__main__":
     main()

@@ -19,14 +19,12 @@ Prints a table and writes benchmarks/results/hit_rate.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import subprocess
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 import torch
+from report import write_report
 from torchrec import EmbeddingBagConfig
 
 from datamodules import MovieLensDataModule, SyntheticCTRDataModule
@@ -126,18 +124,7 @@ def main() -> None:
     for r in results:
         cells = "".join(f"{r[p]:>9.3f}" if r[p] is not None else f"{'-':>9}" for p in POLICIES)
         print(f"{r['dataset']:<22}{r['budget_rows']:>8.3f}{cells}  {r.get('ours_at_least_best_other', '-')}")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    report = {
-        "benchmark": "hit_rate",
-        "machine": {"cpu": platform.machine(), "python": platform.python_version(), "torch": torch.__version__,
-                    "commit": commit},
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "results": results,
-    }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report))
-
+    write_report("hit_rate", args, results)
 
 if __name__ == "__main__":
     main()

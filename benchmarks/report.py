@@ -1,0 +1,47 @@
+"""What every benchmark writes: the machine, versions, settings and commit beside its results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def machine() -> dict[str, Any]:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchrec": _version("torchrec"),
+        "fbgemm_gpu_cpu": _version("fbgemm-gpu-cpu"),
+        "commit": commit or "unknown",
+    }
+
+
+def write_report(name: str, args: argparse.Namespace, results: Any, **settings: Any) -> dict[str, Any]:
+    """Write ``args.out`` as JSON (machine, settings from ``args`` and ``settings``, results) and print it."""
+    report = {
+        "benchmark": name,
+        "machine": machine(),
+        "settings": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **settings},
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+    return report
