@@ -62,7 +62,14 @@ def consolidate_checkpoint(path: str | Path, out: str | Path | None = None) -> d
     """A plain checkpoint from one saved with ``checkpoint_shards=True``: the shard files of
     every rank are interleaved back into whole tables (state_dict) and row state. Needs the
     whole tables in memory. Saves to ``out`` when given."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint = _consolidated(torch.load(path, map_location="cpu", weights_only=True), path)
+    if out is not None:
+        torch.save(checkpoint, out)
+    return checkpoint
+
+
+def _consolidated(checkpoint: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """``checkpoint`` (the main file at ``path``, already loaded) with its rank files merged in."""
     meta = checkpoint.pop(SHARDS_KEY, None)
     if meta is None:
         raise ValueError(f"{path} is not a sharded hotcache checkpoint (it has no {SHARDS_KEY!r}).")
@@ -84,8 +91,6 @@ def consolidate_checkpoint(path: str | Path, out: str | Path | None = None) -> d
         module_path, table = key.rsplit(".", 1)
         checkpoint["state_dict"][f"{module_path}.embedding_bags.{table}.weight"] = arrays.pop("weight")
         row_state[key] = arrays
-    if out is not None:
-        torch.save(checkpoint, out)
     return checkpoint
 
 
@@ -184,6 +189,11 @@ _END = object()
 @dataclass
 class _Failed:
     error: BaseException
+
+
+def _load_row_state(path: str, module: HotColdEmbeddingBagCollection, saved: Mapping[str, Any]) -> None:
+    """Row-wise optimizer state of ``module`` (at ``path``) from a checkpoint's `ROW_STATE_KEY`."""
+    module.load_optimizer_state({t: saved[f"{path}.{t}"] for t in module.caches if f"{path}.{t}" in saved})
 
 
 def _features_of(batch: Any) -> list[KeyedJaggedTensor]:
@@ -310,9 +320,7 @@ class HotCacheStrategy(DDPStrategy):
                 collection, self.plan, optimizer, self.root_device, self.cache_policy,  # type: ignore[arg-type]
                 self._rank_storage(), group,
             )  # fmt: skip
-            hot.load_optimizer_state(
-                {t: self._restored_row_state[f"{path}.{t}"] for t in hot.caches if f"{path}.{t}" in self._restored_row_state}
-            )
+            _load_row_state(path, hot, self._restored_row_state)
             model.set_submodule(path, hot)
         self._restored_row_state = {}
 
@@ -337,16 +345,23 @@ class HotCacheStrategy(DDPStrategy):
         return _PrefetchingLoader(dataloader, self)
 
     # ----------------------------------------------------------- checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def _split_tables_in_checkpoint(self) -> Iterator[None]:
+        """While saving with ``checkpoint_shards``, split tables stay out of the state dict and
+        row state (their rows go to the rank files instead of being gathered)."""
         modules = hot_cold_modules(self.lightning_module).values()
         for module in modules:
             module.gather_split_tables = not self.checkpoint_shards
         try:
-            return super().lightning_module_state_dict()
+            yield
         finally:
             for module in modules:
                 module.gather_split_tables = True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        with self._split_tables_in_checkpoint():
+            return super().lightning_module_state_dict()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -354,13 +369,10 @@ class HotCacheStrategy(DDPStrategy):
         if modules:
             assert self.plan is not None
             checkpoint[PLAN_KEY] = self.plan.to_dict()
-            for m in modules.values():
-                m.gather_split_tables = not self.checkpoint_shards
-            checkpoint[ROW_STATE_KEY] = {
-                f"{path}.{table}": arrays for path, m in modules.items() for table, arrays in m.optimizer_state().items()
-            }
-            for m in modules.values():
-                m.gather_split_tables = True
+            with self._split_tables_in_checkpoint():
+                checkpoint[ROW_STATE_KEY] = {
+                    f"{path}.{table}": arrays for path, m in modules.items() for table, arrays in m.optimizer_state().items()
+                }
         if modules and self.checkpoint_shards:
             shards, rows = {}, {}
             for path, m in modules.items():
@@ -377,9 +389,7 @@ class HotCacheStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if SHARDS_KEY in checkpoint:
-            return consolidate_checkpoint(checkpoint_path)
-        return checkpoint
+        return _consolidated(checkpoint, checkpoint_path) if SHARDS_KEY in checkpoint else checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -390,7 +400,7 @@ class HotCacheStrategy(DDPStrategy):
             self._restored_row_state = saved  # applied when the tables are swapped in setup
             return
         for path, module in modules.items():
-            module.load_optimizer_state({t: saved[f"{path}.{t}"] for t in module.caches if f"{path}.{t}" in saved})
+            _load_row_state(path, module, saved)
 
     @override
     def teardown(self) -> None:
