@@ -34,6 +34,7 @@ from lightning_hotcache.cache import CachePolicy, DeviceCache, HostStore
 from lightning_hotcache.cache.exchange import RowSharding, all_gather_rows
 from lightning_hotcache.planner import HotColdPlan
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
+from lightning_hotcache.table_init import draw_seed, initial_rows, is_deferred
 
 
 @dataclass
@@ -169,14 +170,27 @@ class HotColdEmbeddingBagCollection(nn.Module):
         cache_policy: CachePolicy = "lfu",
         host_storage: str | Path = "memory",
         process_group: Any = None,
+        seed: int | None = None,
     ) -> "HotColdEmbeddingBagCollection":
-        """Replace ``ebc``: same tables, its current weights, rows placed by ``plan``."""
+        """Replace ``ebc``: same tables, its current weights, rows placed by ``plan``. When
+        ``ebc`` is deferred (declared on the meta device) its rows are initialized where they
+        live, from ``seed`` (every rank must pass the same; None draws one), never all in memory."""
         module = cls(
             ebc.embedding_bag_configs(), plan, optimizer, device, cache_policy, host_storage, ebc.is_weighted(),
             process_group,
         )  # fmt: skip
-        module.load_state_dict(ebc.state_dict())
+        if is_deferred(ebc):
+            module.initialize(draw_seed() if seed is None else seed)
+        else:
+            module.load_state_dict(ebc.state_dict())
         return module
+
+    @_locked
+    def initialize(self, seed: int) -> None:
+        """Every table's initial rows (see `initial_rows`), written chunk by chunk into its tiers."""
+        for table in self._tables:
+            for start, rows in initial_rows(table, seed):
+                self.caches[table.name].load_rows("weight", start, rows)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self._tables)

@@ -49,6 +49,7 @@ from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold
 from lightning_hotcache.planner import Budget, HotColdPlan, HotColdPlanner
 from lightning_hotcache.profiling import AccessStats, profile_batches
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
+from lightning_hotcache.table_init import draw_seed, is_deferred
 
 PLAN_KEY = "hotcache_plan"
 SHARDS_KEY = "hotcache_shards"
@@ -228,6 +229,9 @@ class HotCacheStrategy(DDPStrategy):
     """
 
     strategy_name = "hotcache"
+    # A model's deferred (meta) tables are left to this strategy, which writes their rows
+    # straight into their tiers (see `lightning_hotcache.table_init`).
+    initializes_deferred_tables = True
 
     def __init__(
         self,
@@ -292,6 +296,12 @@ class HotCacheStrategy(DDPStrategy):
         if len(set(names)) != len(names):
             raise ValueError(f"hotcache needs unique table names across the model's collections; got {names}.")
         optimizer = getattr(model, "embedding_optimizer_config", None) or RowWiseOptimizerConfig()
+        # Deferred (meta) tables are initialized where their rows live, from one seed for all
+        # ranks: the model's ``table_init_seed`` when it has one (CTRModel draws it when it
+        # declares the tables, so they are the same under every strategy).
+        seed = None
+        if any(map(is_deferred, collections.values())):
+            seed = self.broadcast(getattr(model, "table_init_seed", None) or draw_seed())
         # In flight besides the training step: `prefetch_depth` staged batches, the one
         # Lightning's data fetcher holds ahead, a validation batch between them, and the
         # one a prefetch thread is staging.
@@ -318,7 +328,7 @@ class HotCacheStrategy(DDPStrategy):
         for path, collection in collections.items():
             hot = HotColdEmbeddingBagCollection.from_ebc(
                 collection, self.plan, optimizer, self.root_device, self.cache_policy,  # type: ignore[arg-type]
-                self._rank_storage(), group,
+                self._rank_storage(), group, seed,
             )  # fmt: skip
             _load_row_state(path, hot, self._restored_row_state)
             model.set_submodule(path, hot)

@@ -32,6 +32,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from typing_extensions import override
 
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
+from lightning_hotcache.table_init import draw_seed, materialize_tables
 
 TableSpec = EmbeddingBagConfig | Mapping[str, Any]
 
@@ -66,6 +67,11 @@ class CTRModel(pl.LightningModule):
         num_dense_features: width of the dense input (the datamodule's ``.num_dense_features``).
         embedding_optimizer: the row-wise rule for embedding rows.
         dense_lr: learning rate of the default dense optimizer (Adam).
+        defer_table_init: declare the tables on the meta device, with no memory, as TorchRec
+            does for tables to be sharded. ``hotcache`` then writes each table's initial rows
+            straight into its tiers (with ``host_storage=<dir>``, tables larger than RAM
+            train); any other strategy gets the tables allocated and initialized in memory
+            when fit starts. Rows come from each table's ``init_fn`` (see `initial_rows`).
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class CTRModel(pl.LightningModule):
         num_dense_features: int,
         embedding_optimizer: RowWiseOptimizerConfig = RowWiseOptimizerConfig(),
         dense_lr: float = 1e-3,
+        defer_table_init: bool = False,
     ) -> None:
         super().__init__()
         table_configs = [as_table_config(t) for t in tables]
@@ -101,7 +108,11 @@ class CTRModel(pl.LightningModule):
         self.num_dense_features = num_dense_features
         self.embedding_dim = dims.pop()
         self.embedding_optimizer_config = embedding_optimizer
-        self.sparse_arch = SparseArch(EmbeddingBagCollection(tables=table_configs))
+        table_device = torch.device("meta") if defer_table_init else None
+        # Drawn where eager tables draw their rows, so a seeded run gets the same tables under
+        # every strategy, whenever and wherever they are materialized.
+        self.table_init_seed = draw_seed() if defer_table_init else None
+        self.sparse_arch = SparseArch(EmbeddingBagCollection(tables=table_configs, device=table_device))
         self.num_sparse_features = self.sparse_arch.F
         use_sparse_gradients(self.sparse_arch)
         self._embedding_optimizer: RowWiseOptimizer | None = None
@@ -255,6 +266,18 @@ class CTRModel(pl.LightningModule):
         if weights:
             state = self.embedding_optimizer.state
             checkpoint[ROW_STATE_KEY] = {key: dict(state[w]) for key, w in weights.items() if state.get(w)}
+
+    @override
+    def configure_model(self) -> None:
+        # Deferred tables are materialized here (before the strategy wraps the model; also
+        # called by load_from_checkpoint, before the state is loaded), unless the strategy
+        # places rows itself.
+        try:
+            strategy = self.trainer.strategy
+        except RuntimeError:  # not attached: load_from_checkpoint calls this hook too
+            strategy = None
+        if not getattr(strategy, "initializes_deferred_tables", False) and materialize_tables(self, seed=self.table_init_seed):
+            self._embedding_optimizer = None  # it held the meta parameters
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

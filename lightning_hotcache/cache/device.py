@@ -292,15 +292,28 @@ class DeviceCache:
             return self.host.arrays[key]
         return gather_table(self.host.arrays[key], self.num_embeddings, self.sharding)
 
-    @torch.no_grad()
     def load_full(self, key: str, values: Tensor) -> None:
         """Replace a whole array; cached copies are refreshed from it."""
+        expected = (self.num_embeddings, self.slots[key].shape[1])
+        if tuple(values.shape) != expected:
+            raise ValueError(f"Table {self.name!r}: {key} has shape {expected}, got {tuple(values.shape)}.")
+        self.load_rows(key, 0, values)
+
+    @torch.no_grad()
+    def load_rows(self, key: str, start: int, values: Tensor) -> None:
+        """Replace rows ``[start, start + len(values))`` of an array (every rank passes the
+        same rows; each keeps its shard); cached copies are refreshed from them."""
         values = values.detach()
+        stop = start + len(values)
         if self.identity:
-            self.slots[key].copy_(values.to(self.device))
+            self.slots[key][start:stop].copy_(values.to(self.device))
             return
         assert self.host is not None
         values = values.cpu()
-        self.host.load(key, values[self.sharding.rank :: self.sharding.world])
-        occupied = (self.id_of_slot >= 0).nonzero().squeeze(1)
-        self.slots[key][occupied] = values[self.id_of_slot[occupied].cpu()].to(self.device)
+        first = start + (self.sharding.rank - start) % self.sharding.world  # first id of ours
+        if first < stop:
+            self.host.load(key, values[first - start :: self.sharding.world], first // self.sharding.world)
+        cached = (self.id_of_slot >= start) & (self.id_of_slot < stop)
+        slots = cached.nonzero().squeeze(1)
+        if len(slots):
+            self.slots[key][slots] = values[(self.id_of_slot[slots] - start).cpu()].to(self.device)

@@ -81,16 +81,19 @@ class HostStore:
         for key, array in self.arrays.items():
             array.index_copy_(0, ids, rows[key].to("cpu", torch.float32))
 
-    def load(self, key: str, values: Tensor) -> None:
-        """Replace a whole array (``weight`` or a state name), chunk by chunk."""
+    def load(self, key: str, values: Tensor, start: int = 0) -> None:
+        """Replace rows ``[start, start + len(values))`` of an array (``weight`` or a state
+        name), chunk by chunk; the whole array by default."""
         array = self.arrays[key]
-        if tuple(values.shape) != tuple(array.shape):
+        if values.dim() != 2 or values.shape[1] != array.shape[1] or not 0 <= start <= start + len(values) <= len(array):
             raise ValueError(
-                f"Table {self.name!r}: {key} has shape {tuple(array.shape)}, got {tuple(values.shape)}."
+                f"Table {self.name!r}: {key} has shape {tuple(array.shape)}; rows {tuple(values.shape)} "
+                f"at row {start} do not fit."
             )
         step = max(1, _CHUNK_BYTES // max(1, array.shape[1] * 4))
-        for start in range(0, self.num_embeddings, step):
-            array[start : start + step].copy_(values[start : start + step])
+        for offset in range(0, len(values), step):
+            chunk = values[offset : offset + step]
+            array[start + offset : start + offset + len(chunk)].copy_(chunk)
 
     def flush_to_disk(self) -> None:
         """Make memory-mapped arrays durable (no-op in RAM)."""

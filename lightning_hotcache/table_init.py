@@ -1,0 +1,72 @@
+"""Deferred table initialization: tables declared on the meta device, rows made chunk by chunk.
+
+A model whose tables are larger than RAM cannot build them in memory first and hand them
+to a strategy afterwards. TorchRec's answer is to declare the EmbeddingBagCollection on the
+``meta`` device and let the sharder initialize each shard where it lives; this module is
+that answer for us. `initial_rows` yields a table's initial rows in chunks of bounded size,
+with the table's own ``init_fn`` (TorchRec's default: uniform in +-sqrt(1/num_embeddings))
+applied chunk by chunk, as TorchRec applies it shard by shard. The rows depend only on the
+seed, never on the chunk size or on who writes them, so every rank of a job, and every
+tier a row may live in, sees the same table.
+
+`materialize_tables` is the in-memory case: strategies that do not place rows themselves
+(``auto``, ``ddp``, ``torchrec``) get ordinary tables, allocated and initialized here.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+# Rows are made in chunks of about this many bytes: initializing never holds more than one
+# chunk beyond the table's destination.
+CHUNK_BYTES = 64 * 2**20
+
+
+def is_deferred(collection: EmbeddingBagCollection) -> bool:
+    """Whether the collection's tables are declared only (meta device), with no rows yet."""
+    return any(p.is_meta for p in collection.parameters())
+
+
+def draw_seed() -> int:
+    """A seed for `initial_rows` from the global RNG (so ``seed_everything`` fixes it)."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def initial_rows(table: EmbeddingBagConfig, seed: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, Tensor]]:
+    """``(first row, rows)`` chunks covering the table in order: its ``init_fn`` applied to
+    each chunk under ``seed``. The global RNG is left as it was."""
+    init_fn = table.init_fn
+    assert init_fn is not None  # EmbeddingBagConfig.__post_init__ sets TorchRec's default
+    step = max(1, chunk_bytes // (4 * table.embedding_dim))
+    # fork_rng, not a torch.Generator: user init_fns take only the tensor and draw from the
+    # global RNG. CPU draws are sequential, so one stream split into chunks equals one draw.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for start in range(0, table.num_embeddings, step):
+            rows = torch.empty(min(step, table.num_embeddings - start), table.embedding_dim)
+            init_fn(rows)
+            yield start, rows
+
+
+def materialize_tables(module: nn.Module, device: torch.device | str = "cpu", seed: int | None = None) -> bool:
+    """Allocate and initialize the deferred tables of every EmbeddingBagCollection in ``module``
+    on ``device``, in place. ``seed=None`` draws one from the global RNG. Returns whether any
+    table was deferred."""
+    found = False
+    for collection in module.modules():
+        if not isinstance(collection, EmbeddingBagCollection) or not is_deferred(collection):
+            continue
+        found = True
+        seed = draw_seed() if seed is None else seed
+        collection.to_empty(device=device)
+        collection._device = torch.device(device)  # torchrec reads it in reset_parameters and sharding
+        for table in collection.embedding_bag_configs():
+            weight = collection.embedding_bags[table.name].weight
+            with torch.no_grad():
+                for start, rows in initial_rows(table, seed):
+                    weight[start : start + len(rows)].copy_(rows)
+    return found

@@ -1,0 +1,123 @@
+"""Deferred (meta) tables: rows made chunk by chunk where they live, the same under every strategy."""
+
+from __future__ import annotations
+
+import functools
+import tracemalloc
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import cpu_trainer, tiny_synthetic
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+from lightning_hotcache import HotCacheStrategy, RowWiseOptimizerConfig
+from lightning_hotcache.cache import DeviceCache, HostStore
+from lightning_hotcache.cache.exchange import RowSharding
+from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
+from lightning_hotcache.table_init import initial_rows, is_deferred, materialize_tables
+from models import DLRM
+from test_embedding_exactness import TABLES, make_plan, zipf_batches
+
+TABLE = EmbeddingBagConfig(name="t", num_embeddings=1000, embedding_dim=8, feature_names=["f"])
+
+
+def whole(table: EmbeddingBagConfig, seed: int, chunk_bytes: int) -> torch.Tensor:
+    chunks = list(initial_rows(table, seed, chunk_bytes))
+    assert [start for start, _ in chunks] == list(range(0, table.num_embeddings, len(chunks[0][1])))
+    return torch.cat([rows for _, rows in chunks])
+
+
+def test_initial_rows_do_not_depend_on_chunking_and_leave_the_rng_alone() -> None:
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    small, large = whole(TABLE, 3, chunk_bytes=7 * 32), whole(TABLE, 3, chunk_bytes=2**20)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert small.shape == (1000, 8) and torch.equal(small, large)
+    bound = (1 / 1000) ** 0.5  # TorchRec's default init: uniform in +-sqrt(1/num_embeddings)
+    assert small.abs().max() <= bound and small.std() > bound / 3
+    assert not torch.equal(small, whole(TABLE, 4, chunk_bytes=2**20))
+
+
+def test_initial_rows_use_the_tables_init_fn() -> None:
+    table = EmbeddingBagConfig(
+        name="t", num_embeddings=50, embedding_dim=4, feature_names=["f"], init_fn=functools.partial(torch.nn.init.constant_, val=0.5)
+    )  # fmt: skip
+    assert torch.equal(whole(table, 0, 64), torch.full((50, 4), 0.5))
+
+
+def test_materialize_allocates_and_initializes_deferred_tables_only() -> None:
+    ebc = EmbeddingBagCollection([TABLE], device=torch.device("meta"))
+    assert is_deferred(ebc)
+    assert materialize_tables(ebc, seed=11)
+    assert not is_deferred(ebc) and ebc.device == torch.device("cpu")
+    assert torch.equal(ebc.embedding_bags["t"].weight, whole(TABLE, 11, 2**20))
+    assert not materialize_tables(ebc, seed=12)  # nothing deferred: untouched
+    assert torch.equal(ebc.embedding_bags["t"].weight, whole(TABLE, 11, 2**20))
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_load_rows_keeps_this_ranks_shard_and_refreshes_cached_rows(rank: int) -> None:
+    rows = torch.arange(1000 * 8, dtype=torch.float32).view(1000, 8)
+    sharding = RowSharding(rank, 3)
+    host = HostStore("t", sharding.num_local(1000), 8, {})
+    static = torch.tensor([0, 7, 500, 999])
+    cache = DeviceCache("t", 1000, 8, RowWiseOptimizerConfig(), static, 16, "lfu", host, torch.device("cpu"), sharding)
+    for start in range(0, 1000, 137):  # chunks that start on every rank's rows
+        cache.load_rows("weight", start, rows[start : start + 137])
+    assert torch.equal(host.weight, rows[rank::3])
+    assert torch.equal(cache.weight[: len(static)], rows[static])
+    with pytest.raises(ValueError, match="has shape"):
+        cache.load_full("weight", rows[:10])
+
+
+@pytest.mark.parametrize("storage", ["memory", "mmap"])
+def test_hot_cold_collection_initializes_deferred_tables_in_its_tiers(storage: str, tmp_path) -> None:
+    plan = make_plan(zipf_batches(), 0.05, 1, "lfu")
+    assert any(not p.on_device for p in plan.tables)  # some tables are split
+    meta = EmbeddingBagCollection(TABLES, device=torch.device("meta"))
+    module = HotColdEmbeddingBagCollection.from_ebc(
+        meta, plan, host_storage="memory" if storage == "memory" else tmp_path, seed=9
+    )  # fmt: skip
+    state = module.state_dict()
+    for table in TABLES:
+        assert torch.equal(state[f"embedding_bags.{table.name}.weight"], whole(table, 9, 2**20)), table.name
+
+
+def test_declaring_tables_far_larger_than_ram_takes_no_memory() -> None:
+    huge = [
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=10**9, embedding_dim=128, feature_names=[f"f{i}"]) for i in range(4)
+    ]  # 2 TB of rows
+    tracemalloc.start()
+    model = DLRM(huge, 13, defer_table_init=True)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 50 * 2**20
+    assert all(p.is_meta for p in model.sparse_arch.parameters())
+
+
+def _fit(strategy, tmp_path=None) -> tuple[DLRM, pl.Trainer]:
+    pl.seed_everything(0)
+    dm = tiny_synthetic(scale=0.01, num_embeddings_cap=None, num_train_samples=512, batch_size=64)
+    model = DLRM(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "rowwise_adagrad"})
+    trainer = cpu_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0, enable_checkpointing=tmp_path is not None,
+                          default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(model, dm)
+    return model, trainer
+
+
+def test_deferred_model_learns_the_same_under_auto_and_hotcache_from_mmap(tmp_path) -> None:
+    auto, _ = _fit("auto")
+    assert not any(p.is_meta for p in auto.parameters())
+    hot, trainer = _fit(HotCacheStrategy(device_budget=0.1, host_storage=str(tmp_path / "rows"), profile_batches=4), tmp_path)
+    module = next(iter(hot_cold_modules(hot).values()))
+    assert any(not cache.identity for cache in module.caches.values())  # rows really live in mmap files
+    expected, got = auto.state_dict(), hot.state_dict()
+    assert expected.keys() == got.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-5, msg=key)
+    # A checkpoint of the deferred model loads back into a deferred model.
+    path = trainer.checkpoint_callback.best_model_path
+    loaded = DLRM.load_from_checkpoint(path, weights_only=True)
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, got[key], rtol=0, atol=0, msg=key)
