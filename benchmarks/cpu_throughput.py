@@ -12,11 +12,11 @@ benchmarks/results/cpu_throughput.json.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from clock import StepClock
 from report import write_report
 
 from datamodules import SyntheticCTRDataModule
@@ -26,35 +26,19 @@ from models import DLRM
 RESULTS = Path(__file__).parent / "results"
 
 
-class _Clock(pl.Callback):
-    """Wall time and samples between batch ``warmup`` and the last batch."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.start = self.end = 0.0
-        self.samples = 0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if batch_idx == self.warmup - 1:
-            self.start = time.perf_counter()
-        elif batch_idx >= self.warmup:
-            self.samples += batch.labels.shape[0]
-            self.end = time.perf_counter()
-
-
 def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
     pl.seed_everything(0)
     dm = SyntheticCTRDataModule(scale=1.0, embedding_dim=args.dim, batch_size=args.batch_size,
                                 num_train_samples=args.batch_size * (args.steps + 200), shuffle=False)  # fmt: skip
     model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
-    clock = _Clock(args.warmup)
+    clock = StepClock(args.warmup)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, limit_val_batches=0,
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[clock],
     )  # fmt: skip
     trainer.fit(model, dm)
-    out = {"samples_per_s": clock.samples / (clock.end - clock.start)}
+    out = {"samples_per_s": clock.samples_per_s}
     plan = getattr(trainer.strategy, "plan", None)
     if plan is not None:
         out["device_mib"] = plan.device_bytes / 2**20

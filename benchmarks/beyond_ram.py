@@ -1,0 +1,212 @@
+"""Tables larger than RAM: hotcache over memory-mapped host files vs a plain mmap EmbeddingBag.
+
+DLRM (SGD on the tables, Adam on the dense layers) on SyntheticCTRDataModule at ``--scale``
+times the Criteo Kaggle cardinalities, embedding dim ``--dim``; the defaults make 84.4M rows,
+40 GiB of float32 rows, 1.7x this machine's RAM. Two variants, each in its own process (so
+its peak memory is its own), one after the other:
+
+* ``mmap``: the baseline. Every table is a memory-mapped file used directly as the
+  EmbeddingBag's weight; the sparse update writes into the mapping, and the OS page cache
+  is the only cache (4 KiB pages, so a hot row brings its cold neighbours along).
+* ``hotcache``: ``HotCacheStrategy(host_storage=<dir>)`` with a device budget (here: memory
+  for cached rows and their bookkeeping) of ``--cache-fraction`` of RAM; the model declares
+  its tables deferred (``defer_table_init``), so no table is ever whole in memory.
+
+Both start from the same initial rows (`initial_rows`, one seed), written to files in
+``--dir``; the files are made durable and dropped from the page cache before training, and
+deleted after each run (the disk holds one copy at a time). Reported: samples/s over the
+steps after ``--warmup``, peak resident memory split into anonymous (the process's own: the
+cache, the model, the batches) and file-backed pages (page cache mapped into the process,
+which the OS reclaims under pressure), and the bytes the process read from and wrote to disk
+in the timed steps. Writes benchmarks/results/beyond_ram.json.
+
+    python benchmarks/beyond_ram.py [--scale 2.5] [--dim 128] [--batch-size 2048] [--steps 120] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from clock import StepClock
+from report import write_report
+from torch import nn
+
+from datamodules import SyntheticCTRDataModule
+from lightning_hotcache import HotCacheStrategy
+from lightning_hotcache.embedding import hot_cold_modules
+from lightning_hotcache.table_init import initial_rows
+from models import DLRM
+
+RESULTS = Path(__file__).parent / "results"
+VARIANTS = ("mmap", "hotcache")
+
+
+def ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class MemorySampler:
+    """Peaks of this process's resident memory (``/proc/self/status``), sampled on a thread."""
+
+    FIELDS = ("VmRSS", "RssAnon", "RssFile")
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.peak = dict.fromkeys(self.FIELDS, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+
+    def _read(self) -> dict[str, int]:
+        out = {}
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in self.FIELDS:
+                out[key] = int(value.split()[0]) * 1024
+        return out
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            for key, value in self._read().items():
+                self.peak[key] = max(self.peak[key], value)
+
+    def __enter__(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def disk_io() -> dict[str, int]:
+    """Bytes this process made the storage layer read and write (``/proc/self/io``)."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return {"read_bytes": int(fields["read_bytes"]), "write_bytes": int(fields["write_bytes"])}
+
+
+class DropPageCache(pl.Callback):
+    """At the start of training, make the table files durable and drop them from the page
+    cache, so both variants start with the same (empty) cache however they were written."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        os.sync()
+        for path in self.directory.rglob("*.f32"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def mmap_tables(model: DLRM, directory: Path) -> None:
+    """Give each deferred table a memory-mapped weight holding its initial rows (the baseline)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    collection = model.sparse_arch.embedding_bag_collection
+    for table in collection.embedding_bag_configs():
+        array = np.memmap(directory / f"{table.name}.f32", np.float32, "w+", shape=(table.num_embeddings, table.embedding_dim))
+        weight = torch.from_numpy(array)
+        for start, rows in initial_rows(table, model.table_init_seed):
+            weight[start : start + len(rows)] = rows
+        array.flush()
+        collection.embedding_bags[table.name].weight = nn.Parameter(weight)
+
+
+def run_variant(args: argparse.Namespace) -> dict[str, Any]:
+    pl.seed_everything(0)
+    torch.set_num_threads(args.threads)
+    directory = args.dir / args.variant
+    dm = SyntheticCTRDataModule(
+        scale=args.scale, embedding_dim=args.dim, batch_size=args.batch_size, shuffle=False,
+        num_train_samples=args.batch_size * (args.steps + args.profile_batches), num_val_samples=args.batch_size,
+    )  # fmt: skip
+    model = DLRM(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "sgd", "lr": 0.05})
+    rows = sum(t.num_embeddings for t in dm.tables)
+    if args.variant == "mmap":
+        mmap_tables(model, directory)
+        strategy: Any = "auto"
+    else:
+        budget = int(args.cache_fraction * ram_bytes())
+        strategy = HotCacheStrategy(device_budget=budget, host_storage=str(directory), profile_batches=args.profile_batches)
+    io: dict[str, dict[str, int]] = {}
+    clock = StepClock(args.warmup, on_start=lambda: io.setdefault("start", disk_io()))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, limit_val_batches=0,
+        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[DropPageCache(directory), clock],
+    )  # fmt: skip
+    with MemorySampler() as memory:
+        trainer.fit(model, dm)
+    end = disk_io()
+    out: dict[str, Any] = {
+        "samples_per_s": clock.samples_per_s,
+        "table_gib": rows * args.dim * 4 / 2**30,
+        "peak_rss_gib": memory.peak["VmRSS"] / 2**30,
+        "peak_anon_gib": memory.peak["RssAnon"] / 2**30,
+        "peak_file_gib": memory.peak["RssFile"] / 2**30,
+        "disk_read_mib_per_step": (end["read_bytes"] - io["start"]["read_bytes"]) / 2**20 / (args.steps - args.warmup),
+        "disk_write_mib_per_step": (end["write_bytes"] - io["start"]["write_bytes"]) / 2**20 / (args.steps - args.warmup),
+    }
+    plan = getattr(trainer.strategy, "plan", None)
+    if plan is not None:
+        caches = [c for m in hot_cold_modules(model).values() for c in m.caches.values()]
+        out["cache_gib"] = plan.device_bytes / 2**30
+        out["hit_rate"] = sum(c.counters.hits for c in caches) / sum(c.counters.lookups for c in caches)
+        out["fetched_rows_per_step"] = sum(c.counters.fetched_rows for c in caches) / args.steps
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=2.5)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--profile-batches", type=int, default=50)
+    parser.add_argument("--cache-fraction", type=float, default=0.25, help="hotcache's memory cache, as a fraction of RAM")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dir", type=Path, default=Path("/var/tmp/hotcache-beyond-ram"))
+    parser.add_argument("--variant", choices=VARIANTS, help="run one variant in this process (used by the driver)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "beyond_ram.json")
+    args = parser.parse_args()
+
+    if args.variant:
+        print("RESULT " + json.dumps(run_variant(args)), flush=True)
+        return
+    results = {}
+    for variant in VARIANTS:
+        shutil.rmtree(args.dir / variant, ignore_errors=True)
+        command = [sys.executable, __file__, *sys.argv[1:], "--variant", variant]
+        try:
+            lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout.splitlines()
+        finally:
+            shutil.rmtree(args.dir / variant, ignore_errors=True)
+        results[variant] = json.loads(next(line for line in lines if line.startswith("RESULT "))[len("RESULT "):])
+        print(f"{variant}: {results[variant]}", flush=True)
+    for r in results.values():
+        r["x_mmap"] = r["samples_per_s"] / results["mmap"]["samples_per_s"]
+    print(f"RAM {ram_bytes() / 2**30:.1f} GiB, tables {results['mmap']['table_gib']:.1f} GiB")
+    print(f"{'variant':<10}{'samples/s':>11}{'x mmap':>8}{'peak RSS':>10}{'anon':>8}{'file':>8}{'read MiB/step':>15}{'write MiB/step':>16}")
+    for name, r in results.items():
+        print(
+            f"{name:<10}{r['samples_per_s']:>11.0f}{r['x_mmap']:>8.2f}{r['peak_rss_gib']:>9.1f}G{r['peak_anon_gib']:>7.1f}G"
+            f"{r['peak_file_gib']:>7.1f}G{r['disk_read_mib_per_step']:>15.1f}{r['disk_write_mib_per_step']:>16.1f}"
+        )
+    write_report("beyond_ram", args, results, ram_gib=ram_bytes() / 2**30)
+
+
+if __name__ == "__main__":
+    main()
