@@ -9,6 +9,7 @@ pages that are touched take disk space or page cache).
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,26 @@ from torch import Tensor
 # Copy tables into the store in chunks of this many bytes, so initializing a table larger
 # than RAM never materializes it twice.
 _CHUNK_BYTES = 64 * 2**20
+
+
+def map_rows(path: Path, num_rows: int, width: int) -> np.ndarray:
+    """A ``(num_rows, width)`` float32 array memory-mapped from ``path`` (created sparse if
+    missing), advised for random access.
+
+    Rows are read one at a time in no order, so the kernel's read-around (up to 128 KiB read
+    per page fault, the default for mappings) would fetch mostly rows nobody asked for and
+    push useful pages out of the page cache; MADV_RANDOM reads only the faulting page.
+    Python's mmap is used instead of np.memmap because numpy has no public way to advise.
+    """
+    size = num_rows * width * 4
+    with open(path, "r+b" if path.exists() else "w+b") as file:
+        if size:
+            file.truncate(size)
+            mapping = mmap.mmap(file.fileno(), size)
+            mapping.madvise(mmap.MADV_RANDOM)
+        else:  # mmap cannot map zero bytes
+            return np.zeros((0, width), dtype=np.float32)
+    return np.ndarray((num_rows, width), dtype=np.float32, buffer=mapping)
 
 
 class HostStore:
@@ -47,7 +68,7 @@ class HostStore:
         self.embedding_dim = embedding_dim
         self.directory = Path(directory) if directory is not None else None
         widths = {"weight": embedding_dim, **state_widths}
-        self._memmaps: list[np.memmap] = []
+        self._maps: list[np.ndarray] = []
         self.arrays: dict[str, Tensor] = {key: self._allocate(key, width, pin_memory) for key, width in widths.items()}
 
     def _allocate(self, key: str, width: int, pin_memory: bool) -> Tensor:
@@ -61,9 +82,8 @@ class HostStore:
                 f"{path} holds {path.stat().st_size} bytes but table {self.name!r} needs "
                 f"{self.num_embeddings} x {width} float32; remove it or choose another host_storage directory."
             )
-        mode = "r+" if path.exists() else "w+"
-        array = np.memmap(path, dtype=np.float32, mode=mode, shape=(self.num_embeddings, width))
-        self._memmaps.append(array)
+        array = map_rows(path, self.num_embeddings, width)
+        self._maps.append(array)
         return torch.from_numpy(array)
 
     @property
@@ -97,5 +117,6 @@ class HostStore:
 
     def flush_to_disk(self) -> None:
         """Make memory-mapped arrays durable (no-op in RAM)."""
-        for array in self._memmaps:
-            array.flush()
+        for array in self._maps:
+            if isinstance(array.base, mmap.mmap):  # zero-row arrays map nothing
+                array.base.flush()
