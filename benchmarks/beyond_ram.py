@@ -98,6 +98,12 @@ def disk_io() -> dict[str, int]:
     return {"read_bytes": int(fields["read_bytes"]), "write_bytes": int(fields["write_bytes"])}
 
 
+def cache_counters(model: nn.Module) -> dict[str, int]:
+    """Lookups, hits and rows fetched so far, summed over every hotcache table of ``model``."""
+    caches = [c for m in hot_cold_modules(model).values() for c in m.caches.values()]
+    return {key: sum(getattr(c.counters, key) for c in caches) for key in ("lookups", "hits", "fetched_rows")}
+
+
 class DropPageCache(pl.Callback):
     """At the start of training, make the table files durable and drop them from the page
     cache, so both variants start with the same (empty) cache however they were written."""
@@ -144,8 +150,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     else:
         budget = int(args.cache_fraction * ram_bytes())
         strategy = HotCacheStrategy(device_budget=budget, host_storage=str(directory), profile_batches=args.profile_batches)
-    io: dict[str, dict[str, int]] = {}
-    clock = StepClock(args.warmup, on_start=lambda: io.setdefault("start", disk_io()))
+    clock = StepClock(args.warmup, probe=lambda: {**disk_io(), **cache_counters(model)})
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, limit_val_batches=0,
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_model_summary=False,
@@ -153,22 +158,22 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     with MemorySampler() as memory:
         trainer.fit(model, dm)
-    end = disk_io()
+    start, end = clock.at_start, clock.at_end
     out: dict[str, Any] = {
         "samples_per_s": clock.samples_per_s,
         "table_gib": rows * args.dim * 4 / 2**30,
         "peak_rss_gib": memory.peak["VmRSS"] / 2**30,
         "peak_anon_gib": memory.peak["RssAnon"] / 2**30,
         "peak_file_gib": memory.peak["RssFile"] / 2**30,
-        "disk_read_mib_per_step": (end["read_bytes"] - io["start"]["read_bytes"]) / 2**20 / (args.steps - args.warmup),
-        "disk_write_mib_per_step": (end["write_bytes"] - io["start"]["write_bytes"]) / 2**20 / (args.steps - args.warmup),
+        "disk_read_mib_per_step": (end["read_bytes"] - start["read_bytes"]) / 2**20 / (args.steps - args.warmup),
+        "disk_write_mib_per_step": (end["write_bytes"] - start["write_bytes"]) / 2**20 / (args.steps - args.warmup),
     }
     plan = getattr(trainer.strategy, "plan", None)
     if plan is not None:
-        caches = [c for m in hot_cold_modules(model).values() for c in m.caches.values()]
+        delta = {key: end[key] - start[key] for key in ("lookups", "hits", "fetched_rows")}
         out["cache_gib"] = plan.device_bytes / 2**30
-        out["hit_rate"] = sum(c.counters.hits for c in caches) / sum(c.counters.lookups for c in caches)
-        out["fetched_rows_per_step"] = sum(c.counters.fetched_rows for c in caches) / args.steps
+        out["hit_rate"] = delta["hits"] / delta["lookups"]
+        out["fetched_rows_per_step"] = delta["fetched_rows"] / (args.steps - args.warmup)
     return out
 
 

@@ -3,30 +3,37 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 
 
 class StepClock(pl.Callback):
     """Wall time and samples from the end of batch ``warmup - 1`` to the end of the last batch
-    (set-up, table initialization and profiling fall before it). ``on_start`` is called when
-    the timed window opens, e.g. to reset counters."""
+    (set-up, table initialization and profiling fall before it; teardown after it).
 
-    def __init__(self, warmup: int, on_start: Any = None) -> None:
+    Args:
+        warmup: batches before the timed window.
+        probe: read at the start of the window (``at_start``) and after every timed batch
+            (``at_end``: the last batch's reading), e.g. counters to take differences of.
+    """
+
+    def __init__(self, warmup: int, probe: Callable[[], Any] | None = None) -> None:
         self.warmup = warmup
-        self.on_start = on_start
+        self.probe = probe
         self.start = self.end = 0.0
         self.samples = 0
+        self.at_start: Any = None
+        self.at_end: Any = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx == self.warmup - 1:
-            if self.on_start is not None:
-                self.on_start()
+            self.at_start = self.probe() if self.probe else None
             self.start = time.perf_counter()
         elif batch_idx >= self.warmup:
             self.samples += batch.labels.shape[0]
             self.end = time.perf_counter()
+            self.at_end = self.probe() if self.probe else None
 
     @property
     def samples_per_s(self) -> float:

@@ -61,8 +61,7 @@ def run_job(args: argparse.Namespace) -> dict[str, Any] | None:
         num_train_samples=args.batch_size * args.procs * (args.steps + 20), num_val_samples=args.batch_size,
     )  # fmt: skip
     model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
-    sent: dict[str, int] = {}
-    clock = StepClock(args.warmup, on_start=lambda: sent.setdefault("start", loopback_bytes()))
+    clock = StepClock(args.warmup, probe=loopback_bytes)
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.procs, strategy=make_strategy(args.strategy, args.procs), max_steps=args.steps,
         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
@@ -75,7 +74,7 @@ def run_job(args: argparse.Namespace) -> dict[str, Any] | None:
     # Each rank timed its own samples; the ranks move in lockstep, so the job did procs x as many.
     return {
         "samples_per_s": clock.samples_per_s * args.procs,
-        "sent_kib_per_step": (loopback_bytes() - sent["start"]) / 1024 / steps,
+        "sent_kib_per_step": (clock.at_end - clock.at_start) / 1024 / steps,
     }
 
 

@@ -358,6 +358,12 @@ class HotColdPlanner:
             spent = sum(self._split_bytes(t, static_rows[t.name], min_slots[t.name]) for t in split)
             leftover = budget - sum(whole[n] for n in on_device) - spent
             min_slots = self._spread_dynamic(split, stats, static_rows, min_slots, leftover)
+        # Headroom and hot rows can make a small table's split cost more than the table
+        # itself (its slots then cover every row anyway): such a table goes whole instead.
+        for t in list(split):
+            if self._split_bytes(t, static_rows[t.name], min_slots[t.name]) >= whole[t.name]:
+                split.remove(t)
+                on_device.add(t.name)
 
         plans = []
         for t in tables:

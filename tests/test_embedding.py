@@ -75,6 +75,27 @@ def test_cache_too_small_for_batches_in_flight_is_a_clear_error() -> None:
             m.prefetch(b)
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_cold_cache_fills_empty_slots_before_evicting_anything(policy: str) -> None:
+    from lightning_hotcache import RowWiseOptimizerConfig
+    from lightning_hotcache.cache import DeviceCache, HostStore
+
+    sgd = RowWiseOptimizerConfig(name="sgd")
+    host = HostStore("t", 100, 4, sgd.state_widths(4))
+    host.load("weight", torch.arange(400, dtype=torch.float32).view(100, 4))
+    cache = DeviceCache("t", 100, 4, sgd, torch.tensor([0]), 10, policy, host, torch.device("cpu"))
+    seen: list[int] = []
+    for batch in ([1, 2, 3], [4, 5, 6], [7, 8, 9], [10]):  # exactly the 10 dynamic slots
+        slots, ticket = cache.acquire(torch.tensor(batch))
+        seen += slots.tolist()
+        cache.release(ticket)
+    assert sorted(seen) == list(range(1, 11)) and cache.counters.evicted_rows == 0
+    slots, ticket = cache.acquire(torch.tensor([1, 11]))  # row 1 hits; 11 evicts a row of the oldest batch
+    resident = cache.slot_map.lookup(torch.arange(1, 12)) >= 0
+    assert cache.counters.evicted_rows == 1 and int(resident[1:3].sum()) == 1 and bool(resident[[0, *range(3, 11)]].all())
+    assert torch.equal(cache.weight[slots], host.weight[[1, 11]])
+
+
 def test_state_dict_interchanges_with_plain_ebc_and_survives_training() -> None:
     m = module(fraction=0.01)
     for batch, grad in zip(zipf_batches(), UPSTREAM):

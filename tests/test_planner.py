@@ -90,6 +90,36 @@ def test_more_budget_never_lowers_hit_rates() -> None:
         assert all(h >= lo - 1e-12 for lo, h in zip(low, high))
 
 
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_no_table_is_split_at_a_cost_above_its_whole_size(depth: int) -> None:
+    # "mid" needs nearly all its rows as slots for the batches in flight, so headroom and hot
+    # rows on top of them would cost more than the table whole.
+    tables = [
+        EmbeddingBagConfig(name="mid", num_embeddings=2000, embedding_dim=32, feature_names=["m"]),
+        EmbeddingBagConfig(name="big", num_embeddings=50_000, embedding_dim=32, feature_names=["b"]),
+    ]
+    rng = np.random.default_rng(0)
+    profiler = AccessProfiler(tables)
+    for _ in range(20):
+        ids = [np.minimum(rng.zipf(1.2, 256) - 1, t.num_embeddings - 1) for t in tables]
+        profiler.observe(
+            KeyedJaggedTensor.from_lengths_sync(
+                keys=["m", "b"], values=torch.from_numpy(np.concatenate(ids)), lengths=torch.ones(512, dtype=torch.int32)
+            )
+        )
+    st = profiler.stats()
+    whole = {t.name: t.num_embeddings * row_bytes(t, SGD) for t in tables}
+    planner = HotColdPlanner(1.0, SGD, prefetch_depth=depth)
+    minimum = planner.minimum_bytes(tables, st)
+    for budget in np.linspace(minimum, sum(whole.values()) - 1, 12).astype(int):
+        plan = HotColdPlanner(int(budget), SGD, prefetch_depth=depth).plan(tables, st)
+        assert plan.device_bytes <= budget
+        for t in plan.tables:
+            if not t.on_device:
+                assert len(t.static_ids) + t.cache_slots < t.num_embeddings, (budget, t.name)
+                assert t.device_bytes < whole[t.name], (budget, t.name)
+
+
 def test_budget_below_minimum_says_the_minimum() -> None:
     with pytest.raises(ValueError, match=r"the minimum is .* \((\d+) bytes\)") as err:
         HotColdPlanner(1000, SGD, prefetch_depth=2).plan(TABLES, stats())

@@ -108,6 +108,9 @@ class DeviceCache:
         num_slots = self.num_static + self.num_dynamic
         self.counters = CacheCounters()
         self._issued = 0
+        # Dynamic slots never used yet are [num_static + _never_used_from, end): a cold cache
+        # fills from there without scoring every slot.
+        self._never_used_from = 0
         self._released_upto = 0
         self._released_early: set[int] = set()
 
@@ -206,6 +209,12 @@ class DeviceCache:
 
     def _choose_victims(self, count: int) -> Tensor:
         start = self.num_static
+        if self._never_used_from + count <= self.num_dynamic:
+            # Never-used slots are empty and unlocked: the scoring below would pick them first.
+            first = start + self._never_used_from
+            self._never_used_from += count
+            return torch.arange(first, first + count, device=self.device)
+        self._never_used_from = self.num_dynamic
         locked = self.last_used[start:] > self._released_upto
         free = int((~locked).sum())
         if count > free:
