@@ -31,7 +31,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.modules.embedding_configs import PoolingType
 
 from lightning_hotcache.cache import CachePolicy, DeviceCache, HostStore
-from lightning_hotcache.cache.exchange import RowSharding, all_gather_rows
+from lightning_hotcache.cache.exchange import RowSharding, all_gather_table_rows
 from lightning_hotcache.planner import HotColdPlan
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 from lightning_hotcache.table_init import draw_seed, initial_rows, is_deferred
@@ -57,6 +57,11 @@ def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
             return method(self, *args, **kwargs)
 
     return wrapper
+
+
+def _drop_grad(weight: Tensor) -> None:
+    # The update is applied from the gradients `_apply_gradients` receives; nothing accumulates.
+    weight.grad = None
 
 
 def _same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
@@ -154,8 +159,13 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 sharding,
             )
             cache.weight.requires_grad_(True)
-            cache.weight.register_post_accumulate_grad_hook(self._make_update_hook(table.name))
+            cache.weight.register_post_accumulate_grad_hook(_drop_grad)
             self.caches[table.name] = cache
+        # One hook sees every table's gradient at once (it fires when the last one is ready),
+        # so across ranks the rows of all tables travel in one exchange, not one per table.
+        torch.autograd.graph.register_multi_grad_hook(
+            [cache.weight for cache in self.caches.values()], self._apply_gradients, mode="all"
+        )
         self._feature_table = {f: t for t in self._tables for f in t.feature_names}
         self._queue: deque[_StagedBatch] = deque()
         self._in_flight: list[_StagedBatch] = []
@@ -295,33 +305,33 @@ class HotColdEmbeddingBagCollection(nn.Module):
             values=values,
         )
 
-    def _make_update_hook(self, table: str):
-        def hook(weight: Tensor) -> None:
-            with self._lock:
-                self._update(table, weight)
-
-        return hook
-
-    def _update(self, table: str, weight: Tensor) -> None:
-        """Backward of ``table``: the row-wise step for the rows read, then unlock them."""
-        grad = weight.grad
-        weight.grad = None
-        if grad is not None:
-            cache = self.caches[table]
-            world = dist.get_world_size(self.process_group) if self.process_group is not None else 1
-            if world == 1:
-                cache.apply_update(grad, self.optimizer)
-            else:
-                grad = grad.coalesce()
-                ids, rows = all_gather_rows(cache.ids_of_slots(grad.indices()[0]), grad.values(), self.process_group)
-                # DDP's convention: the gradient is the mean over ranks.
-                summed = torch.sparse_coo_tensor(ids[None], rows / world, (cache.num_embeddings, rows.shape[1]))
-                summed = summed.coalesce()
-                cache.apply_update_to_ids(summed.indices()[0], summed.values(), self.optimizer)
-        # Every in-flight batch's gradient for this table has now been applied.
+    @_locked
+    def _apply_gradients(self, grads: Sequence[Tensor | None]) -> None:
+        """Backward: the row-wise step for the rows each table read, then unlock them."""
+        read = {name: grad for name, grad in zip(self.caches, grads) if grad is not None}
+        world = dist.get_world_size(self.process_group) if self.process_group is not None else 1
+        if world == 1:
+            for name, grad in read.items():
+                self.caches[name].apply_update(grad, self.optimizer)
+        else:
+            local = []
+            for name, cache in self.caches.items():
+                if name in read:
+                    grad = read[name].coalesce()
+                    local.append((cache.ids_of_slots(grad.indices()[0]), grad.values()))
+                else:  # not read by this backward: nothing to send, but the exchange covers every table
+                    local.append((torch.zeros(0, dtype=torch.int64, device=self.device), cache.weight.new_zeros(0, cache.weight.shape[1])))
+            for cache, (ids, rows) in zip(self.caches.values(), all_gather_table_rows(local, self.process_group)):
+                if len(ids):
+                    # DDP's convention: the gradient is the mean over ranks.
+                    summed = torch.sparse_coo_tensor(ids[None], rows / world, (cache.num_embeddings, rows.shape[1]))
+                    summed = summed.coalesce()
+                    cache.apply_update_to_ids(summed.indices()[0], summed.values(), self.optimizer)
+        # Every in-flight batch's gradient for these tables has now been applied.
         for staged in self._in_flight:
-            for ticket in staged.tickets.pop(table, []):
-                self.caches[table].release(ticket)
+            for name in read:
+                for ticket in staged.tickets.pop(name, []):
+                    self.caches[name].release(ticket)
         self._in_flight = [s for s in self._in_flight if s.tickets]
 
     # ---------------------------------------------------------- whole tables

@@ -13,7 +13,7 @@ between caches and host stores.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,23 +58,40 @@ def exchange_rows(ids: Tensor, serve: Callable[[Tensor], Tensor], width: int, sh
     return out
 
 
-def all_gather_rows(ids: Tensor, rows: Tensor, group: Any) -> tuple[Tensor, Tensor]:
-    """Every rank's (ids, rows), concatenated in rank order (sizes differ by rank)."""
+def all_gather_table_rows(parts: Sequence[tuple[Tensor, Tensor]], group: Any) -> list[tuple[Tensor, Tensor]]:
+    """Every rank's ``(ids, rows)`` of each table, concatenated in rank order (sizes differ by
+    rank), in three collectives however many tables there are. ``parts[t]`` is this rank's
+    ids and float32 rows ``(n_t, width_t)`` of table ``t``; every rank passes the same tables
+    in the same order."""
     world = dist.get_world_size(group)
-    count = torch.tensor([ids.numel()], device=ids.device)
-    counts = [torch.zeros_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
-    sizes = [int(c.item()) for c in counts]
-    longest = max(sizes)
-    padded_ids = torch.zeros(longest, dtype=ids.dtype, device=ids.device)
-    padded_rows = torch.zeros(longest, rows.shape[1], dtype=rows.dtype, device=rows.device)
-    padded_ids[: ids.numel()] = ids
-    padded_rows[: ids.numel()] = rows
-    all_ids = [torch.empty_like(padded_ids) for _ in range(world)]
-    all_rows = [torch.empty_like(padded_rows) for _ in range(world)]
-    dist.all_gather(all_ids, padded_ids, group=group)
-    dist.all_gather(all_rows, padded_rows, group=group)
-    return torch.cat([a[:k] for a, k in zip(all_ids, sizes)]), torch.cat([r[:k] for r, k in zip(all_rows, sizes)])
+    device = parts[0][0].device
+    widths = [rows.shape[1] for _, rows in parts]
+    counts = torch.tensor([len(ids) for ids, _ in parts], device=device)
+    gathered_counts = [torch.empty_like(counts) for _ in range(world)]
+    dist.all_gather(gathered_counts, counts, group=group)
+    counts_of = [c.tolist() for c in gathered_counts]
+    floats_of = [[n * w for n, w in zip(c, widths)] for c in counts_of]
+    ids = torch.cat([ids for ids, _ in parts]).to(torch.int64)
+    floats = torch.cat([rows.reshape(-1).to(torch.float32) for _, rows in parts])
+    gathered_ids = _all_gather_padded(ids, max(map(sum, counts_of)), group)
+    gathered_floats = _all_gather_padded(floats, max(map(sum, floats_of)), group)
+    out_ids: list[list[Tensor]] = [[] for _ in parts]
+    out_rows: list[list[Tensor]] = [[] for _ in parts]
+    for rank in range(world):
+        rank_ids = gathered_ids[rank][: sum(counts_of[rank])].split(counts_of[rank])
+        rank_floats = gathered_floats[rank][: sum(floats_of[rank])].split(floats_of[rank])
+        for t, width in enumerate(widths):
+            out_ids[t].append(rank_ids[t])
+            out_rows[t].append(rank_floats[t].view(-1, width))
+    return [(torch.cat(i), torch.cat(r)) for i, r in zip(out_ids, out_rows)]
+
+
+def _all_gather_padded(values: Tensor, longest: int, group: Any) -> list[Tensor]:
+    padded = torch.zeros(longest, dtype=values.dtype, device=values.device)
+    padded[: len(values)] = values
+    gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, padded, group=group)
+    return gathered
 
 
 def gather_table(local: Tensor, num_embeddings: int, sharding: RowSharding) -> Tensor:

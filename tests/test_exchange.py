@@ -1,0 +1,44 @@
+"""Row collectives across two gloo processes: what each rank sends is what every rank gets."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_hotcache.cache.exchange import RowSharding, all_gather_table_rows, exchange_rows
+
+
+def _parts(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Three tables of widths 3, 5, 2; rank 1 sends nothing for the second one.
+    counts = [[2, 4, 1], [3, 0, 2]][rank]
+    parts = []
+    for t, (n, width) in enumerate(zip(counts, (3, 5, 2))):
+        ids = torch.arange(n) + 100 * t + 10 * rank
+        parts.append((ids, ids[:, None].float().repeat(1, width) + torch.arange(width)))
+    return parts
+
+
+def _worker(rank: int, init_file: str, failures) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        got = all_gather_table_rows(_parts(rank), None)
+        for t, (ids, rows) in enumerate(got):
+            want_ids = torch.cat([_parts(r)[t][0] for r in range(2)])
+            want_rows = torch.cat([_parts(r)[t][1] for r in range(2)])
+            assert torch.equal(ids, want_ids) and torch.equal(rows, want_rows), t
+        # Rows come from their owners (id % 2), whoever asks.
+        sharding = RowSharding(rank, 2, None)
+        asked = torch.tensor([5, 2, 7, 4, 4][rank * 2 :])
+        rows = exchange_rows(asked, lambda ids: ids[:, None].float() * torch.tensor([[1.0, -1.0]]), 2, sharding)
+        assert torch.equal(rows, asked[:, None].float() * torch.tensor([[1.0, -1.0]]))
+    except AssertionError as err:
+        failures.put(f"rank {rank}: {err!r}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_gather_table_rows_and_exchange_rows_across_two_processes(tmp_path) -> None:
+    failures = mp.get_context("spawn").Queue()
+    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), failures), nprocs=2, join=True)
+    assert failures.empty(), failures.get()
