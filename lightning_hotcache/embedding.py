@@ -31,6 +31,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.modules.embedding_configs import PoolingType
 
 from lightning_hotcache.cache import CachePolicy, DeviceCache, HostStore
+from lightning_hotcache.cache.device import acquire_all
 from lightning_hotcache.cache.exchange import RowSharding, all_gather_table_rows
 from lightning_hotcache.planner import HotColdPlan
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
@@ -236,13 +237,15 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 _check_ids(by_feature[feature].values(), table, feature)
         slots: dict[str, Tensor] = {}
         tickets: dict[str, list[int]] = {}
-        for table in self._tables:
-            cache = self.caches[table.name]
-            # One acquire per table: all its features' rows must be resident together.
-            values = [by_feature[f].values() for f in table.feature_names]
-            acquired, ticket = cache.acquire(torch.cat(values) if len(values) > 1 else values[0])
+        # One acquire per table (all its features' rows must be resident together), all tables
+        # at once (across ranks their misses travel in one exchange).
+        values = [[by_feature[f].values() for f in table.feature_names] for table in self._tables]
+        acquired = acquire_all(
+            [self.caches[table.name] for table in self._tables], [torch.cat(v) if len(v) > 1 else v[0] for v in values]
+        )  # fmt: skip
+        for table, table_values, (table_slots, ticket) in zip(self._tables, values, acquired):
             tickets[table.name] = [ticket]
-            for feature, part in zip(table.feature_names, acquired.split([v.numel() for v in values])):
+            for feature, part in zip(table.feature_names, table_slots.split([v.numel() for v in table_values])):
                 slots[feature] = part
         return _StagedBatch(features, by_feature, slots, tickets)
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_hotcache.cache.exchange import RowSharding, all_gather_table_rows, exchange_rows
+from lightning_hotcache.cache.exchange import RowSharding, all_gather_table_rows, exchange_table_rows
 
 
 def _parts(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -19,6 +19,12 @@ def _parts(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return parts
 
 
+def _answer(table: int, ids: torch.Tensor, owner: int | None) -> torch.Tensor:
+    assert owner is None or bool((ids % 2 == owner).all()), "asked a rank for rows it does not own"
+    width = 2 + table
+    return ids[:, None].float() * (table + 1) + torch.arange(width)
+
+
 def _worker(rank: int, init_file: str, failures) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
@@ -27,11 +33,13 @@ def _worker(rank: int, init_file: str, failures) -> None:
             want_ids = torch.cat([_parts(r)[t][0] for r in range(2)])
             want_rows = torch.cat([_parts(r)[t][1] for r in range(2)])
             assert torch.equal(ids, want_ids) and torch.equal(rows, want_rows), t
-        # Rows come from their owners (id % 2), whoever asks.
+        # Rows come from their owners (id % 2), whoever asks; each table answers with its own width.
         sharding = RowSharding(rank, 2, None)
-        asked = torch.tensor([5, 2, 7, 4, 4][rank * 2 :])
-        rows = exchange_rows(asked, lambda ids: ids[:, None].float() * torch.tensor([[1.0, -1.0]]), 2, sharding)
-        assert torch.equal(rows, asked[:, None].float() * torch.tensor([[1.0, -1.0]]))
+        asked = [torch.tensor([5, 2, 7, 4, 4][rank * 2 :]), torch.tensor([[], [3, 8]][rank], dtype=torch.int64)]
+        serves = [lambda ids, t=t: _answer(t, ids, rank) for t in range(2)]
+        rows = exchange_table_rows(asked, serves, [2, 3], sharding)
+        for t in range(2):
+            assert torch.equal(rows[t], _answer(t, asked[t], owner=None)), t
     except AssertionError as err:
         failures.put(f"rank {rank}: {err!r}")
     finally:

@@ -25,12 +25,12 @@ static region chosen from measured frequencies.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_hotcache.cache.exchange import RowSharding, exchange_rows, gather_table
+from lightning_hotcache.cache.exchange import RowSharding, exchange_table_rows, gather_table
 from lightning_hotcache.cache.host import HostStore
 from lightning_hotcache.cache.slot_map import make_slot_map
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig, apply_sparse_update
@@ -133,31 +133,50 @@ class DeviceCache:
         return self.slots["weight"]
 
     # ------------------------------------------------------------ residency
-    @torch.no_grad()
     def acquire(self, ids: Tensor) -> tuple[Tensor, int]:
         """Slots of ``ids`` (any order, duplicates allowed), fetching missing rows, and the
         ticket that keeps them locked until `release`."""
+        return acquire_all([self], [ids])[0]
+
+    def _begin_acquire(self, ids: Tensor) -> _Acquire:
+        """Lock the hits and free slots for the misses (their rows come next)."""
         ids = ids.to(self.device, torch.int64)
         self.counters.lookups += ids.numel()
         self._issued += 1
-        ticket = self._issued
         if self.identity:
             self.counters.hits += ids.numel()
-            return ids, ticket
+            return _Acquire(ids, ids, self._issued)
         slots = self.slot_map.lookup(ids)
         missing = slots < 0
         num_missing = int(missing.sum())
         self.counters.hits += ids.numel() - num_missing
         # Lock the hits first, so that fetching the misses cannot evict them.
-        self.last_used[slots[~missing]] = ticket
+        self.last_used[slots[~missing]] = self._issued
+        acquire = _Acquire(ids, slots, self._issued, missing)
         # With several ranks every rank joins the row exchange, misses or not.
         if num_missing or self.sharding.world > 1:
-            self._fetch(ids[missing].unique())
-            slots = self.slot_map.lookup(ids)
-            self.last_used[slots[missing]] = ticket
-        if self.policy == "lfu":
+            acquire.needed = ids[missing].unique()
+            acquire.victims = self._choose_victims(len(acquire.needed))
+            self._evict(acquire.victims[self.id_of_slot[acquire.victims] >= 0])
+        return acquire
+
+    def _finish_acquire(self, acquire: _Acquire, rows: dict[str, Tensor] | None) -> tuple[Tensor, int]:
+        """Install the fetched ``rows`` (of ``acquire.needed``) and lock them."""
+        slots = acquire.slots
+        if acquire.needed is not None:
+            assert rows is not None and acquire.victims is not None and acquire.missing is not None
+            victims, needed = acquire.victims, acquire.needed
+            for key, tensor in self.slots.items():
+                tensor[victims] = rows[key].to(self.device, non_blocking=True)
+            self.slot_map.assign(needed, victims)
+            self.id_of_slot[victims] = needed
+            self.frequency[victims] = 0
+            self.counters.fetched_rows += len(needed)
+            slots = self.slot_map.lookup(acquire.ids)
+            self.last_used[slots[acquire.missing]] = acquire.ticket
+        if self.policy == "lfu" and not self.identity:
             self.frequency.index_add_(0, slots, torch.ones_like(slots))
-        return slots, ticket
+        return slots, acquire.ticket
 
     def num_locked(self) -> int:
         return 0 if self.identity else int((self.last_used > self._released_upto).sum())
@@ -176,25 +195,9 @@ class DeviceCache:
             unlocked = self.last_used[dynamic] <= self._released_upto
             self._evict(dynamic[(self.id_of_slot[dynamic] >= 0) & unlocked])
 
-    def _fetch(self, ids: Tensor) -> None:
-        victims = self._choose_victims(len(ids))
-        self._evict(victims[self.id_of_slot[victims] >= 0])
-        rows = self._read_rows(ids)
-        for key, tensor in self.slots.items():
-            tensor[victims] = rows[key].to(self.device, non_blocking=True)
-        self.slot_map.assign(ids, victims)
-        self.id_of_slot[victims] = ids
-        self.frequency[victims] = 0
-        self.counters.fetched_rows += len(ids)
-
-    def _read_rows(self, ids: Tensor) -> dict[str, Tensor]:
-        """Rows and state of ``ids``, from this rank's store or, across ranks, their owners'."""
-        if self.sharding.world == 1:
-            assert self.host is not None
-            return self.host.read(ids)
-        widths = {key: tensor.shape[1] for key, tensor in self.slots.items()}
-        packed = exchange_rows(ids, self._serve, sum(widths.values()), self.sharding)
-        return dict(zip(widths, packed.split(list(widths.values()), dim=1)))
+    @property
+    def _row_widths(self) -> dict[str, int]:
+        return {key: tensor.shape[1] for key, tensor in self.slots.items()}
 
     def _serve(self, ids: Tensor) -> Tensor:
         """Packed current rows of ``ids`` (all owned here): cached copy if any, else host."""
@@ -326,3 +329,38 @@ class DeviceCache:
         slots = cached.nonzero().squeeze(1)
         if len(slots):
             self.slots[key][slots] = values[(self.id_of_slot[slots] - start).cpu()].to(self.device)
+
+
+@dataclass
+class _Acquire:
+    """An `acquire` between locking its hits and installing its misses."""
+
+    ids: Tensor
+    slots: Tensor  # slot of every id; -1 for misses until installed
+    ticket: int
+    missing: Tensor | None = None
+    needed: Tensor | None = None  # unique missing ids, when there is a fetch to join
+    victims: Tensor | None = None  # the slots they go to
+
+
+@torch.no_grad()
+def acquire_all(caches: Sequence[DeviceCache], ids: Sequence[Tensor]) -> list[tuple[Tensor, int]]:
+    """`DeviceCache.acquire` for several tables at once: across ranks the missing rows of all
+    of them come in one exchange (every rank must pass the same tables, in the same order)."""
+    started = [cache._begin_acquire(i) for cache, i in zip(caches, ids)]
+    fetching = [k for k, a in enumerate(started) if a.needed is not None]
+    rows: list[dict[str, Tensor] | None] = [None] * len(caches)
+    if fetching and caches[fetching[0]].sharding.world == 1:
+        for k in fetching:
+            host, needed = caches[k].host, started[k].needed
+            assert host is not None and needed is not None
+            rows[k] = host.read(needed)
+    elif fetching:
+        widths = [caches[k]._row_widths for k in fetching]
+        packed = exchange_table_rows(
+            [started[k].needed for k in fetching], [caches[k]._serve for k in fetching],  # type: ignore[misc]
+            [sum(w.values()) for w in widths], caches[fetching[0]].sharding,
+        )  # fmt: skip
+        for k, w, p in zip(fetching, widths, packed):
+            rows[k] = dict(zip(w, p.split(list(w.values()), dim=1)))
+    return [cache._finish_acquire(a, r) for cache, a, r in zip(caches, started, rows)]

@@ -2,7 +2,8 @@
 
 Host stores are sharded round-robin: row ``i`` lives in the host store of rank
 ``i % world`` at local index ``i // world``. Every rank runs the same sequence of
-collectives (one exchange per table per staged batch, one gather per table per backward),
+collectives (one exchange of missing rows per staged batch, one gather of gradient rows per
+backward, each covering all tables, so their cost does not grow with the number of tables),
 which holds because ranks stage and train the same number of batches.
 
 Written on torch.distributed directly (all_to_all_single, all_gather): TorchRec's
@@ -38,23 +39,45 @@ class RowSharding:
         return len(range(self.rank, num_embeddings, self.world))
 
 
-def exchange_rows(ids: Tensor, serve: Callable[[Tensor], Tensor], width: int, sharding: RowSharding) -> Tensor:
-    """Rows (``width`` floats each) of ``ids`` from their owners; ``serve`` answers the
-    requests for rows this rank owns. Every rank must call it, with or without ids."""
-    owner = ids % sharding.world
-    order = torch.argsort(owner, stable=True)
-    requested = ids[order]
-    send_counts = torch.bincount(owner, minlength=sharding.world)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=sharding.group)
-    send, recv = send_counts.tolist(), recv_counts.tolist()
-    asked = torch.empty(sum(recv), dtype=ids.dtype, device=ids.device)
-    dist.all_to_all_single(asked, requested, recv, send, group=sharding.group)
-    answered = serve(asked).to(ids.device, torch.float32)
-    rows = torch.empty(len(ids), width, dtype=torch.float32, device=ids.device)
-    dist.all_to_all_single(rows, answered.contiguous(), send, recv, group=sharding.group)
-    out = torch.empty_like(rows)
-    out[order] = rows
+def exchange_table_rows(
+    requests: Sequence[Tensor], serves: Sequence[Callable[[Tensor], Tensor]], widths: Sequence[int], sharding: RowSharding
+) -> list[Tensor]:
+    """Rows of several tables from their owners, in three collectives however many tables.
+
+    ``requests[t]``: ids of table ``t`` this rank wants; ``serves[t]`` answers a request for
+    rows of table ``t`` this rank owns with ``(n, widths[t])`` floats. Returns the rows of
+    ``requests[t]`` in request order. Every rank must call it with the same tables, with or
+    without ids."""
+    world, group, tables = sharding.world, sharding.group, range(len(requests))
+    device = requests[0].device
+    orders = [torch.argsort(ids % world, stable=True) for ids in requests]
+    counts = torch.stack([torch.bincount(ids % world, minlength=world) for ids in requests], dim=1)  # (dst, table)
+    recv_counts = torch.empty_like(counts)  # (src, table)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    sent, received = counts.tolist(), recv_counts.tolist()
+    # Requests travel grouped by destination rank, then by table.
+    by_owner = [ids[order].split(counts[:, t].tolist()) for t, (ids, order) in enumerate(zip(requests, orders))]
+    send_ids = torch.cat([by_owner[t][dst] for dst in range(world) for t in tables])
+    asked = torch.empty(int(recv_counts.sum()), dtype=send_ids.dtype, device=device)
+    dist.all_to_all_single(asked, send_ids, list(map(sum, received)), list(map(sum, sent)), group=group)
+    asked_parts = asked.split([received[src][t] for src in range(world) for t in tables])
+    answers = []
+    for t in tables:
+        asked_t = torch.cat([asked_parts[src * len(tables) + t] for src in range(world)])
+        answered = serves[t](asked_t).to(device, torch.float32)
+        answers.append(answered.split([received[src][t] for src in range(world)]))
+    send_rows = torch.cat([answers[t][src].reshape(-1) for src in range(world) for t in tables])
+    floats_back = [sum(received[src][t] * widths[t] for t in tables) for src in range(world)]
+    floats_in = [sum(sent[dst][t] * widths[t] for t in tables) for dst in range(world)]
+    got = torch.empty(sum(floats_in), dtype=torch.float32, device=device)
+    dist.all_to_all_single(got, send_rows, floats_in, floats_back, group=group)
+    pieces = got.split([sent[dst][t] * widths[t] for dst in range(world) for t in tables])
+    out = []
+    for t, order in enumerate(orders):
+        rows = torch.cat([pieces[dst * len(tables) + t].view(-1, widths[t]) for dst in range(world)])
+        unsorted = torch.empty_like(rows)
+        unsorted[order] = rows
+        out.append(unsorted)
     return out
 
 
