@@ -6,7 +6,7 @@ process, in this order; samples/s is measured between the end of the warm-up ste
 the last step (set-up, table init and profiling excluded). Prints a table and writes
 benchmarks/results/cpu_throughput.json.
 
-    python benchmarks/cpu_throughput.py [--dim 16] [--batch-size 2048] [--steps 60]
+    python benchmarks/cpu_throughput.py [--dim 16] [--batch-size 2048] [--steps 300] [--strategies auto hotcache@1]
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--strategies", nargs="+", help="a subset to run (default: all; auto is the baseline)")
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_throughput.json")
     args = parser.parse_args()
 
@@ -59,9 +60,12 @@ def main() -> None:
         "torchrec": lambda: "torchrec",
         **{f"hotcache@{b:g}": (lambda b=b: HotCacheStrategy(device_budget=b, profile_batches=50)) for b in (1.0, 0.1, 0.01)},
     }
-    results = {name: train(make(), args) for name, make in runs.items()}
+    unknown = set(args.strategies or ()) - set(runs)
+    if unknown:
+        parser.error(f"unknown strategies {sorted(unknown)}; choose from {list(runs)}")
+    results = {name: train(make(), args) for name, make in runs.items() if not args.strategies or name in args.strategies}
     for r in results.values():
-        r["x_auto"] = r["samples_per_s"] / results["auto"]["samples_per_s"]
+        r["x_auto"] = r["samples_per_s"] / results["auto"]["samples_per_s"] if "auto" in results else float("nan")
     print(f"{'strategy':<16}{'samples/s':>12}{'x auto':>9}")
     for name, r in results.items():
         print(f"{name:<16}{r['samples_per_s']:>12.0f}{r['x_auto']:>9.2f}")

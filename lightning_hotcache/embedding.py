@@ -60,11 +60,6 @@ def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _drop_grad(weight: Tensor) -> None:
-    # The update is applied from the gradients `_apply_gradients` receives; nothing accumulates.
-    weight.grad = None
-
-
 def _same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
     # Moving a batch to the device it is already on makes new KJT objects around the same
     # tensors, so compare storage, not identity.
@@ -160,13 +155,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 sharding,
             )
             cache.weight.requires_grad_(True)
-            cache.weight.register_post_accumulate_grad_hook(_drop_grad)
+            cache.weight.register_post_accumulate_grad_hook(functools.partial(self._on_gradient, table.name))
             self.caches[table.name] = cache
-        # One hook sees every table's gradient at once (it fires when the last one is ready),
-        # so across ranks the rows of all tables travel in one exchange, not one per table.
-        torch.autograd.graph.register_multi_grad_hook(
-            [cache.weight for cache in self.caches.values()], self._apply_gradients, mode="all"
-        )
+        # Across ranks, gradients wait here until every table's has arrived, so that the rows
+        # of all tables travel in one exchange, not one per table.
+        self._pending_gradients: dict[str, Tensor] = {}
         self._feature_table = {f: t for t in self._tables for f in t.feature_names}
         self._queue: deque[_StagedBatch] = deque()
         self._in_flight: list[_StagedBatch] = []
@@ -226,6 +219,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self._release(self._queue.popleft())
 
     def _stage(self, features: KeyedJaggedTensor) -> _StagedBatch:
+        self._check_no_pending_gradients()
         by_feature = features.to_dict()
         for table in self._tables:  # validate everything before touching any row
             for feature in table.feature_names:
@@ -268,6 +262,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
     # -------------------------------------------------------------- forward
     @_locked
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        self._check_no_pending_gradients()
         self._release_abandoned()
         if self._queue and _same_batch(self._queue[0].features, features):
             staged = self._queue.popleft()
@@ -309,33 +304,51 @@ class HotColdEmbeddingBagCollection(nn.Module):
         )
 
     @_locked
-    def _apply_gradients(self, grads: Sequence[Tensor | None]) -> None:
-        """Backward: the row-wise step for the rows each table read, then unlock them."""
-        read = {name: grad for name, grad in zip(self.caches, grads) if grad is not None}
-        world = dist.get_world_size(self.process_group) if self.process_group is not None else 1
-        if world == 1:
-            for name, grad in read.items():
-                self.caches[name].apply_update(grad, self.optimizer)
-        else:
-            local = []
-            for name, cache in self.caches.items():
-                if name in read:
-                    grad = read[name].coalesce()
-                    local.append((cache.ids_of_slots(grad.indices()[0]), grad.values()))
-                else:  # not read by this backward: nothing to send, but the exchange covers every table
-                    local.append((torch.zeros(0, dtype=torch.int64, device=self.device), cache.weight.new_zeros(0, cache.weight.shape[1])))
-            for cache, (ids, rows) in zip(self.caches.values(), all_gather_table_rows(local, self.process_group)):
-                if len(ids):
-                    # DDP's convention: the gradient is the mean over ranks.
-                    summed = torch.sparse_coo_tensor(ids[None], rows / world, (cache.num_embeddings, rows.shape[1]))
-                    summed = summed.coalesce()
-                    cache.apply_update_to_ids(summed.indices()[0], summed.values(), self.optimizer)
+    def _on_gradient(self, table: str, weight: Tensor) -> None:
+        """Backward of one table (a post-accumulate hook: the gradient is taken, not copied)."""
+        grad, weight.grad = weight.grad, None
+        if grad is None:
+            return
+        if self.process_group is None or dist.get_world_size(self.process_group) == 1:
+            self.caches[table].apply_update(grad, self.optimizer)
+            self._release_tables([table])
+            return
+        self._pending_gradients[table] = grad
+        if len(self._pending_gradients) == len(self.caches):
+            self._apply_gathered_gradients()
+
+    def _apply_gathered_gradients(self) -> None:
+        """Across ranks: every table's gradient rows from every rank, in one exchange, averaged
+        as DDP does, applied to every copy of each row; then the rows are unlocked."""
+        world = dist.get_world_size(self.process_group)
+        local = []
+        for name, cache in self.caches.items():
+            grad = self._pending_gradients[name].coalesce()
+            local.append((cache.ids_of_slots(grad.indices()[0]), grad.values()))
+        self._pending_gradients = {}
+        for cache, (ids, rows) in zip(self.caches.values(), all_gather_table_rows(local, self.process_group)):
+            if len(ids):
+                summed = torch.sparse_coo_tensor(ids[None], rows / world, (cache.num_embeddings, rows.shape[1]))
+                summed = summed.coalesce()
+                cache.apply_update_to_ids(summed.indices()[0], summed.values(), self.optimizer)
+        self._release_tables(list(self.caches))
+
+    def _release_tables(self, tables: list[str]) -> None:
         # Every in-flight batch's gradient for these tables has now been applied.
         for staged in self._in_flight:
-            for name in read:
+            for name in tables:
                 for ticket in staged.tickets.pop(name, []):
                     self.caches[name].release(ticket)
         self._in_flight = [s for s in self._in_flight if s.tickets]
+
+    def _check_no_pending_gradients(self) -> None:
+        if self._pending_gradients:
+            missing = sorted(set(self.caches) - set(self._pending_gradients))
+            raise RuntimeError(
+                f"A backward gave gradients to tables {sorted(self._pending_gradients)} but not to {missing}. With "
+                "several processes every table of a HotColdEmbeddingBagCollection must take part in each backward "
+                "(its rows are exchanged for all tables at once); use every looked-up feature in the loss."
+            )
 
     # ---------------------------------------------------------- whole tables
     @_locked
