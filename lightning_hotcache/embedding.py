@@ -60,6 +60,20 @@ def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _gradient_hook(module: "HotColdEmbeddingBagCollection", table: str) -> Callable[[Tensor], None]:
+    # A weak reference: the hook lives inside the cache's weight tensor, where the garbage
+    # collector cannot see it, so a strong one would keep the module (and its tables) alive
+    # after training, one leaked model per fit.
+    module_ref = weakref.ref(module)
+
+    def hook(weight: Tensor) -> None:
+        module = module_ref()
+        if module is not None:
+            module._on_gradient(table, weight)
+
+    return hook
+
+
 def _same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
     # Moving a batch to the device it is already on makes new KJT objects around the same
     # tensors, so compare storage, not identity.
@@ -155,7 +169,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 sharding,
             )
             cache.weight.requires_grad_(True)
-            cache.weight.register_post_accumulate_grad_hook(functools.partial(self._on_gradient, table.name))
+            cache.weight.register_post_accumulate_grad_hook(_gradient_hook(self, table.name))
             self.caches[table.name] = cache
         # Across ranks, gradients wait here until every table's has arrived, so that the rows
         # of all tables travel in one exchange, not one per table.
@@ -219,7 +233,6 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self._release(self._queue.popleft())
 
     def _stage(self, features: KeyedJaggedTensor) -> _StagedBatch:
-        self._check_no_pending_gradients()
         by_feature = features.to_dict()
         for table in self._tables:  # validate everything before touching any row
             for feature in table.feature_names:
@@ -262,7 +275,6 @@ class HotColdEmbeddingBagCollection(nn.Module):
     # -------------------------------------------------------------- forward
     @_locked
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        self._check_no_pending_gradients()
         self._release_abandoned()
         if self._queue and _same_batch(self._queue[0].features, features):
             staged = self._queue.popleft()
@@ -313,6 +325,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self.caches[table].apply_update(grad, self.optimizer)
             self._release_tables([table])
             return
+        # Every table's pooled output is part of the one tensor forward returns, so a backward
+        # that reaches one table reaches them all.
         self._pending_gradients[table] = grad
         if len(self._pending_gradients) == len(self.caches):
             self._apply_gathered_gradients()
@@ -340,15 +354,6 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 for ticket in staged.tickets.pop(name, []):
                     self.caches[name].release(ticket)
         self._in_flight = [s for s in self._in_flight if s.tickets]
-
-    def _check_no_pending_gradients(self) -> None:
-        if self._pending_gradients:
-            missing = sorted(set(self.caches) - set(self._pending_gradients))
-            raise RuntimeError(
-                f"A backward gave gradients to tables {sorted(self._pending_gradients)} but not to {missing}. With "
-                "several processes every table of a HotColdEmbeddingBagCollection must take part in each backward "
-                "(its rows are exchanged for all tables at once); use every looked-up feature in the loss."
-            )
 
     # ---------------------------------------------------------- whole tables
     @_locked

@@ -25,28 +25,32 @@ def _answer(table: int, ids: torch.Tensor, owner: int | None) -> torch.Tensor:
     return ids[:, None].float() * (table + 1) + torch.arange(width)
 
 
-def _worker(rank: int, init_file: str, failures) -> None:
+def _collectives(rank: int) -> None:
+    got = all_gather_table_rows(_parts(rank), None)
+    for t, (ids, rows) in enumerate(got):
+        want_ids = torch.cat([_parts(r)[t][0] for r in range(2)])
+        want_rows = torch.cat([_parts(r)[t][1] for r in range(2)])
+        assert torch.equal(ids, want_ids) and torch.equal(rows, want_rows), t
+    # Rows come from their owners (id % 2), whoever asks; each table answers with its own width.
+    sharding = RowSharding(rank, 2, None)
+    asked = [torch.tensor([5, 2, 7, 4, 4][rank * 2 :]), torch.tensor([[], [3, 8]][rank], dtype=torch.int64)]
+    serves = [lambda ids, t=t: _answer(t, ids, rank) for t in range(2)]
+    rows = exchange_table_rows(asked, serves, [2, 3], sharding)
+    for t in range(2):
+        assert torch.equal(rows[t], _answer(t, asked[t], owner=None)), t
+
+
+def _worker(rank: int, check, init_file: str, failures) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        got = all_gather_table_rows(_parts(rank), None)
-        for t, (ids, rows) in enumerate(got):
-            want_ids = torch.cat([_parts(r)[t][0] for r in range(2)])
-            want_rows = torch.cat([_parts(r)[t][1] for r in range(2)])
-            assert torch.equal(ids, want_ids) and torch.equal(rows, want_rows), t
-        # Rows come from their owners (id % 2), whoever asks; each table answers with its own width.
-        sharding = RowSharding(rank, 2, None)
-        asked = [torch.tensor([5, 2, 7, 4, 4][rank * 2 :]), torch.tensor([[], [3, 8]][rank], dtype=torch.int64)]
-        serves = [lambda ids, t=t: _answer(t, ids, rank) for t in range(2)]
-        rows = exchange_table_rows(asked, serves, [2, 3], sharding)
-        for t in range(2):
-            assert torch.equal(rows[t], _answer(t, asked[t], owner=None)), t
+        check(rank)
     except AssertionError as err:
         failures.put(f"rank {rank}: {err!r}")
     finally:
         dist.destroy_process_group()
 
 
-def test_all_gather_table_rows_and_exchange_rows_across_two_processes(tmp_path) -> None:
+def test_row_collectives_on_two_processes(tmp_path) -> None:
     failures = mp.get_context("spawn").Queue()
-    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), failures), nprocs=2, join=True)
+    mp.spawn(_worker, args=(_collectives, str(tmp_path / "rendezvous"), failures), nprocs=2, join=True)
     assert failures.empty(), failures.get()

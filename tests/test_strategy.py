@@ -275,3 +275,20 @@ def test_bad_ids_found_on_the_prefetch_thread_surface_in_training() -> None:
     model = create_model("dlrm", tables, dm.num_dense_features)
     with pytest.raises(ValueError, match="Feature 'cat_2' of table 't_cat_2' has id"):
         cpu_trainer(strategy=HotCacheStrategy(device_budget=1.0), max_steps=2).fit(model, dm)
+
+
+@pytest.mark.parametrize("strategy", ["hotcache", "torchrec", "auto"])
+def test_a_finished_fit_leaves_nothing_alive(strategy) -> None:
+    # Sweeps and notebooks fit many models in one process: each must be freed after its fit.
+    import gc
+    import weakref
+
+    pl.seed_everything(0)
+    dm = data()
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    trainer = cpu_trainer(strategy=strategy, max_steps=3, limit_val_batches=0)
+    trainer.fit(model, dm)
+    tables = [weakref.ref(t) for t in model.parameters()] + [weakref.ref(m) for m in hot_cold_modules(model).values()]
+    del model, trainer, dm  # the datamodule keeps a reference to its trainer
+    gc.collect()
+    assert not [ref for ref in tables if ref() is not None]
