@@ -5,12 +5,13 @@ DLRM (row-wise Adagrad on the tables, Adam on the dense layers) on SyntheticCTRD
 step (weak scaling: 2 processes train a global batch twice as large). Every (strategy,
 processes) pair runs in its own job, launched by Lightning as ``Trainer(devices=N)`` would be
 by a user, with the cores split evenly between the processes. Reported: global samples/s
-over the steps after ``--warmup``, and the bytes the processes sent each other per step,
-read from the loopback interface's counter (``/proc/net/dev``), which every gloo message
-between local processes crosses: an outside measure, the same for both strategies.
+over the steps after ``--warmup`` (median of ``--rounds`` rounds over all jobs), and the
+bytes the processes sent each other per step, read from the loopback interface's counter
+(``/proc/net/dev``), which every gloo message between local processes crosses: an outside
+measure, the same for both strategies.
 Writes benchmarks/results/scaling.json.
 
-    python benchmarks/scaling.py [--scale 0.1] [--dim 16] [--batch-size 2048] [--steps 60]
+    python benchmarks/scaling.py [--scale 0.1] [--dim 16] [--batch-size 2048] [--steps 60] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2048, help="samples per process per step")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every job; the median is reported")
     parser.add_argument("--strategy", choices=STRATEGIES, help="run one job (used by the driver)")
     parser.add_argument("--procs", type=int, default=1, help="processes of that job")
     parser.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
@@ -97,21 +99,30 @@ def main() -> None:
         return
     # Lightning launches the other ranks itself; stale rendezvous settings would misdirect them.
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    # Rounds over all jobs, so slow drift of this shared machine hits them alike; the median
+    # round counts.
+    rounds: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(args.rounds):
+        for strategy in STRATEGIES:
+            for procs in (1, 2):
+                command = [sys.executable, __file__, *sys.argv[1:], "--strategy", strategy, "--procs", str(procs)]
+                lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout.splitlines()
+                result = json.loads(next(line for line in lines if line.startswith("RESULT "))[len("RESULT "):])
+                rounds.setdefault(f"{strategy} x{procs}", []).append(result)
+                print(f"{strategy} x{procs}: {result}", flush=True)
     results: dict[str, dict[str, Any]] = {}
-    for strategy in STRATEGIES:
-        for procs in (1, 2):
-            command = [sys.executable, __file__, *sys.argv[1:], "--strategy", strategy, "--procs", str(procs)]
-            lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout.splitlines()
-            result = json.loads(next(line for line in lines if line.startswith("RESULT "))[len("RESULT "):])
-            results[f"{strategy} x{procs}"] = result
-            print(f"{strategy} x{procs}: {result}", flush=True)
+    for name, runs in rounds.items():
+        rates = [r["samples_per_s"] for r in runs]
+        median = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
+        results[name] = {**median, "rounds": rates}
     for strategy in STRATEGIES:
         one, two = results[f"{strategy} x1"], results[f"{strategy} x2"]
         two["x_one_process"] = two["samples_per_s"] / one["samples_per_s"]
-    print(f"{'strategy':<14}{'procs':>6}{'samples/s':>11}{'x 1 proc':>10}{'sent KiB/step':>15}")
+    print(f"{'strategy':<14}{'procs':>6}{'samples/s':>11}{'x 1 proc':>10}{'sent KiB/step':>15}  rounds")
     for name, r in results.items():
         strategy, procs = name.rsplit(" x", 1)
-        print(f"{strategy:<14}{procs:>6}{r['samples_per_s']:>11.0f}{r.get('x_one_process', 1.0):>10.2f}{r['sent_kib_per_step']:>15.1f}")
+        print(f"{strategy:<14}{procs:>6}{r['samples_per_s']:>11.0f}{r.get('x_one_process', 1.0):>10.2f}"
+              f"{r['sent_kib_per_step']:>15.1f}  {' '.join(f'{x:.0f}' for x in r['rounds'])}")  # fmt: skip
     write_report("scaling", args, results, cpus=os.cpu_count())
 
 
