@@ -13,13 +13,12 @@ benchmarks/results/cpu_throughput.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from clock import StepClock
-from report import write_report
+from report import median_round, write_report
 
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotCacheStrategy  # importing the package registers "torchrec" too
@@ -70,10 +69,7 @@ def main() -> None:
     # Rounds over all strategies, so slow drift of this shared machine hits them alike; the
     # median round counts.
     rounds = [{name: train(runs[name](), args) for name in chosen} for _ in range(args.rounds)]
-    results = {}
-    for name in chosen:
-        measured = [r[name]["samples_per_s"] for r in rounds]
-        results[name] = {**rounds[0][name], "samples_per_s": statistics.median(measured), "rounds": measured}
+    results = {name: median_round([r[name] for r in rounds]) for name in chosen}
     for r in results.values():
         r["x_auto"] = r["samples_per_s"] / results["auto"]["samples_per_s"] if "auto" in results else float("nan")
     print(f"{'strategy':<16}{'samples/s':>12}{'x auto':>9}  rounds")

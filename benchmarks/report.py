@@ -33,6 +33,14 @@ def machine() -> dict[str, Any]:
     }
 
 
+def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median ``samples_per_s`` (the upper middle of an even count), with
+    every run's figure under ``rounds``: benchmarks repeat their jobs in rounds because this
+    shared machine drifts between runs."""
+    middle = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
+    return {**middle, "rounds": [r["samples_per_s"] for r in runs]}
+
+
 def write_report(name: str, args: argparse.Namespace, results: Any, **settings: Any) -> dict[str, Any]:
     """Write ``args.out`` as JSON (machine, settings from ``args`` and ``settings``, results) and print it."""
     report = {

@@ -27,7 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from clock import StepClock
-from report import write_report
+from report import median_round, write_report
 
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotCacheStrategy  # importing the package registers "torchrec" too
@@ -110,11 +110,7 @@ def main() -> None:
                 result = json.loads(next(line for line in lines if line.startswith("RESULT "))[len("RESULT "):])
                 rounds.setdefault(f"{strategy} x{procs}", []).append(result)
                 print(f"{strategy} x{procs}: {result}", flush=True)
-    results: dict[str, dict[str, Any]] = {}
-    for name, runs in rounds.items():
-        rates = [r["samples_per_s"] for r in runs]
-        median = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
-        results[name] = {**median, "rounds": rates}
+    results = {name: median_round(runs) for name, runs in rounds.items()}
     for strategy in STRATEGIES:
         one, two = results[f"{strategy} x1"], results[f"{strategy} x2"]
         two["x_one_process"] = two["samples_per_s"] / one["samples_per_s"]

@@ -301,7 +301,8 @@ class HotCacheStrategy(DDPStrategy):
         # declares the tables, so they are the same under every strategy).
         seed = None
         if any(map(is_deferred, collections.values())):
-            seed = self.broadcast(getattr(model, "table_init_seed", None) or draw_seed())
+            seed = getattr(model, "table_init_seed", None)
+            seed = self.broadcast(draw_seed() if seed is None else seed)
         # In flight besides the training step: `prefetch_depth` staged batches, the one
         # Lightning's data fetcher holds ahead, a validation batch between them, and the
         # one a prefetch thread is staging.

@@ -21,9 +21,8 @@ import torch
 from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-# Rows are made in chunks of about this many bytes: initializing never holds more than one
-# chunk beyond the table's destination.
-CHUNK_BYTES = 64 * 2**20
+from lightning_hotcache.cache.host import CHUNK_BYTES
+
 
 
 def is_deferred(collection: EmbeddingBagCollection) -> bool:
@@ -37,8 +36,9 @@ def draw_seed() -> int:
 
 
 def initial_rows(table: EmbeddingBagConfig, seed: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, Tensor]]:
-    """``(first row, rows)`` chunks covering the table in order: its ``init_fn`` applied to
-    each chunk under ``seed``. The global RNG is left as it was."""
+    """``(first row, rows)`` chunks of about ``chunk_bytes`` covering the table in order (so
+    initializing never holds more than one chunk beyond the table's destination): its
+    ``init_fn`` applied to each chunk under ``seed``. The global RNG is left as it was."""
     init_fn = table.init_fn
     assert init_fn is not None  # EmbeddingBagConfig.__post_init__ sets TorchRec's default
     step = max(1, chunk_bytes // (4 * table.embedding_dim))

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 # Copy tables into the store in chunks of this many bytes, so initializing a table larger
-# than RAM never materializes it twice.
-_CHUNK_BYTES = 64 * 2**20
+# than RAM never materializes it twice (deferred tables are also made in chunks this size).
+CHUNK_BYTES = 64 * 2**20
 
 
 def map_rows(path: Path, num_rows: int, width: int) -> np.ndarray:
@@ -110,7 +110,7 @@ class HostStore:
                 f"Table {self.name!r}: {key} has shape {tuple(array.shape)}; rows {tuple(values.shape)} "
                 f"at row {start} do not fit."
             )
-        step = max(1, _CHUNK_BYTES // max(1, array.shape[1] * 4))
+        step = max(1, CHUNK_BYTES // max(1, array.shape[1] * 4))
         for offset in range(0, len(values), step):
             chunk = values[offset : offset + step]
             array[start + offset : start + offset + len(chunk)].copy_(chunk)
