@@ -30,9 +30,10 @@ from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 from torchrec.modules.embedding_configs import PoolingType
 
-from lightning_hotcache.cache import CachePolicy, DeviceCache, HostStore
+from lightning_hotcache.cache import CachePolicy, DeviceCache, HostDirectory, HostStore
 from lightning_hotcache.cache.device import acquire_all
 from lightning_hotcache.cache.exchange import RowSharding, all_gather_table_rows
+from lightning_hotcache.guards import check_finite_gradient, check_not_empty
 from lightning_hotcache.planner import HotColdPlan
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 from lightning_hotcache.table_init import draw_seed, initial_rows, is_deferred
@@ -105,7 +106,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
         device: where the cached rows live.
         cache_policy: ``lfu``, ``lru`` or ``static`` (see `DeviceCache`).
         host_storage: ``"memory"`` (RAM, pinned when CUDA is present) or a directory for
-            memory-mapped host tables.
+            memory-mapped host tables. The module locks the directory (see `HostDirectory`:
+            one owner at a time, files made fresh) until `release_host_storage`.
         is_weighted: use the KJT's per-sample weights (SUM pooling), as torchrec's flag of that name.
         process_group: data-parallel ranks training the same tables (None: this process alone).
             Host stores are sharded round-robin across the ranks and each rank caches the rows
@@ -142,7 +144,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         for table in self._tables:
             if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                 raise ValueError(f"Table {table.name!r}: pooling {table.pooling} is not supported (SUM or MEAN).")
-        directory = None if str(host_storage) == "memory" else Path(host_storage)
+        self.host_directory = None if str(host_storage) == "memory" else HostDirectory(host_storage)
         pin = self.device.type == "cuda"
         sharding = RowSharding()
         if process_group is not None:
@@ -155,7 +157,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             if len(static_ids) < table.num_embeddings:
                 widths = self.optimizer.state_widths(table.embedding_dim)
                 rows = sharding.num_local(table.num_embeddings)
-                host = HostStore(table.name, rows, table.embedding_dim, widths, directory, pin)
+                host = HostStore(table.name, rows, table.embedding_dim, widths, self.host_directory, pin)
             cache = DeviceCache(
                 table.name,
                 table.num_embeddings,
@@ -233,6 +235,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self._release(self._queue.popleft())
 
     def _stage(self, features: KeyedJaggedTensor) -> _StagedBatch:
+        check_not_empty(features)
         by_feature = features.to_dict()
         for table in self._tables:  # validate everything before touching any row
             for feature in table.feature_names:
@@ -322,6 +325,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
         if grad is None:
             return
         if self.process_group is None or dist.get_world_size(self.process_group) == 1:
+            grad = grad.coalesce()
+            check_finite_gradient(grad.values(), table)
             self.caches[table].apply_update(grad, self.optimizer)
             self._release_tables([table])
             return
@@ -340,7 +345,10 @@ class HotColdEmbeddingBagCollection(nn.Module):
             grad = self._pending_gradients[name].coalesce()
             local.append((cache.ids_of_slots(grad.indices()[0]), grad.values()))
         self._pending_gradients = {}
-        for cache, (ids, rows) in zip(self.caches.values(), all_gather_table_rows(local, self.process_group)):
+        gathered = all_gather_table_rows(local, self.process_group)
+        for name, (_, rows) in zip(self.caches, gathered):  # every rank sees the same rows, so all raise
+            check_finite_gradient(rows, name)
+        for cache, (ids, rows) in zip(self.caches.values(), gathered):
             if len(ids):
                 summed = torch.sparse_coo_tensor(ids[None], rows / world, (cache.num_embeddings, rows.shape[1]))
                 summed = summed.coalesce()
@@ -361,6 +369,16 @@ class HotColdEmbeddingBagCollection(nn.Module):
         """Write every changed cached row back to its host store."""
         for cache in self.caches.values():
             cache.flush()
+
+    def lock_host_storage(self) -> None:
+        """Own the host storage directory again (after `release_host_storage`), e.g. for another fit."""
+        if self.host_directory is not None:
+            self.host_directory.acquire()
+
+    def release_host_storage(self) -> None:
+        """Let another run use the host storage directory; this module's rows stay readable."""
+        if self.host_directory is not None:
+            self.host_directory.release()
 
     @_locked
     def optimizer_state(self) -> dict[str, dict[str, Tensor]]:

@@ -37,15 +37,15 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 from typing_extensions import override
 
+from lightning_hotcache._compat import fit_train_dataloader
 from lightning_hotcache.cache import check_cache_policy
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
+from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
 from lightning_hotcache.planner import Budget, HotColdPlan, HotColdPlanner
 from lightning_hotcache.profiling import AccessStats, profile_batches
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
@@ -203,7 +203,7 @@ def _features_of(batch: Any) -> list[KeyedJaggedTensor]:
     return found
 
 
-class HotCacheStrategy(DDPStrategy):
+class HotCacheStrategy(LikeAutoInOneProcess):
     """Hybrid embeddings: hot rows on the device, the rest in a host store behind a cache.
 
     Args:
@@ -252,6 +252,10 @@ class HotCacheStrategy(DDPStrategy):
             raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}.")
         if profile_batches < 1:
             raise ValueError(f"profile_batches must be >= 1, got {profile_batches}.")
+        if host_storage != "memory" and Path(host_storage).exists() and not Path(host_storage).is_dir():
+            raise NotADirectoryError(
+                f"host_storage {host_storage} is a file; give a directory (created if missing) or 'memory'."
+            )
         if stats_path is not None and not Path(stats_path).is_file():
             raise FileNotFoundError(f"stats_path {stats_path} does not exist; make it with `hotcache profile`.")
         self.device_budget = device_budget
@@ -285,8 +289,10 @@ class HotCacheStrategy(DDPStrategy):
     def _install_hot_cold_embeddings(self, trainer: pl.Trainer) -> None:
         model = self.lightning_module
         assert model is not None
-        if hot_cold_modules(model):
-            return  # a second fit with the same model: already installed
+        if installed := hot_cold_modules(model):  # a second fit with the same model
+            for module in installed.values():
+                module.lock_host_storage()
+            return
         collections = {n: m for n, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
         if not collections:
             rank_zero_warn(f"{type(model).__name__} has no torchrec EmbeddingBagCollection; hotcache changes nothing.")
@@ -341,15 +347,19 @@ class HotCacheStrategy(DDPStrategy):
             return self.host_storage
         return str(Path(self.host_storage) / f"rank{self.global_rank}")
 
-    def _training_batches(self, trainer: pl.Trainer) -> Iterable[Any]:
-        if trainer.datamodule is not None:
-            return trainer.datamodule.train_dataloader()
-        if is_overridden("train_dataloader", self.lightning_module):
-            return self.lightning_module.train_dataloader()
-        raise ValueError(
-            "hotcache needs access stats to plan, and found no datamodule or train_dataloader to profile: pass "
-            "stats_path (from `hotcache profile`) or fit with a datamodule."
-        )
+    def _training_batches(self, trainer: pl.Trainer) -> Iterator[KeyedJaggedTensor]:
+        """The sparse features of the fit's training batches, for profiling."""
+        loader = fit_train_dataloader(trainer)
+        if loader is None:
+            raise ValueError(
+                "hotcache needs access stats to plan, and the fit has no training data to profile: pass stats_path "
+                "(from `hotcache profile`), or fit with a datamodule or train_dataloaders."
+            )
+        # Iterating a loader draws from the global RNGs (its workers' base seed, a
+        # RandomSampler's permutation); profiling must leave training what `auto` would see.
+        with global_rngs_restored():
+            for batch in loader:
+                yield from _features_of(batch)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -415,7 +425,11 @@ class HotCacheStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        # Lightning tears down after a failed fit too, so the host storage lock goes on every exit path.
         for module in hot_cold_modules(self.lightning_module).values() if self.lightning_module else []:
-            module.clear_prefetched()
-            module.flush()
+            try:
+                module.clear_prefetched()
+                module.flush()
+            finally:
+                module.release_host_storage()
         super().teardown()

@@ -19,10 +19,10 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
 from torchrec import EmbeddingBagCollection
 from typing_extensions import override
 
+from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
 from lightning_hotcache.planner import _quiet_torchrec_planner
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
@@ -48,7 +48,7 @@ def _shard_index(shard: Any) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes))
 
 
-class TorchRecStrategy(DDPStrategy):
+class TorchRecStrategy(LikeAutoInOneProcess):
     """Shard embedding tables with TorchRec's planner and DistributedModelParallel.
 
     Args:
@@ -98,7 +98,10 @@ class TorchRecStrategy(DDPStrategy):
             self.sharding_plan = planner.collective_plan(model, [EmbeddingBagCollectionSharder()], dist.group.WORLD)
         log.info("torchrec sharding plan:\n%s", self.sharding_plan)
         tables = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.model = DistributedModelParallel(self.model, device=self.root_device, plan=self.sharding_plan)
+        # Sharding draws fresh initial tables from the global RNG; the run must not see that
+        # (it would then shuffle and drop out differently from `auto`).
+        with global_rngs_restored():
+            self.model = DistributedModelParallel(self.model, device=self.root_device, plan=self.sharding_plan)
         # Sharding builds new tables with fresh initial values: put the model's own back
         # (its initialization, or the weights a checkpoint restored before setup).
         self._copy_into_shards(tables)

@@ -31,6 +31,12 @@ from torchrec.models.dlrm import SparseArch
 from torchrec.modules.embedding_configs import PoolingType
 from typing_extensions import override
 
+from lightning_hotcache.guards import (
+    NonFiniteLossAction,
+    check_non_finite_loss_action,
+    check_not_empty,
+    finite_loss_or_skip,
+)
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
 from lightning_hotcache.table_init import draw_seed, materialize_tables
 
@@ -72,6 +78,9 @@ class CTRModel(pl.LightningModule):
             straight into its tiers (with ``host_storage=<dir>``, tables larger than RAM
             train); any other strategy gets the tables allocated and initialized in memory
             when fit starts. Rows come from each table's ``init_fn`` (see `initial_rows`).
+        non_finite_loss: what a NaN/inf training loss does, before any row or weight learns
+            from it: ``"raise"`` stops with an error naming the step and batch; ``"skip"``
+            skips the batch (no backward, no optimizer step) with a warning.
     """
 
     def __init__(
@@ -81,8 +90,10 @@ class CTRModel(pl.LightningModule):
         embedding_optimizer: RowWiseOptimizerConfig = RowWiseOptimizerConfig(),
         dense_lr: float = 1e-3,
         defer_table_init: bool = False,
+        non_finite_loss: NonFiniteLossAction = "raise",
     ) -> None:
         super().__init__()
+        check_non_finite_loss_action(non_finite_loss)
         table_configs = [as_table_config(t) for t in tables]
         if not table_configs:
             raise ValueError("A CTR model needs at least one embedding table; `tables` is empty.")
@@ -156,6 +167,7 @@ class CTRModel(pl.LightningModule):
 
     def embed(self, sparse_features: KeyedJaggedTensor) -> Tensor:
         """Pooled embeddings, (B, F, D) in table/feature order."""
+        check_not_empty(sparse_features)
         return self.sparse_arch(sparse_features)
 
     @override
@@ -166,9 +178,11 @@ class CTRModel(pl.LightningModule):
 
     # ----------------------------------------------------------------- training
     @override
-    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor | None:
         logits = self(batch.dense_features, batch.sparse_features)
         loss = self.loss_fn(logits, batch.labels)
+        if not finite_loss_or_skip(loss, self.trainer, batch_idx, self.hparams.non_finite_loss):
+            return None
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.shape[0])
         return loss
 

@@ -8,6 +8,16 @@ from lightning_hotcache.cache.device import (
     DeviceCache,
     check_cache_policy,
 )
-from lightning_hotcache.cache.host import HostStore
+from lightning_hotcache.cache.host import HostDirectory, HostStorageInUseError, HostStore
 
-__all__ = ["CACHE_POLICIES", "CacheCapacityError", "CacheCounters", "CachePolicy", "DeviceCache", "HostStore", "check_cache_policy"]
+__all__ = [
+    "CACHE_POLICIES",
+    "CacheCapacityError",
+    "CacheCounters",
+    "CachePolicy",
+    "DeviceCache",
+    "HostDirectory",
+    "HostStorageInUseError",
+    "HostStore",
+    "check_cache_policy",
+]

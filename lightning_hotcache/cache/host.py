@@ -5,11 +5,21 @@ back. Rows travel together with their optimizer state, so a row's update never d
 which tier it was in. For tables bigger than RAM the arrays are memory-mapped files in a
 directory (created sparse and zero-filled by the OS, so creation is instant and only the
 pages that are touched take disk space or page cache).
+
+A run owns its directory (`HostDirectory`): it holds an exclusive lock on it while it
+trains, and its files start fresh, so nothing (row optimizer state above all) leaks in from
+an earlier run or from a concurrent one.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
+import os
+import socket
+import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +31,98 @@ from torch import Tensor
 CHUNK_BYTES = 64 * 2**20
 
 
+class HostStorageInUseError(RuntimeError):
+    """Another process (or another module of this one) holds the host storage directory."""
+
+
+class HostDirectory:
+    """A directory of memory-mapped host tables, owned by one run while it holds the lock.
+
+    The lock is an exclusive ``flock`` on ``.hotcache.lock`` inside the directory, taken
+    without waiting: a second run on the same directory fails at once with the holder's pid,
+    host and command line instead of silently overwriting the first run's rows. The kernel
+    drops the lock when the process dies, so a crash never leaves the directory locked.
+
+    Files are never reused: `create` unlinks an existing file and makes a new one, so a run
+    starts from zeroed row state (a checkpoint restores state explicitly), and a model of an
+    earlier run that still maps the old file keeps its own rows. Symlinks are refused: in a
+    shared directory a planted link would make training write wherever it points.
+    """
+
+    LOCK_NAME = ".hotcache.lock"
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise NotADirectoryError(
+                f"host_storage {self.path} is a file; it must be a directory (created if missing) for the "
+                "memory-mapped tables, or 'memory'."
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = None
+        self._finalizer: weakref.finalize | None = None
+        self.acquire()
+
+    @property
+    def locked(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        """Take the directory's lock (no-op while held); fails fast if someone else holds it."""
+        if self._fd is not None:
+            return
+        lock = self.path / self.LOCK_NAME
+        fd = _open_no_symlink(lock, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "an unknown process"
+            os.close(fd)
+            raise HostStorageInUseError(
+                f"host_storage {self.path} is in use by {holder}. Two runs on one directory would overwrite each "
+                "other's rows: give this run its own host_storage directory, or wait for the other run to end."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} ({' '.join(sys.argv)})\n".encode(), 0)
+        self._fd = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)  # closing the file drops the lock
+
+    def release(self) -> None:
+        """Drop the lock (the mapped files stay usable by this process)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._fd, self._finalizer = None, None
+
+    def create(self, name: str, num_rows: int, width: int) -> np.ndarray:
+        """A new zero-filled ``(num_rows, width)`` float32 file ``name``, mapped (see `map_rows`)."""
+        if not self.locked:
+            raise RuntimeError(f"host_storage {self.path} is not locked by this run; call acquire() first.")
+        path = self.path / name
+        if path.is_symlink():
+            raise ValueError(
+                f"{path} is a symlink; hotcache writes table files only inside host_storage and refuses links "
+                "(a planted link would redirect training writes). Remove it or use another directory."
+            )
+        if path.exists():
+            path.unlink()  # a new inode: whoever still maps the old file keeps its rows
+        return map_rows(path, num_rows, width)
+
+
+def _open_no_symlink(path: Path, flags: int) -> int:
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise ValueError(
+                f"{path} is a symlink; hotcache refuses links inside host_storage (a planted link would redirect "
+                "training writes). Remove it or use another directory."
+            ) from None
+        raise
+
+
 def map_rows(path: Path, num_rows: int, width: int) -> np.ndarray:
     """A ``(num_rows, width)`` float32 array memory-mapped from ``path`` (created sparse if
-    missing), advised for random access.
+    missing; never through a symlink), advised for random access.
 
     Rows are read one at a time in no order, so the kernel's read-around (up to 128 KiB read
     per page fault, the default for mappings) would fetch mostly rows nobody asked for and
@@ -31,7 +130,7 @@ def map_rows(path: Path, num_rows: int, width: int) -> np.ndarray:
     Python's mmap is used instead of np.memmap because numpy has no public way to advise.
     """
     size = num_rows * width * 4
-    with open(path, "r+b" if path.exists() else "w+b") as file:
+    with os.fdopen(_open_no_symlink(path, os.O_RDWR | os.O_CREAT), "r+b") as file:
         if size:
             file.truncate(size)
             mapping = mmap.mmap(file.fileno(), size)
@@ -49,8 +148,8 @@ class HostStore:
         num_embeddings: rows.
         embedding_dim: row width.
         state_widths: optimizer state name -> floats per row (see RowWiseOptimizerConfig.state_widths).
-        directory: ``None`` keeps the arrays in RAM (pinned when ``pin_memory``); a path keeps
-            them in memory-mapped files ``<name>.<array>.f32`` there.
+        directory: ``None`` keeps the arrays in RAM (pinned when ``pin_memory``); a locked
+            `HostDirectory` keeps them in new memory-mapped files ``<name>.<array>.f32`` there.
         pin_memory: page-lock RAM arrays so host->device copies can be asynchronous (CUDA only).
     """
 
@@ -60,13 +159,13 @@ class HostStore:
         num_embeddings: int,
         embedding_dim: int,
         state_widths: dict[str, int],
-        directory: str | Path | None = None,
+        directory: HostDirectory | None = None,
         pin_memory: bool = False,
     ) -> None:
         self.name = name
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.directory = Path(directory) if directory is not None else None
+        self.directory = directory
         widths = {"weight": embedding_dim, **state_widths}
         self._maps: list[np.ndarray] = []
         self.arrays: dict[str, Tensor] = {key: self._allocate(key, width, pin_memory) for key, width in widths.items()}
@@ -75,14 +174,7 @@ class HostStore:
         if self.directory is None:
             tensor = torch.zeros(self.num_embeddings, width, dtype=torch.float32)
             return tensor.pin_memory() if pin_memory else tensor
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"{self.name}.{key}.f32"
-        if path.exists() and path.stat().st_size != self.num_embeddings * width * 4:
-            raise ValueError(
-                f"{path} holds {path.stat().st_size} bytes but table {self.name!r} needs "
-                f"{self.num_embeddings} x {width} float32; remove it or choose another host_storage directory."
-            )
-        array = map_rows(path, self.num_embeddings, width)
+        array = self.directory.create(f"{self.name}.{key}.f32", self.num_embeddings, width)
         self._maps.append(array)
         return torch.from_numpy(array)
 

@@ -1,0 +1,73 @@
+"""A non-finite training loss stops the run (or skips its batch) before anything learns from it.
+
+One NaN in a dense feature makes the loss NaN, and its backward would write NaN into every
+embedding row the batch read and into the dense weights; training would then "finish" with
+loss nan and a checkpoint full of NaNs. Lightning has no built-in check before backward
+(``detect_anomaly`` is a debugging tool, far too slow to leave on), so models call
+`finite_loss_or_skip` in ``training_step``, and hot/cold tables refuse non-finite gradients
+as a last line (see `check_finite_gradient`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torchrec import KeyedJaggedTensor
+
+NonFiniteLossAction = Literal["raise", "skip"]
+NON_FINITE_LOSS_ACTIONS: tuple[str, ...] = ("raise", "skip")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss (or an embedding gradient) was NaN or infinite."""
+
+
+def check_non_finite_loss_action(action: str) -> None:
+    if action not in NON_FINITE_LOSS_ACTIONS:
+        raise ValueError(f"non_finite_loss must be one of {NON_FINITE_LOSS_ACTIONS}, got {action!r}.")
+
+
+def finite_loss_or_skip(loss: Tensor, trainer: pl.Trainer, batch_idx: int, action: NonFiniteLossAction) -> bool:
+    """Whether the step may go on to backward. Every rank decides together (one rank's NaN
+    stops or skips the step everywhere, so no rank waits in a collective that never comes).
+
+    ``action="raise"`` raises `NonFiniteLossError` naming the step and batch; ``"skip"``
+    warns and returns False: the caller returns None from ``training_step``, which makes
+    Lightning skip backward and the optimizer step.
+    """
+    bad = trainer.strategy.reduce_boolean_decision(not bool(torch.isfinite(loss.detach()).all()), all=False)
+    if not bad:
+        return True
+    where = f"global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {batch_idx})"
+    if action == "skip":
+        rank_zero_warn(f"Skipped the batch at {where}: its training loss is not finite.")
+        return False
+    raise NonFiniteLossError(
+        f"The training loss is not finite ({loss.detach().float().mean().item()}) at {where}, on at least one rank. "
+        "Stopped before backward: no embedding row or dense weight learned from it. Look for NaN/inf in that "
+        "batch's dense features or labels, or lower the learning rates; `non_finite_loss='skip'` skips such "
+        "batches instead."
+    )
+
+
+def check_finite_gradient(values: Tensor, table: str) -> None:
+    """Refuse to apply a gradient with NaN/inf to ``table``'s rows."""
+    if values.numel() and not bool(torch.isfinite(values).all()):
+        raise NonFiniteLossError(
+            f"A non-finite gradient reached the rows of table {table!r}; none of them was updated. The loss or the "
+            "batch's inputs were NaN/inf: check them, or check the loss in training_step (see "
+            "lightning_hotcache.guards.finite_loss_or_skip)."
+        )
+
+
+def check_not_empty(features: KeyedJaggedTensor) -> None:
+    """Refuse a batch of zero samples before torchrec fails on it with a bare IndexError."""
+    if features.stride() == 0:
+        raise ValueError(
+            f"Got an empty batch (0 samples; features {features.keys()}). Drop empty batches in the data loader "
+            "(e.g. filter them out, or DataLoader(drop_last=True) when the last batch can be empty)."
+        )

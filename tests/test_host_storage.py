@@ -1,0 +1,145 @@
+"""A run owns its host_storage directory: fresh files, an exclusive lock, no symlinks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import cpu_trainer, tiny_synthetic
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_hotcache import HotCacheStrategy
+from lightning_hotcache.cache import HostDirectory, HostStorageInUseError
+from models import DLRM
+
+OPTIMIZER = {"name": "rowwise_adagrad", "lr": 0.05}
+
+
+def data():
+    return tiny_synthetic(scale=0.01, num_embeddings_cap=None, num_train_samples=1024, num_val_samples=256, batch_size=64)
+
+
+def train(directory: Path, epochs: int = 1, ckpt_path: str | None = None, **trainer_kwargs) -> DLRM:
+    pl.seed_everything(0)
+    dm = data()
+    model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    strategy = HotCacheStrategy(device_budget=0.05, host_storage=str(directory), profile_batches=4)
+    trainer = cpu_trainer(strategy=strategy, max_epochs=epochs, **trainer_kwargs)
+    trainer.fit(model, dm, ckpt_path=ckpt_path)
+    return model
+
+
+def assert_same_model(a: DLRM, b: DLRM) -> None:
+    torch.testing.assert_close(a.state_dict(), b.state_dict(), rtol=0, atol=0)
+
+
+def test_rerun_in_the_same_directory_starts_fresh(tmp_path) -> None:
+    # Before: the second run reopened the files and kept the first run's Adagrad state.
+    first = train(tmp_path / "rows")
+    second = train(tmp_path / "rows")
+    assert_same_model(first, second)
+
+
+def test_resume_takes_row_state_from_the_checkpoint_not_leftover_files(tmp_path) -> None:
+    straight = train(tmp_path / "straight", epochs=2)
+    rows = tmp_path / "rows"
+    checkpoints = tmp_path / "ckpt"
+    train(rows, epochs=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True)])
+    train(rows, epochs=2)  # another run leaves its own (further trained) state in the files
+    resumed = train(rows, epochs=2, ckpt_path=str(checkpoints / "last.ckpt"))
+    assert_same_model(straight, resumed)
+
+
+def test_second_owner_in_the_same_process_fails_fast(tmp_path) -> None:
+    held = HostDirectory(tmp_path)
+    with pytest.raises(HostStorageInUseError, match=f"in use by pid {os.getpid()}"):
+        HostDirectory(tmp_path)
+    held.release()
+    HostDirectory(tmp_path).release()  # free again once released
+
+
+def test_lock_names_the_other_process_and_dies_with_it(tmp_path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from lightning_hotcache.cache import HostDirectory
+            lock = HostDirectory({str(tmp_path)!r})
+            print("locked", flush=True)
+            time.sleep(60)
+        """)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with pytest.raises(HostStorageInUseError, match=f"pid {holder.pid}"):
+            train(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    train(tmp_path)  # the kernel dropped the dead holder's lock
+
+
+def test_lock_is_released_when_fit_fails(tmp_path) -> None:
+    class Exploding(pl.Callback):
+        def on_train_batch_end(self, *args, **kwargs) -> None:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        train(tmp_path, callbacks=[Exploding()])
+    HostDirectory(tmp_path).release()
+
+
+def test_second_fit_of_the_same_model_holds_the_lock_again(tmp_path) -> None:
+    dm = data()
+    model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    strategy = HotCacheStrategy(device_budget=0.05, host_storage=str(tmp_path), profile_batches=4)
+    cpu_trainer(strategy=strategy, max_steps=2).fit(model, dm)
+    HostDirectory(tmp_path).release()  # released after the first fit
+
+    class Probe(pl.Callback):
+        def on_train_batch_start(self, *args, **kwargs) -> None:
+            with pytest.raises(HostStorageInUseError):
+                HostDirectory(tmp_path)
+
+    strategy = HotCacheStrategy(device_budget=0.05, host_storage=str(tmp_path), profile_batches=4)
+    cpu_trainer(strategy=strategy, max_steps=1, callbacks=[Probe()]).fit(model, dm)
+
+
+def test_symlinked_table_file_is_refused(tmp_path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    rows = tmp_path / "rows"
+    rows.mkdir()
+    # The first table that is split (not wholly on the device) has a host file of this name.
+    (rows / "t_cat_0.weight.f32").symlink_to(victim)
+    directory = HostDirectory(rows)
+    with pytest.raises(ValueError, match="symlink"):
+        directory.create("t_cat_0.weight.f32", 10, 4)
+    directory.release()
+    assert victim.read_bytes() == b"precious"
+
+
+def test_symlinked_lock_file_is_refused(tmp_path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / HostDirectory.LOCK_NAME).symlink_to(victim)
+    with pytest.raises(ValueError, match="symlink"):
+        HostDirectory(tmp_path / "rows")
+    assert victim.read_bytes() == b"precious"
+
+
+def test_host_storage_that_is_a_file_is_refused_early(tmp_path) -> None:
+    file = tmp_path / "not_a_dir"
+    file.write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        HotCacheStrategy(host_storage=str(file))
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        HostDirectory(file)
