@@ -3,10 +3,13 @@
 Same input (KeyedJaggedTensor), same output (KeyedTensor), same ``state_dict`` keys as the
 EmbeddingBagCollection it replaces. Each table's rows live in a `DeviceCache` (hot rows
 pinned, others cached from a `HostStore`); a batch's ids become cache slots in `prefetch`
-(ahead of time) or at the start of `forward`, and the lookup is a plain embedding-bag over
-the slot tensor. In backward, a hook on each slot tensor applies the row-wise optimizer to
-the rows the batch read (duplicate ids summed, like TorchRec's fused optimizers) and
-unlocks them.
+(ahead of time) or at the start of `forward`, and the lookup runs on slot ids. Where FBGEMM
+can (see `FusedTables`), all tables' slots live in one table-batched embedding: one kernel
+call per batch, and its backward applies the row-wise rule to the rows read, as TorchRec's
+fused tables do; the batch's slots unlock once its output is freed after backward.
+Otherwise the lookup is one ``embedding_bag`` per feature and, in backward, a hook on each
+table's slot tensor applies the row-wise optimizer to the rows the batch read (duplicate
+ids summed) and unlocks them.
 
 Rules a caller must keep (Lightning's loops keep them): a training forward is followed by
 its backward before the next training forward; training batches are forwarded in the
@@ -33,7 +36,8 @@ from torchrec.modules.embedding_configs import PoolingType
 from lightning_hotcache.cache import CachePolicy, DeviceCache, HostDirectory, HostStore
 from lightning_hotcache.cache.device import acquire_all
 from lightning_hotcache.cache.exchange import RowSharding, all_gather_table_rows
-from lightning_hotcache.guards import check_finite_gradient, check_not_empty
+from lightning_hotcache.cache.fused import FusedTables, KernelChoice, check_kernel_choice, fused_unavailable
+from lightning_hotcache.guards import check_not_empty
 from lightning_hotcache.planner import HotColdPlan
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 from lightning_hotcache.table_init import draw_seed, initial_rows, is_deferred
@@ -109,6 +113,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
             memory-mapped host tables. The module locks the directory (see `HostDirectory`:
             one owner at a time, files made fresh) until `release_host_storage`.
         is_weighted: use the KJT's per-sample weights (SUM pooling), as torchrec's flag of that name.
+        kernel: ``"fbgemm"``: the device tier is one FBGEMM table-batched embedding with the
+            row-wise rule fused into backward (see `FusedTables`); ``"pytorch"``: one
+            ``embedding_bag`` per feature and the update in a gradient hook; ``"auto"``:
+            FBGEMM where it trains exactly (`fused_unavailable` says where not),
+            else PyTorch. ``kernel_note`` says which runs and why.
         process_group: data-parallel ranks training the same tables (None: this process alone).
             Host stores are sharded round-robin across the ranks and each rank caches the rows
             its batches read (see `DeviceCache`); in backward the ranks all-gather the rows
@@ -127,8 +136,10 @@ class HotColdEmbeddingBagCollection(nn.Module):
         host_storage: str | Path = "memory",
         is_weighted: bool = False,
         process_group: Any = None,
+        kernel: KernelChoice = "auto",
     ) -> None:
         super().__init__()
+        check_kernel_choice(kernel)
         self._is_weighted = is_weighted
         self.process_group = process_group
         # False while a strategy saves split tables shard by shard instead of gathering them.
@@ -149,8 +160,10 @@ class HotColdEmbeddingBagCollection(nn.Module):
         sharding = RowSharding()
         if process_group is not None:
             sharding = RowSharding(dist.get_rank(process_group), dist.get_world_size(process_group), process_group)
+        self._features = [f for t in self._tables for f in t.feature_names]
+        self._fused = self._fused_tables(kernel, sharding.world)
         self.caches: dict[str, DeviceCache] = {}
-        for table in self._tables:
+        for index, table in enumerate(self._tables):
             table_plan = plan.table(table.name)
             static_ids = torch.as_tensor(table_plan.static_ids, dtype=torch.int64)
             host = None
@@ -169,16 +182,48 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 host,
                 self.device,
                 sharding,
+                None if self._fused is None else self._fused.storage(index),
             )
-            cache.weight.requires_grad_(True)
-            cache.weight.register_post_accumulate_grad_hook(_gradient_hook(self, table.name))
+            if self._fused is None:
+                cache.weight.requires_grad_(True)
+                cache.weight.register_post_accumulate_grad_hook(_gradient_hook(self, table.name))
             self.caches[table.name] = cache
         # Across ranks, gradients wait here until every table's has arrived, so that the rows
         # of all tables travel in one exchange, not one per table.
         self._pending_gradients: dict[str, Tensor] = {}
         self._feature_table = {f: t for t in self._tables for f in t.feature_names}
+        self._table_features = [(self.caches[t.name], list(t.feature_names)) for t in self._tables]
         self._queue: deque[_StagedBatch] = deque()
         self._in_flight: list[_StagedBatch] = []
+
+    def _fused_tables(self, kernel: KernelChoice, world_size: int) -> FusedTables | None:
+        slot_counts = [
+            DeviceCache.num_slots(t.num_embeddings, self.plan.table(t.name).static_ids, self.plan.table(t.name).cache_slots)
+            for t in self._tables
+        ]
+        if kernel == "pytorch":
+            reason: str | None = "kernel='pytorch' was chosen"
+        elif min(slot_counts) == 0:
+            reason = "a table has no device rows"
+        else:
+            reason = fused_unavailable(self._tables, self.optimizer, self.device, world_size)
+        if reason is not None and kernel == "fbgemm":
+            raise ValueError(f"kernel='fbgemm' cannot train these tables exactly here: {reason}. Use kernel='auto'.")
+        self.kernel_note = "fbgemm TBE, optimizer fused" if reason is None else f"pytorch embedding_bag ({reason})"
+        if reason is not None:
+            return None
+        table_index = {t.name: k for k, t in enumerate(self._tables)}
+        return FusedTables(
+            slot_counts,
+            [t.embedding_dim for t in self._tables],
+            [table_index[self._feature_table_name(f)] for f in self._features],
+            self._tables[0].pooling,
+            self.optimizer,
+            self.device,
+        )
+
+    def _feature_table_name(self, feature: str) -> str:
+        return next(t.name for t in self._tables if feature in t.feature_names)
 
     @classmethod
     def from_ebc(
@@ -191,13 +236,14 @@ class HotColdEmbeddingBagCollection(nn.Module):
         host_storage: str | Path = "memory",
         process_group: Any = None,
         seed: int | None = None,
+        kernel: KernelChoice = "auto",
     ) -> "HotColdEmbeddingBagCollection":
         """Replace ``ebc``: same tables, its current weights, rows placed by ``plan``. When
         ``ebc`` is deferred (declared on the meta device) its rows are initialized where they
         live, from ``seed`` (every rank must pass the same; None draws one), never all in memory."""
         module = cls(
             ebc.embedding_bag_configs(), plan, optimizer, device, cache_policy, host_storage, ebc.is_weighted(),
-            process_group,
+            process_group, kernel,
         )  # fmt: skip
         if is_deferred(ebc):
             module.initialize(draw_seed() if seed is None else seed)
@@ -226,6 +272,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
     @_locked
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Make a future batch's rows resident and lock them (call in forward order)."""
+        self._release_abandoned()  # frees the slots of batches whose backward is done (fused path)
         self._queue.append(self._stage(features))
 
     @_locked
@@ -265,8 +312,9 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 self.caches[name].release(ticket)
 
     def _release_abandoned(self) -> None:
-        # A training forward whose output is gone can never get its backward (e.g. a skipped
-        # step): its rows may be unlocked. One whose output is alive stays locked.
+        # A training forward whose output is gone has had its backward (on the fused path,
+        # which updates rows inside FBGEMM's backward) or never will (a skipped step): its
+        # rows may be unlocked. One whose output is alive stays locked.
         alive = []
         for staged in self._in_flight:
             if staged.output is not None and staged.output() is not None:
@@ -288,6 +336,34 @@ class HotColdEmbeddingBagCollection(nn.Module):
             )
         else:  # not prefetched (or an evaluation batch between prefetched training batches)
             staged = self._stage(features)
+        values = self._lookup_fused(staged) if self._fused is not None else self._lookup(staged)
+        if torch.is_grad_enabled() and values.requires_grad:
+            staged.output = weakref.ref(values)
+            self._in_flight.append(staged)
+            if self._fused is not None:  # backward will update every row read: write them back on eviction
+                for cache, features in self._table_features:
+                    for feature in features:
+                        cache.mark_updated(staged.slots[feature])
+        else:
+            self._release(staged)
+        return KeyedTensor(
+            keys=self._features,
+            length_per_key=[t.embedding_dim for t in self._tables for _ in t.feature_names],
+            values=values,
+        )
+
+    def _lookup_fused(self, staged: _StagedBatch) -> Tensor:
+        """All features in one FBGEMM call on slot ids (offsets of feature-major bags, as TBE wants)."""
+        assert self._fused is not None
+        jagged = [staged.by_feature[f] for f in self._features]
+        indices = torch.cat([staged.slots[f] for f in self._features])
+        lengths = torch.cat([j.lengths() for j in jagged]).to(self.device, torch.int64)
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        weights = torch.cat([j.weights() for j in jagged]).to(self.device, torch.float32) if self._is_weighted else None
+        return self._fused(indices, offsets, weights)
+
+    def _lookup(self, staged: _StagedBatch) -> Tensor:
+        """One embedding_bag per feature on slot ids; the update comes in the gradient hooks."""
         by_feature = staged.by_feature
         pooled = []
         for table in self._tables:
@@ -306,17 +382,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
                         include_last_offset=True,
                     )
                 )
-        values = torch.cat(pooled, dim=1)
-        if torch.is_grad_enabled() and values.requires_grad:
-            staged.output = weakref.ref(values)
-            self._in_flight.append(staged)
-        else:
-            self._release(staged)
-        return KeyedTensor(
-            keys=[f for t in self._tables for f in t.feature_names],
-            length_per_key=[t.embedding_dim for t in self._tables for _ in t.feature_names],
-            values=values,
-        )
+        return torch.cat(pooled, dim=1)
 
     @_locked
     def _on_gradient(self, table: str, weight: Tensor) -> None:
@@ -325,8 +391,6 @@ class HotColdEmbeddingBagCollection(nn.Module):
         if grad is None:
             return
         if self.process_group is None or dist.get_world_size(self.process_group) == 1:
-            grad = grad.coalesce()
-            check_finite_gradient(grad.values(), table)
             self.caches[table].apply_update(grad, self.optimizer)
             self._release_tables([table])
             return
@@ -345,10 +409,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             grad = self._pending_gradients[name].coalesce()
             local.append((cache.ids_of_slots(grad.indices()[0]), grad.values()))
         self._pending_gradients = {}
-        gathered = all_gather_table_rows(local, self.process_group)
-        for name, (_, rows) in zip(self.caches, gathered):  # every rank sees the same rows, so all raise
-            check_finite_gradient(rows, name)
-        for cache, (ids, rows) in zip(self.caches.values(), gathered):
+        for cache, (ids, rows) in zip(self.caches.values(), all_gather_table_rows(local, self.process_group)):
             if len(ids):
                 summed = torch.sparse_coo_tensor(ids[None], rows / world, (cache.num_embeddings, rows.shape[1]))
                 summed = summed.coalesce()

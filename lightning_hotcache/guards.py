@@ -3,9 +3,11 @@
 One NaN in a dense feature makes the loss NaN, and its backward would write NaN into every
 embedding row the batch read and into the dense weights; training would then "finish" with
 loss nan and a checkpoint full of NaNs. Lightning has no built-in check before backward
-(``detect_anomaly`` is a debugging tool, far too slow to leave on), so models call
-`finite_loss_or_skip` in ``training_step``, and hot/cold tables refuse non-finite gradients
-as a last line (see `check_finite_gradient`).
+(``detect_anomaly`` is a debugging tool, far too slow to leave on), so the zoo's models call
+`finite_loss_or_skip` in ``training_step`` (and say so with ``checks_non_finite_loss``), and
+the hotcache strategy checks the loss of any other model before its backward. One scalar
+per step: checking the gradients instead would read every pooled gradient, which measured
+as much as FBGEMM's whole fused backward.
 """
 
 from __future__ import annotations
@@ -52,16 +54,6 @@ def finite_loss_or_skip(loss: Tensor, trainer: pl.Trainer, batch_idx: int, actio
         "batch's dense features or labels, or lower the learning rates; `non_finite_loss='skip'` skips such "
         "batches instead."
     )
-
-
-def check_finite_gradient(values: Tensor, table: str) -> None:
-    """Refuse to apply a gradient with NaN/inf to ``table``'s rows."""
-    if values.numel() and not bool(torch.isfinite(values).all()):
-        raise NonFiniteLossError(
-            f"A non-finite gradient reached the rows of table {table!r}; none of them was updated. The loss or the "
-            "batch's inputs were NaN/inf: check them, or check the loss in training_step (see "
-            "lightning_hotcache.guards.finite_loss_or_skip)."
-        )
 
 
 def check_not_empty(features: KeyedJaggedTensor) -> None:

@@ -44,7 +44,9 @@ from typing_extensions import override
 
 from lightning_hotcache._compat import fit_train_dataloader
 from lightning_hotcache.cache import check_cache_policy
+from lightning_hotcache.cache.fused import KernelChoice, check_kernel_choice
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
+from lightning_hotcache.guards import finite_loss_or_skip
 from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
 from lightning_hotcache.planner import Budget, HotColdPlan, HotColdPlanner
 from lightning_hotcache.profiling import AccessStats, profile_batches
@@ -222,6 +224,9 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             the model for the same cores (measured slower on 2 cores: 32.1 s vs 26.7 s for the
             demo epoch).
         cache_metrics: add a `CacheMetrics` callback (hit rates, traffic) unless one is there.
+        kernel: the device tier's kernel: ``"auto"`` (FBGEMM's fused table-batched kernel
+            where it trains exactly, else PyTorch's; the log says which and why), ``"fbgemm"``
+            (fail if it cannot run) or ``"pytorch"``.
         checkpoint_shards: save split tables as one file per rank (``<ckpt>.rank<r>-of-<n>``)
             instead of gathering them into the checkpoint. Loading one consolidates it in
             each rank's memory.
@@ -244,10 +249,12 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         prefetch_thread: bool | None = None,
         cache_metrics: bool = True,
         checkpoint_shards: bool = False,
+        kernel: KernelChoice = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         check_cache_policy(cache_policy)
+        check_kernel_choice(kernel)
         if prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}.")
         if profile_batches < 1:
@@ -267,6 +274,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         self.prefetch_thread = prefetch_thread
         self.cache_metrics = cache_metrics
         self.checkpoint_shards = checkpoint_shards
+        self.kernel = kernel
         self.plan: HotColdPlan | None = None
         self._restored_row_state: Mapping[str, Mapping[str, torch.Tensor]] = {}
 
@@ -335,8 +343,9 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         for path, collection in collections.items():
             hot = HotColdEmbeddingBagCollection.from_ebc(
                 collection, self.plan, optimizer, self.root_device, self.cache_policy,  # type: ignore[arg-type]
-                self._rank_storage(), group, seed,
+                self._rank_storage(), group, seed, self.kernel,
             )  # fmt: skip
+            rank_zero_info(f"hotcache embedding kernel ({path}): {hot.kernel_note}")
             _load_row_state(path, hot, self._restored_row_state)
             model.set_submodule(path, hot)
         self._restored_row_state = {}
@@ -360,6 +369,17 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         with global_rngs_restored():
             for batch in loader:
                 yield from _features_of(batch)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        model = self.lightning_module
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if isinstance(loss, torch.Tensor) and not getattr(model, "checks_non_finite_loss", False):
+            # Any model's NaN loss stops here, before its backward updates rows in place.
+            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", -1)
+            finite_loss_or_skip(loss, model.trainer, batch_idx, "raise")
+        return output
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

@@ -64,7 +64,17 @@ def table_to_dict(table: EmbeddingBagConfig) -> dict[str, Any]:
     }
 
 
-class CTRModel(pl.LightningModule):
+class _AssembledAfterInit(type):
+    """Metaclass of CTRModel: builds the layers once the whole ``__init__`` chain has returned, so a
+    subclass may set what its builders read after ``super().__init__()``, as usual in PyTorch."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        model = super().__call__(*args, **kwargs)
+        model._assemble_after_init()
+        return model
+
+
+class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     """Base LightningModule for click-through-rate models on torchrec batches.
 
     Args:
@@ -82,6 +92,10 @@ class CTRModel(pl.LightningModule):
             from it: ``"raise"`` stops with an error naming the step and batch; ``"skip"``
             skips the batch (no backward, no optimizer step) with a warning.
     """
+
+    # training_step checks its loss itself (see `non_finite_loss`): the hotcache strategy
+    # then does not check it again.
+    checks_non_finite_loss = True
 
     def __init__(
         self,
@@ -132,15 +146,19 @@ class CTRModel(pl.LightningModule):
         metrics = MetricCollection({"auc": BinaryAUROC(), "logloss": MeanMetric()})
         self.val_metrics = metrics.clone(prefix="val/")
         self.test_metrics = metrics.clone(prefix="test/")
+
+    def _assemble_after_init(self) -> None:
         self.assemble()
         # Recorded now: strategies later swap the tables for other module types at these paths.
         self._embedding_paths = [p for p, m in self.named_modules() if isinstance(m, EmbeddingBagCollection)]
 
     # ------------------------------------------------------------ architecture
     # A model is TorchRec's four blocks: sparse arch (here), dense arch, interaction and
-    # over arch. Builders read their sizes from `self.hparams`, which holds the constructor
-    # arguments of every class in the chain by the time `assemble()` runs at the end of
-    # CTRModel.__init__; a user subclass overrides one builder and keeps the rest.
+    # over arch. `assemble()` runs once the model's whole __init__ chain has returned, so the
+    # builders can read `self.hparams` (the constructor arguments of every class in the chain)
+    # and any attribute a subclass set after super().__init__(); in turn, the dense arch,
+    # interaction and over arch do not exist yet inside __init__. A user subclass overrides
+    # one builder and keeps the rest.
     @abstractmethod
     def build_dense_arch(self) -> nn.Module:
         """Module mapping dense features (B, num_dense_features) to the interaction's dense input."""

@@ -1,8 +1,9 @@
 """HotColdEmbeddingBagCollection learns exactly what torchrec's EmbeddingBagCollection learns.
 
 Reference: torchrec's EBC (sparse bags) trained with the same row-wise rule through
-TorchRec's in-backward optimizer. Swept: budgets, cache policies, optimizers, host storage
-and prefetch depth; compared: tables and per-row optimizer state after N steps.
+TorchRec's in-backward optimizer. Swept: budgets, cache policies, optimizers, host storage,
+prefetch depth and kernel (FBGEMM's fused TBE, PyTorch's embedding_bag); compared: tables
+and per-row optimizer state after N steps.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def zipf_batches(steps: int = STEPS, seed: int = 0, weighted: bool = False) -> l
 
 
 SUM_TABLES = [EmbeddingBagConfig(**{**t.__dict__, "pooling": PoolingType.SUM}) for t in TABLES]
+# FBGEMM's TBE has one pooling mode for all its tables: the fused path is swept on SUM tables.
+KERNEL_TABLES = {"fbgemm": SUM_TABLES, "pytorch": TABLES}
 
 
 def make_plan(batches, fraction: float | None, depth: int, policy: str, tables=TABLES) -> HotColdPlan:
@@ -68,20 +71,21 @@ def make_plan(batches, fraction: float | None, depth: int, policy: str, tables=T
     return HotColdPlan(plans, budget_bytes=1, prefetch_depth=depth, cache_policy=policy)
 
 
-def train_reference(config: RowWiseOptimizerConfig, batches, upstream, tables=TABLES) -> EmbeddingBagCollection:
+def train_reference(config: RowWiseOptimizerConfig, batches, upstream, tables=TABLES, weighted=False) -> EmbeddingBagCollection:
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(tables=tables, is_weighted=tables is SUM_TABLES)
+    ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted)
     apply_optimizer_in_backward(RowWiseOptimizer, use_sparse_gradients(ebc), {"config": config})
     for batch, grad in zip(batches, upstream):
         ebc(batch).values().backward(grad)
     return ebc
 
 
-def train_hotcache(config, batches, upstream, plan, policy, host_storage, depth, tables=TABLES):
+def train_hotcache(config, batches, upstream, plan, policy, host_storage, depth, tables=TABLES, weighted=False, kernel="auto"):
     torch.manual_seed(0)
     module = HotColdEmbeddingBagCollection.from_ebc(
-        EmbeddingBagCollection(tables=tables, is_weighted=tables is SUM_TABLES), plan, config, cache_policy=policy, host_storage=host_storage
-    )
+        EmbeddingBagCollection(tables=tables, is_weighted=weighted), plan, config, cache_policy=policy,
+        host_storage=host_storage, kernel=kernel,
+    )  # fmt: skip
     staged = 0
     for step, (batch, grad) in enumerate(zip(batches, upstream)):
         while depth and staged <= min(step + depth, len(batches) - 1):
@@ -109,16 +113,24 @@ def reference_state(ebc: EmbeddingBagCollection) -> dict[str, dict[str, torch.Te
 
 UPSTREAM = [torch.randn(BATCH, 8 + 4 + 4 + 8, generator=torch.Generator().manual_seed(i)) for i in range(STEPS)]
 BUDGETS = {"100%": 1.0, "10%": 0.1, "1%": 0.01, "minimum": None}
-CASES = list(itertools.product(BUDGETS, ["static", "lru", "lfu"], ["sgd", "rowwise_adagrad", "adam"], ["memory", "mmap"], [0, 2]))
+CASES = list(
+    itertools.product(
+        BUDGETS, ["static", "lru", "lfu"], ["sgd", "rowwise_adagrad", "adam"], ["memory", "mmap"], [0, 2], KERNEL_TABLES
+    )
+)
+FUSED_OPTIMIZERS = ("sgd", "rowwise_adagrad")  # FBGEMM's Adam is not the library's lazy Adam
 
 
-@pytest.mark.parametrize(("budget", "policy", "optimizer", "storage", "depth"), CASES)
-def test_same_tables_and_state_as_torchrec(budget, policy, optimizer, storage, depth, tmp_path) -> None:
+@pytest.mark.parametrize(("budget", "policy", "optimizer", "storage", "depth", "kernel"), CASES)
+def test_same_tables_and_state_as_torchrec(budget, policy, optimizer, storage, depth, kernel, tmp_path) -> None:
     config = RowWiseOptimizerConfig(name=optimizer, lr=0.05)
+    tables = KERNEL_TABLES[kernel]
     batches = zipf_batches()
-    plan = make_plan(batches, BUDGETS[budget], depth, policy)
-    reference = train_reference(config, batches, UPSTREAM)
-    module = train_hotcache(config, batches, UPSTREAM, plan, policy, "memory" if storage == "memory" else tmp_path, depth)
+    plan = make_plan(batches, BUDGETS[budget], depth, policy, tables)
+    reference = train_reference(config, batches, UPSTREAM, tables)
+    storage_path = "memory" if storage == "memory" else tmp_path
+    module = train_hotcache(config, batches, UPSTREAM, plan, policy, storage_path, depth, tables, kernel="auto" if kernel == "fbgemm" else kernel)
+    assert module.kernel_note.startswith("fbgemm" if kernel == "fbgemm" and optimizer in FUSED_OPTIMIZERS else "pytorch")
     assert_same(module, reference)
     if budget == "minimum":
         counters = module.caches["t_user"].counters
@@ -130,6 +142,27 @@ def test_per_sample_weights(depth: int) -> None:
     config = RowWiseOptimizerConfig(name="rowwise_adagrad", lr=0.05)
     batches = zipf_batches(weighted=True, seed=3)
     plan = make_plan(batches, 0.05, depth, "lru", tables=SUM_TABLES)
-    reference = train_reference(config, batches, UPSTREAM, tables=SUM_TABLES)
-    module = train_hotcache(config, batches, UPSTREAM, plan, "lru", "memory", depth, tables=SUM_TABLES)
+    reference = train_reference(config, batches, UPSTREAM, tables=SUM_TABLES, weighted=True)
+    module = train_hotcache(config, batches, UPSTREAM, plan, "lru", "memory", depth, tables=SUM_TABLES, weighted=True)
+    assert module.kernel_note.startswith("fbgemm")
     assert_same(module, reference)
+
+
+@pytest.mark.parametrize("optimizer", FUSED_OPTIMIZERS)
+def test_fused_kernel_learns_what_the_pytorch_path_learns(optimizer) -> None:
+    config = RowWiseOptimizerConfig(name=optimizer, lr=0.05)
+    batches = zipf_batches(seed=5)
+    plan = make_plan(batches, 0.1, 1, "lfu", SUM_TABLES)
+    fused, plain = (train_hotcache(config, batches, UPSTREAM, plan, "lfu", "memory", 1, SUM_TABLES, kernel=k) for k in ("fbgemm", "pytorch"))
+    assert fused.kernel_note.startswith("fbgemm") and plain.kernel_note.startswith("pytorch")
+    torch.testing.assert_close(fused.state_dict(), plain.state_dict(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.optimizer_state(), plain.optimizer_state(), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_kernel_refused_where_it_would_not_be_exact() -> None:
+    batches = zipf_batches(steps=1)
+    with pytest.raises(ValueError, match="one pooling mode"):
+        train_hotcache(RowWiseOptimizerConfig("sgd"), batches, UPSTREAM, make_plan(batches, 0.1, 0, "lfu"), "lfu", "memory", 0, kernel="fbgemm")
+    plan = make_plan(batches, 0.1, 0, "lfu", SUM_TABLES)
+    with pytest.raises(ValueError, match="Adam"):
+        train_hotcache(RowWiseOptimizerConfig("adam"), batches, UPSTREAM, plan, "lfu", "memory", 0, SUM_TABLES, kernel="fbgemm")

@@ -75,6 +75,9 @@ class DeviceCache:
             ``None`` only when static_ids cover all rows.
         device: where the slots live.
         sharding: ranks sharing the table (default: this process alone).
+        storage: the slot arrays (``weight`` and each optimizer state, `num_slots` rows) when
+            they live elsewhere, e.g. in a fused kernel's memory (see `FusedTables`); the
+            cache reads and writes them in place. Default: arrays of its own.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class DeviceCache:
         host: HostStore | None,
         device: torch.device,
         sharding: RowSharding = RowSharding(),
+        storage: dict[str, Tensor] | None = None,
     ) -> None:
         check_cache_policy(policy)
         static_ids = torch.as_tensor(static_ids, dtype=torch.int64).unique()  # sorted, for memory locality
@@ -115,9 +119,12 @@ class DeviceCache:
         self._released_early: set[int] = set()
 
         widths = {"weight": embedding_dim, **optimizer.state_widths(embedding_dim)}
-        self.slots: dict[str, Tensor] = {
-            key: torch.zeros(num_slots, width, dtype=torch.float32, device=device) for key, width in widths.items()
-        }
+        if storage is None:
+            storage = {key: torch.zeros(num_slots, width, dtype=torch.float32, device=device) for key, width in widths.items()}
+        shapes = {key: tuple(array.shape) for key, array in storage.items()}
+        if shapes != {key: (num_slots, width) for key, width in widths.items()}:
+            raise ValueError(f"Table {name!r}: storage of shapes {shapes} does not hold {num_slots} slots of {widths}.")
+        self.slots: dict[str, Tensor] = storage
         if self.identity:
             return
         self.slot_map = make_slot_map(num_embeddings, static_ids.to(device), num_slots, device)
@@ -127,6 +134,12 @@ class DeviceCache:
         self.last_used = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.frequency = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.id_of_slot[: self.num_static] = static_ids.to(device)
+
+    @staticmethod
+    def num_slots(num_embeddings: int, static_ids: Tensor, num_dynamic: int) -> int:
+        """Device rows a cache of this shape holds (its `storage` must have as many)."""
+        num_static = len(torch.as_tensor(static_ids, dtype=torch.int64).unique())
+        return num_static if num_static == num_embeddings else num_static + num_dynamic
 
     @property
     def weight(self) -> Tensor:
@@ -255,10 +268,13 @@ class DeviceCache:
     def apply_update(self, grad: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
         """One row-wise step from a sparse gradient over slots."""
         state = {key: tensor for key, tensor in self.slots.items() if key != "weight"}
-        rows = apply_sparse_update(optimizer, self.weight, state, grad)
+        self.mark_updated(apply_sparse_update(optimizer, self.weight, state, grad))
+
+    def mark_updated(self, slots: Tensor) -> None:
+        """Note that ``slots`` (repeats allowed) were updated, so eviction writes them back."""
         if not self.identity:
             # Only the owner writes a row back: other ranks' copies are dropped on eviction.
-            self.dirty[rows] = self.dirty[rows] | self.sharding.owned(self.id_of_slot[rows])
+            self.dirty[slots] = self.dirty[slots] | self.sharding.owned(self.id_of_slot[slots])
 
     @torch.no_grad()
     def apply_update_to_ids(self, ids: Tensor, grads: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
