@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from clock import rss_bytes
 from report import write_report
 from torchrec import EmbeddingBagCollection
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
@@ -87,11 +88,15 @@ def main() -> None:
 
     steps["plain"] = plain_step
 
-    modules, plans = {}, {}
+    # Memory each hotcache module added when built (its device tier and host store; this
+    # CPU's "device" is host memory too, so RSS counts both).
+    modules, plans, rss_after_build = {}, {}, {}
     for budget in args.budgets:
         name = f"hotcache@{budget:g}"
         plans[name] = HotColdPlanner(budget, config, prefetch_depth=args.prefetch_depth, cache_policy="lfu").plan(dm.tables, stats)
+        before = rss_bytes()
         modules[name] = HotColdEmbeddingBagCollection.from_ebc(plain, plans[name], config, cache_policy="lfu")
+        rss_after_build[name] = rss_bytes() - before
 
         def hot_step(i: int, module: HotColdEmbeddingBagCollection = modules[name]) -> None:
             # Keep `prefetch_depth` batches staged ahead, as the strategy's prefetcher does.
@@ -114,17 +119,24 @@ def main() -> None:
             / sum(stats.num_lookups.values()),
             fetched_rows_per_step=sum(c.fetched_rows for c in counters) / len(timed),
             device_mib=plans[name].device_bytes / 2**20,
+            measured_device_mib=module.device_bytes() / 2**20,
+            budget_mib=plans[name].budget_bytes / 2**20,
+            rss_mib=rss_after_build[name] / 2**20,
         )
 
     for name, r in results.items():
         r["speed_vs_fused"] = results["fused"]["step_ms"] / r["step_ms"]
         r["speed_vs_plain"] = results["plain"]["step_ms"] / r["step_ms"]
 
-    print(f"{'path':<16}{'ms/step':>10}{'x fused':>9}{'x plain':>9}{'hit rate':>10}{'fetched/step':>14}")
+    print(f"{'path':<16}{'ms/step':>10}{'x fused':>9}{'x plain':>9}{'hit rate':>10}{'fetched/step':>14}{'device MiB (budget)':>22}")
     for name, r in results.items():
         hit = f"{r['hit_rate']:.3f}" if "hit_rate" in r else "-"
         fetched = f"{r['fetched_rows_per_step']:.0f}" if "fetched_rows_per_step" in r else "-"
-        print(f"{name:<16}{r['step_ms']:>10.2f}{r['speed_vs_fused']:>9.2f}{r['speed_vs_plain']:>9.2f}{hit:>10}{fetched:>14}")
+        device = f"{r['measured_device_mib']:.1f} ({r['budget_mib']:.1f})" if "budget_mib" in r else "-"
+        print(
+            f"{name:<16}{r['step_ms']:>10.2f}{r['speed_vs_fused']:>9.2f}{r['speed_vs_plain']:>9.2f}{hit:>10}{fetched:>14}"
+            f"{device:>22}"
+        )
     write_report("cache_micro", args, results, rows=rows, tables=len(dm.tables), optimizer="sgd", policy="lfu")
 
 if __name__ == "__main__":

@@ -38,3 +38,24 @@ class StepClock(pl.Callback):
     @property
     def samples_per_s(self) -> float:
         return self.samples / (self.end - self.start)
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * 4096
+    except OSError:
+        return 0
+
+
+class PeakRSS(pl.Callback):
+    """Highest resident memory seen at the end of any training batch of a fit (the memory
+    a variant holds while it trains; ru_maxrss would be the whole process' peak, across
+    every variant a benchmark runs)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.peak = max(self.peak, rss_bytes())

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from clock import StepClock
+from clock import PeakRSS, StepClock
 from report import median_round, write_report
 
 from datamodules import SyntheticCTRDataModule
@@ -32,17 +32,18 @@ def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
     dm = SyntheticCTRDataModule(scale=1.0, embedding_dim=args.dim, batch_size=args.batch_size,
                                 num_train_samples=args.batch_size * (args.steps + 200), shuffle=False)  # fmt: skip
     model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
-    clock = StepClock(args.warmup)
+    clock, memory = StepClock(args.warmup), PeakRSS()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, limit_val_batches=0,
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[clock],
+        enable_model_summary=False, callbacks=[clock, memory],
     )  # fmt: skip
     trainer.fit(model, dm)
-    out = {"samples_per_s": clock.samples_per_s}
+    out = {"samples_per_s": clock.samples_per_s, "peak_rss_mib": memory.peak / 2**20}
     plan = getattr(trainer.strategy, "plan", None)
     if plan is not None:
         out["device_mib"] = plan.device_bytes / 2**20
+        out["budget_mib"] = plan.budget_bytes / 2**20
     return out
 
 
@@ -71,10 +72,14 @@ def main() -> None:
     rounds = [{name: train(runs[name](), args) for name in chosen} for _ in range(args.rounds)]
     results = {name: median_round([r[name] for r in rounds]) for name in chosen}
     for r in results.values():
-        r["x_auto"] = r["samples_per_s"] / results["auto"]["samples_per_s"] if "auto" in results else float("nan")
-    print(f"{'strategy':<16}{'samples/s':>12}{'x auto':>9}  rounds")
+        for baseline in ("auto", "torchrec"):
+            r[f"x_{baseline}"] = r["samples_per_s"] / results[baseline]["samples_per_s"] if baseline in results else float("nan")
+    print(f"{'strategy':<16}{'samples/s':>12}{'x auto':>9}{'x torchrec':>12}{'peak RSS MiB':>14}  rounds")
     for name, r in results.items():
-        print(f"{name:<16}{r['samples_per_s']:>12.0f}{r['x_auto']:>9.2f}  {' '.join(f'{x:.0f}' for x in r['rounds'])}")
+        print(
+            f"{name:<16}{r['samples_per_s']:>12.0f}{r['x_auto']:>9.2f}{r['x_torchrec']:>12.2f}{r['peak_rss_mib']:>14.0f}  "
+            f"{' '.join(f'{x:.0f}' for x in r['rounds'])}"
+        )
     write_report("cpu_throughput", args, results, rows=33_762_577)
 
 if __name__ == "__main__":

@@ -189,12 +189,14 @@ class CriteoDataModule(CTRDataModule):
         self.rows = np.array(rows, dtype=np.int64)
         self.feature_cardinalities = dict(zip(DEFAULT_CAT_NAMES, rows))
         self.num_dense_features = INT_FEATURE_COUNT
+        # Found now, not in setup: LightningCLI builds the model (GBs of tables) in between.
+        self._format, self._files = self._resolve()
         self._parts: Optional[list[_Part]] = None
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self._parts is None:
-            fmt, files = self._resolve()
-            if fmt == "npy":
+            files = self._files
+            if self._format == "npy":
                 self._parts = [_NpyPart(p, BinaryCriteoUtils.get_shape_from_npy(p + NPY_SUFFIXES[0])[0]) for p in files]
             else:
                 self._parts = [_ArrayPart(*parse_tsv(Path(p), self.rows)) for p in files]

@@ -35,10 +35,18 @@ _LAZY = {
 
 # Registered names take no settings (Lightning), so common settings get names of their own;
 # anything else: `class_path: lightning_hotcache.HotCacheStrategy` with `init_args`.
+# A share of small tables can be less than the batches in flight need, so the fractional
+# presets grow to that minimum (with a warning): every preset trains every shipped config.
 STRATEGY_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "hotcache": ("hot rows on the device within half the free device memory, LFU cache for the rest", {}),
-    "hotcache_10pct": ("hotcache with a device budget of 10% of the embedding bytes", {"device_budget": 0.1}),
-    "hotcache_1pct": ("hotcache with a device budget of 1% of the embedding bytes", {"device_budget": 0.01}),
+    "hotcache_10pct": (
+        "hotcache with a device budget of 10% of the embedding bytes, or the minimum the batches in flight need",
+        {"device_budget": 0.1, "grow_budget_to_minimum": True},
+    ),
+    "hotcache_1pct": (
+        "hotcache with a device budget of 1% of the embedding bytes, or the minimum the batches in flight need",
+        {"device_budget": 0.01, "grow_budget_to_minimum": True},
+    ),
     "hotcache_lru": ("hotcache with an LRU dynamic cache", {"cache_policy": "lru"}),
     "hotcache_static": ("FAE: static hot rows only, misses staged per batch", {"cache_policy": "static"}),
 }

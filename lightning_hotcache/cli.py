@@ -15,14 +15,20 @@ table, with the data's Bayes-optimal figures beside them when it knows them.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import warnings
+from importlib import import_module
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from lightning.pytorch import LightningDataModule, LightningModule
+from jsonargparse import Namespace
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, LightningArgumentParser
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from rich.console import Console
 from rich.table import Table
 from typing_extensions import override
@@ -35,6 +41,30 @@ class HotCacheCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.tables", "model.init_args.tables", apply_on="instantiate")
         parser.link_arguments("data.num_dense_features", "model.init_args.num_dense_features", apply_on="instantiate")
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        # `--trainer.strategy=pkg.SomeStrategy` with no init_args parses as a plain string, which
+        # Lightning lower-cases and looks up as a registry name; build that class with its defaults.
+        trainer = self._get(self.config, "trainer")
+        strategy = trainer.get("strategy")
+        if isinstance(strategy, str) and "." in strategy and strategy.lower() not in StrategyRegistry:
+            _check_strategy_class_path(strategy)
+            trainer["strategy"] = Namespace(class_path=strategy, init_args=Namespace())
+
+    @override
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            cause = error
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            if cause is error:
+                raise
+            # jsonargparse wraps an error raised in a model's or datamodule's constructor in
+            # errors that repeat every argument, the linked tables included (~20 KB).
+            raise cause from None
 
     def _print_metrics(self, stage: str) -> None:
         if not self.trainer.is_global_zero:
@@ -55,6 +85,35 @@ class HotCacheCLI(LightningCLI):
     def after_fit(self) -> None:
         # `validate` and `test` print Lightning's own table; `fit` prints none.
         self._print_metrics("val")
+
+    def _check_last_checkpoint_exists(self) -> None:
+        # Lightning takes `--ckpt_path last` with no last checkpoint as no checkpoint at all:
+        # it would evaluate the untrained model, with only a warning.
+        if self.config_init[self.subcommand].get("ckpt_path") != "last":
+            return
+        callbacks = [c for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+        # The search Lightning makes for "last" (last*.ckpt in each callback's folder).
+        if not any(c._find_last_checkpoints(self.trainer) for c in callbacks):
+            folders = ", ".join(str(c.dirpath) for c in callbacks) or "none (the config has no ModelCheckpoint)"
+            raise FileNotFoundError(
+                f"--ckpt_path last: no last checkpoint in {folders}. Train first (`hotcache fit` with the same "
+                "config and a ModelCheckpoint with save_last: true), or pass a checkpoint file."
+            )
+
+    before_validate = before_test = before_predict = _check_last_checkpoint_exists
+
+
+def _check_strategy_class_path(class_path: str) -> None:
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(import_module(module), name, None)
+    except ImportError:
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise ValueError(
+            f"--trainer.strategy={class_path} is neither a registered strategy name "
+            f"({', '.join(StrategyRegistry.available_strategies())}) nor the class path of a Strategy subclass."
+        )
 
 
 def _lightning_cli(args: Any, run: bool = True) -> HotCacheCLI:
@@ -88,13 +147,18 @@ def _tool_parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--plot", help="also save the coverage curves as an image (e.g. coverage.png)")
     else:
         parser.description = "Print (and save) the hot/cold plan for a device budget. " + parser.description
-        parser.add_argument("--budget", required=True, help="bytes, '2GB', a fraction in (0, 1] of the tables, or 'auto'")
-        parser.add_argument("--stats", help="access stats from `hotcache profile` (profiled on the fly if absent)")
-        parser.add_argument("--out", help="save the plan as JSON here")
-        parser.add_argument("--prefetch-depth", type=int, default=1)
-        parser.add_argument("--world-size", type=int, default=1)
-        parser.add_argument("--policy", choices=["lfu", "lru", "static"], default="lfu")
-        parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        parser.epilog = (
+            "Options left out are the run's: the config's hotcache strategy settings (else the strategy's "
+            "defaults), and the trainer's world size and device."
+        )
+        parser.add_argument("--budget", help="bytes, '2GB', a fraction in (0, 1] of the tables, or 'auto'")
+        parser.add_argument("--stats", help="access stats from `hotcache profile` (profiled on the fly if none)")
+        parser.add_argument("--out", help="save the plan as JSON; train with it: --trainer.strategy.init_args.plan_path")
+        parser.add_argument("--prefetch-depth", type=int)
+        parser.add_argument("--prefetch-thread", action=argparse.BooleanOptionalAction)
+        parser.add_argument("--world-size", type=int)
+        parser.add_argument("--policy", choices=["lfu", "lru", "static"])
+        parser.add_argument("--device")
     return parser
 
 
@@ -105,13 +169,33 @@ def _profile(cli: HotCacheCLI, tables: list, batches: int) -> Any:
     return profile_batches(cli.datamodule.train_dataloader(), tables, max_batches=batches)
 
 
+def _run_batch_size(cli: HotCacheCLI) -> int | None:
+    from lightning_hotcache.profiling import first_batch_size
+
+    cli.datamodule.setup("fit")
+    return first_batch_size(cli.datamodule.train_dataloader())
+
+
+def _given(option: Any, default: Any) -> Any:
+    return default if option is None else option
+
+
 def run_tool(command: str, argv: Sequence[str]) -> Any:
     """``hotcache profile`` / ``hotcache plan``: model and data from the config, no training."""
-    from lightning_hotcache.planner import Budget, HotColdPlanner
+    from lightning_hotcache.planner import HotColdPlanner
     from lightning_hotcache.profiling import AccessStats, plot_coverage
     from lightning_hotcache.rowwise import RowWiseOptimizerConfig
+    from lightning_hotcache.strategy import HotCacheStrategy
 
-    options, rest = _tool_parser(command).parse_known_args(argv)
+    parser = _tool_parser(command)
+    options, rest = parser.parse_known_args(argv)
+    if options.batches < 1:
+        parser.error(f"--batches must be >= 1, got {options.batches}")
+    for option in ("out", "plot"):
+        target = getattr(options, option, None)
+        # Checked now: these files are written after profiling, which can take minutes.
+        if target and not Path(target).parent.is_dir():
+            parser.error(f"--{option} {target}: the folder {Path(target).parent} does not exist")
     with warnings.catch_warnings():
         # We hand LightningCLI the config part of our own command line on purpose.
         warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
@@ -128,12 +212,24 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
             plot_coverage(stats, options.plot)
             print(f"saved {options.plot}")
         return stats
-    stats = AccessStats.load(options.stats, tables) if options.stats else None
-    budget: Budget = options.budget
+    # What the run will hold: the config's hotcache strategy settings unless given here.
+    strategy = cli.trainer.strategy
+    run = strategy if isinstance(strategy, HotCacheStrategy) else HotCacheStrategy()
+    stats_path = options.stats or run.stats_path
+    stats = AccessStats.load(stats_path, tables) if stats_path else None
     optimizer = getattr(cli.model, "embedding_optimizer_config", None) or RowWiseOptimizerConfig()
-    planner = HotColdPlanner(budget, optimizer, options.world_size, options.prefetch_depth, options.policy, options.device)
+    planner = HotColdPlanner(
+        _given(options.budget, run.device_budget),
+        optimizer,
+        world_size=_given(options.world_size, cli.trainer.world_size),
+        prefetch_depth=_given(options.prefetch_depth, run.prefetch_depth),
+        cache_policy=_given(options.policy, run.cache_policy),
+        device=_given(options.device, strategy.root_device),
+        grow_budget_to_minimum=run.grow_budget_to_minimum,
+        prefetch_thread=_given(options.prefetch_thread, run.prefetch_thread),
+    )
     try:
-        plan = planner.plan(tables, stats)
+        plan = planner.plan(tables, stats, _run_batch_size(cli) if stats is not None else None)
     except ValueError as err:
         if stats is not None or "hotcache profile" not in str(err):
             raise SystemExit(f"error: {err}") from None
@@ -146,25 +242,63 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
 
 
 def _consolidate(argv: Sequence[str]) -> dict[str, Any]:
-    from lightning_hotcache.strategy import consolidate_checkpoint
+    from lightning_hotcache.checkpoint import consolidate_checkpoint
 
+    options = _consolidate_parser().parse_args(argv)
+    checkpoint = consolidate_checkpoint(options.checkpoint, options.out)
+    print(f"saved {options.out}")
+    return checkpoint
+
+
+def _consolidate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hotcache consolidate",
         description="Turn a checkpoint saved with checkpoint_shards=True into a plain one (whole tables).",
     )
     parser.add_argument("checkpoint")
     parser.add_argument("--out", required=True, help="where to write the plain checkpoint")
-    options = parser.parse_args(argv)
-    checkpoint = consolidate_checkpoint(options.checkpoint, options.out)
-    print(f"saved {options.out}")
-    return checkpoint
+    return parser
+
+
+def _first_sentence(text: str) -> str:
+    return text.strip().split("\n")[0].split(". ")[0].rstrip(".")
+
+
+def _help() -> str:
+    """``hotcache --help``: every command with one line (LightningCLI's own help knows only its subcommands)."""
+    summaries = {name: inspect.getdoc(getattr(Trainer, name)) or "" for name in HotCacheCLI.subcommands()}
+    summaries |= {name: _tool_parser(name).description or "" for name in ("profile", "plan")}
+    summaries["consolidate"] = _consolidate_parser().description or ""
+    width = max(map(len, summaries))
+    return "\n".join([
+        "usage: hotcache COMMAND [options]",
+        "",
+        "Train CTR models with Lightning and plan their hot/cold embeddings.",
+        "",
+        "commands:",
+        *(f"  {name:<{width}}  {_first_sentence(text)}" for name, text in summaries.items()),
+        "",
+        "Options of a command: hotcache COMMAND --help. fit, validate, test and predict are",
+        "LightningCLI's: a config (-c CONFIG), --trainer/--model/--data overrides, --print_config.",
+        "Example: hotcache fit -c configs/dlrm_synthetic.yaml",
+    ])  # fmt: skip
 
 
 def main(args: Any = None) -> Any:
     """Entry point of the ``hotcache`` script (``args`` as for LightningCLI, for tests)."""
     # W&B never reaches the network unless the user asks for it (configs use offline mode too).
     os.environ.setdefault("WANDB_MODE", "offline")
+    # `--model mymodule.MyModel` imports from the current directory, as under `python -m`
+    # (a console script has only its own folder on sys.path).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(_help())
+        raise SystemExit(0)
+    if not argv:
+        print(f"{_help()}\n\nhotcache: error: give a command.", file=sys.stderr)
+        raise SystemExit(2)
     if argv and argv[0] in ("profile", "plan"):
         return run_tool(argv[0], argv[1:])
     if argv and argv[0] == "consolidate":

@@ -79,6 +79,17 @@ def _gradient_hook(module: "HotColdEmbeddingBagCollection", table: str) -> Calla
     return hook
 
 
+def _fused_backward_hook(module: "HotColdEmbeddingBagCollection", staged: _StagedBatch) -> Callable[..., None]:
+    module_ref = weakref.ref(module)  # weak for the reason given in `_gradient_hook`
+
+    def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+        module = module_ref()
+        if module is not None:
+            module._on_fused_backward(staged)
+
+    return hook
+
+
 def _same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
     # Moving a batch to the device it is already on makes new KJT objects around the same
     # tensors, so compare storage, not identity.
@@ -272,7 +283,6 @@ class HotColdEmbeddingBagCollection(nn.Module):
     @_locked
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Make a future batch's rows resident and lock them (call in forward order)."""
-        self._release_abandoned()  # frees the slots of batches whose backward is done (fused path)
         self._queue.append(self._stage(features))
 
     @_locked
@@ -312,9 +322,9 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 self.caches[name].release(ticket)
 
     def _release_abandoned(self) -> None:
-        # A training forward whose output is gone has had its backward (on the fused path,
-        # which updates rows inside FBGEMM's backward) or never will (a skipped step): its
-        # rows may be unlocked. One whose output is alive stays locked.
+        # A training forward whose output is gone without its backward having come (e.g. a
+        # skipped step) never gets one: its rows may be unlocked. One whose output is alive
+        # stays locked. Called only from forward, never while a backward may be running.
         alive = []
         for staged in self._in_flight:
             if staged.output is not None and staged.output() is not None:
@@ -344,6 +354,9 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 for cache, features in self._table_features:
                     for feature in features:
                         cache.mark_updated(staged.slots[feature])
+                # FBGEMM's lookup node updates the rows in its backward; its post-hook runs
+                # once they are updated, and only then may they be evicted.
+                values.grad_fn.register_hook(_fused_backward_hook(self, staged))
         else:
             self._release(staged)
         return KeyedTensor(
@@ -383,6 +396,12 @@ class HotColdEmbeddingBagCollection(nn.Module):
                     )
                 )
         return torch.cat(pooled, dim=1)
+
+    @_locked
+    def _on_fused_backward(self, staged: _StagedBatch) -> None:
+        """The fused kernel has updated ``staged``'s rows: unlock them."""
+        self._release(staged)
+        self._in_flight = [s for s in self._in_flight if s is not staged]
 
     @_locked
     def _on_gradient(self, table: str, weight: Tensor) -> None:
@@ -430,6 +449,10 @@ class HotColdEmbeddingBagCollection(nn.Module):
         """Write every changed cached row back to its host store."""
         for cache in self.caches.values():
             cache.flush()
+
+    def device_bytes(self) -> int:
+        """Bytes the tables hold on the device now (see `DeviceCache.device_bytes`)."""
+        return sum(cache.device_bytes() for cache in self.caches.values())
 
     def lock_host_storage(self) -> None:
         """Own the host storage directory again (after `release_host_storage`), e.g. for another fit."""

@@ -8,7 +8,10 @@ bookkeeping. Small tables go whole to the device first (their rows are the hotte
 byte and whole tables need no bookkeeping); the rest of the budget buys hot rows by
 marginal coverage per byte across all tables, so a narrow skewed table and a wide flat one
 compete on how many lookups each byte saves. Every split table also keeps enough dynamic
-slots for the unique rows of the batches in flight (``prefetch_depth + 1`` batches).
+slots for the unique rows of the batches in flight (`batches_in_flight`, the count the
+strategy holds). Budget left once every profiled row is a static row puts split tables whole
+on the device, then becomes cache slots for the rows the profile never saw; what stays
+unused is explained in the plan's ``note``.
 
 Whole-table placement goes through TorchRec's EmbeddingShardingPlanner (data-parallel:
 device tables are replicated, as FAE replicates hot rows); its ShardingPlan is kept in the
@@ -17,6 +20,7 @@ plan.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence, Union
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torchrec import EmbeddingBagConfig
 
 from lightning_hotcache.cache.device import check_cache_policy
@@ -40,7 +45,7 @@ if TYPE_CHECKING:
     from lightning_hotcache.profiling import AccessStats
 
 Budget = Union[int, float, str]
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
 # Per dynamic slot: id_of_slot, locks, last_used, frequency (int64) and dirty (bool).
 SLOT_BOOKKEEPING_BYTES = 4 * 8 + 1
 # The profile's largest unique-rows-per-batch is a sample maximum: later batches exceed it
@@ -59,6 +64,22 @@ def format_bytes(num: float) -> str:
             return f"{num:.1f} {unit}" if unit != "B" else f"{int(num)} B"
         num /= 1024
     return f"{num:.1f} TiB"
+
+
+def prefetch_thread_used(prefetch_thread: bool | None, device: torch.device | str, world_size: int) -> bool:
+    """Whether the hotcache strategy stages on a background thread: as asked (by default on
+    CUDA devices), and only in one process."""
+    wanted = torch.device(device).type == "cuda" if prefetch_thread is None else prefetch_thread
+    return wanted and world_size == 1
+
+
+def batches_in_flight(prefetch_depth: int, prefetch_thread: bool) -> int:
+    """Batches whose rows the device cache holds at once while the hotcache strategy trains:
+    the one training, ``prefetch_depth`` staged ahead of it, the one Lightning's data fetcher
+    holds ahead, a validation batch between them, and the one a prefetch thread is staging."""
+    if prefetch_depth < 0:
+        raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}.")
+    return prefetch_depth + 3 + int(prefetch_thread)
 
 
 def row_bytes(table: EmbeddingBagConfig, optimizer: RowWiseOptimizerConfig) -> int:
@@ -151,13 +172,28 @@ class TablePlan:
 
 @dataclass(eq=False)
 class HotColdPlan:
-    """Per-table placement plus the budget it was made for. Prints as a table, saves as JSON."""
+    """Per-table placement plus the run it was made for. Prints as a table, saves as JSON.
+
+    Attributes:
+        tables: one `TablePlan` per table.
+        budget_bytes: the device budget planned within.
+        minimum_bytes: the smallest budget these tables and stats can train with.
+        world_size, prefetch_depth, cache_policy: the run's settings.
+        batches_in_flight: batches whose rows the cache slots hold at once (`batches_in_flight`).
+        batch_size: samples per batch of the stats the plan was made from (None: made without).
+        note: why part of the budget is left unused, if it is.
+        sharding_plan: TorchRec's plan for the whole tables (not saved).
+    """
 
     tables: list[TablePlan]
     budget_bytes: int
+    minimum_bytes: int = 0
     world_size: int = 1
-    prefetch_depth: int = 0
+    prefetch_depth: int = 1
     cache_policy: str = "lfu"
+    batches_in_flight: int = field(default_factory=lambda: batches_in_flight(1, prefetch_thread=False))
+    batch_size: int | None = None
+    note: str = ""
     sharding_plan: "ShardingPlan | None" = field(default=None, compare=False)
 
     def table(self, name: str) -> TablePlan:
@@ -182,6 +218,9 @@ class HotColdPlan:
                     f"Table {table.name!r} is {table.num_embeddings}x{table.embedding_dim} in the model but "
                     f"{plan.num_embeddings}x{plan.embedding_dim} in the plan; plan again for this model."
                 )
+        extra = sorted(planned.keys() - {t.name for t in tables})
+        if extra:
+            raise ValueError(f"Tables in the plan but not in the model: {', '.join(extra)}; plan again with `hotcache plan`.")
 
     def __str__(self) -> str:
         header = ("table", "rows", "dim", "static rows", "cache slots", "device bytes", "hit rate")
@@ -196,8 +235,11 @@ class HotColdPlan:
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(
             f"device: {format_bytes(self.device_bytes)} of {format_bytes(self.budget_bytes)} budget; "
-            f"world size {self.world_size}, prefetch depth {self.prefetch_depth}, policy {self.cache_policy}"
+            f"world size {self.world_size}, prefetch depth {self.prefetch_depth} "
+            f"({self.batches_in_flight} batches in flight), policy {self.cache_policy}"
         )
+        if self.note:
+            lines.append(self.note)
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -205,9 +247,13 @@ class HotColdPlan:
         return {
             "format_version": PLAN_FORMAT_VERSION,
             "budget_bytes": self.budget_bytes,
+            "minimum_bytes": self.minimum_bytes,
             "world_size": self.world_size,
             "prefetch_depth": self.prefetch_depth,
             "cache_policy": self.cache_policy,
+            "batches_in_flight": self.batches_in_flight,
+            "batch_size": self.batch_size,
+            "note": self.note,
             "tables": [t.to_json() for t in self.tables],
         }
 
@@ -222,9 +268,13 @@ class HotColdPlan:
         return cls(
             tables=[TablePlan.from_json(t) for t in data["tables"]],
             budget_bytes=int(data["budget_bytes"]),
+            minimum_bytes=int(data["minimum_bytes"]),
             world_size=int(data["world_size"]),
             prefetch_depth=int(data["prefetch_depth"]),
             cache_policy=str(data["cache_policy"]),
+            batches_in_flight=int(data["batches_in_flight"]),
+            batch_size=None if data["batch_size"] is None else int(data["batch_size"]),
+            note=str(data["note"]),
             sharding_plan=sharding_plan,
         )
 
@@ -245,6 +295,20 @@ def _unseen_mass(stats: "AccessStats", table: str) -> float:
     _, counts = stats.top_ids(table)
     lookups = stats.num_lookups[table]
     return float((counts == 1).sum()) / lookups if lookups else 0.0
+
+
+def _expected_hit_rate(stats: "AccessStats", table: EmbeddingBagConfig, reach: int) -> float:
+    """Share of lookups expected to find their row among ``reach`` device rows, the hottest
+    profiled rows first. Rows the profile never saw take the `_unseen_mass` of the lookups;
+    device rows beyond the profiled ones (cache slots, which fill with such rows as they come)
+    are credited with that mass in proportion to the unseen rows they can hold, as if it
+    were spread evenly: a cache does better, since the rows that recur are the ones it keeps."""
+    seen = len(stats.top_ids(table.name)[0])
+    unseen = _unseen_mass(stats, table.name)
+    hit = float(stats.coverage(table.name, min(reach, table.num_embeddings))) * (1.0 - unseen)
+    if reach > seen and table.num_embeddings > seen:
+        hit += unseen * (min(reach, table.num_embeddings) - seen) / (table.num_embeddings - seen)
+    return min(hit, 1.0)
 
 
 @contextmanager
@@ -292,9 +356,16 @@ class HotColdPlanner:
             bytes (rows + optimizer state), or "auto".
         optimizer: the row-wise rule (its state is part of every row's bytes).
         world_size: data-parallel processes (recorded; device tables are replicated).
-        prefetch_depth: batches prefetched ahead of the one training.
+        prefetch_depth: batches prefetched ahead of the one training (the strategy's).
         cache_policy: ``lfu``, ``lru`` or ``static``.
         device: the device the budget is for ("auto" reads its free memory).
+        grow_budget_to_minimum: plan with the minimum (the unique rows of the batches in
+            flight, see `minimum_bytes`) when ``device_budget`` is below it, with a warning,
+            instead of failing. For budgets given as a share of tables of any size (the
+            fractional strategy presets).
+        prefetch_thread: whether the strategy stages on a background thread (the
+            strategy's option: None is on for CUDA devices; never across processes). With
+            ``prefetch_depth`` it sets `batches_in_flight`, which the cache slots must hold.
     """
 
     def __init__(
@@ -302,14 +373,15 @@ class HotColdPlanner:
         device_budget: Budget = 1.0,
         optimizer: RowWiseOptimizerConfig | None = None,
         world_size: int = 1,
-        prefetch_depth: int = 0,
+        prefetch_depth: int = 1,
         cache_policy: str = "lfu",
         device: torch.device | str = "cpu",
+        grow_budget_to_minimum: bool = False,
+        prefetch_thread: bool | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}.")
-        if prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}.")
+        self.batches_in_flight = batches_in_flight(prefetch_depth, prefetch_thread_used(prefetch_thread, device, world_size))
         check_cache_policy(cache_policy)
         self.device_budget = device_budget
         self.optimizer = optimizer or RowWiseOptimizerConfig()
@@ -317,6 +389,7 @@ class HotColdPlanner:
         self.prefetch_depth = prefetch_depth
         self.cache_policy = cache_policy
         self.device = device
+        self.grow_budget_to_minimum = grow_budget_to_minimum
 
     def _min_slots(self, table: EmbeddingBagConfig, stats: "AccessStats | None") -> int:
         if stats is None:
@@ -326,12 +399,17 @@ class HotColdPlanner:
             )
         _, max_unique = stats.unique_rows_per_batch(table.name)
         per_batch = math.ceil(max(1, max_unique) * UNIQUE_ROWS_MARGIN)
-        return min(table.num_embeddings, per_batch * (self.prefetch_depth + 1))
+        return min(table.num_embeddings, per_batch * self.batches_in_flight)
 
-    def plan(self, tables: Sequence[EmbeddingBagConfig], stats: "AccessStats | None" = None) -> HotColdPlan:
+    def plan(
+        self, tables: Sequence[EmbeddingBagConfig], stats: "AccessStats | None" = None, batch_size: int | None = None
+    ) -> HotColdPlan:
+        """The plan for ``tables``. ``stats`` (needed unless every table fits whole) must be
+        for these tables, hold batches, and, when ``batch_size`` (the run's) is given, have
+        been profiled with that batch size; else a ValueError says to profile again."""
         tables = list(tables)
         if stats is not None:
-            stats.check_tables(tables)
+            stats.check_run(tables, batch_size)
         whole = {t.name: t.num_embeddings * row_bytes(t, self.optimizer) for t in tables}
         budget = resolve_budget(self.device_budget, sum(whole.values()), self.device)
 
@@ -339,31 +417,36 @@ class HotColdPlanner:
             on_device, split, required, fixed = {t.name for t in tables}, [], {}, sum(whole.values())
         else:
             on_device, split, required, fixed = self._smallest_layout(tables, stats)
-        if fixed > budget:
+        minimum = fixed
+        if fixed > budget and self.grow_budget_to_minimum:
+            rank_zero_warn(
+                f"The device budget of {format_bytes(budget)} ({self.device_budget!r}) is below the minimum "
+                f"{format_bytes(fixed)} for {self.batches_in_flight} batches in flight: planning with the minimum."
+            )
+            budget = fixed
+        elif fixed > budget:
             raise ValueError(
                 f"A device budget of {format_bytes(budget)} cannot train these tables: the minimum is "
-                f"{format_bytes(fixed)} ({fixed} bytes) for {self.prefetch_depth + 1} batch(es) in flight. "
-                "Raise device_budget, lower prefetch_depth or use smaller batches."
+                f"{format_bytes(fixed)} ({fixed} bytes) for {self.batches_in_flight} batches in flight. "
+                "Raise device_budget, lower prefetch_depth, use smaller batches, or pass grow_budget_to_minimum=True."
             )
-        # Headroom slots keep rows read by consecutive batches cached between them; take
-        # them when the budget allows (not for the static policy, which empties its slots).
-        if self.cache_policy != "static":
-            roomy = {n: min(k * DYNAMIC_HEADROOM, t.num_embeddings) for t in split for n, k in [(t.name, required[t.name])]}
-            extra = sum(self._split_bytes(t, 0, roomy[t.name]) - self._split_bytes(t, 0, required[t.name]) for t in split)
-            if fixed + extra <= budget:
-                required, fixed = roomy, fixed + extra
-        min_slots = required
-        static_rows = self._buy_hot_rows(split, stats, budget - fixed) if split else {}
-        if split and self.cache_policy != "static":
-            spent = sum(self._split_bytes(t, static_rows[t.name], min_slots[t.name]) for t in split)
-            leftover = budget - sum(whole[n] for n in on_device) - spent
-            min_slots = self._spread_dynamic(split, stats, static_rows, min_slots, leftover)
-        # Headroom and hot rows can make a small table's split cost more than the table
-        # itself (its slots then cover every row anyway): such a table goes whole instead.
-        for t in list(split):
-            if self._split_bytes(t, static_rows[t.name], min_slots[t.name]) >= whole[t.name]:
-                split.remove(t)
-                on_device.add(t.name)
+        # Each round either settles the split tables or puts one more table whole, so at most
+        # one round per table.
+        while True:
+            room = budget - sum(whole[n] for n in on_device)
+            static_rows, slots = self._hot_rows_and_slots(split, stats, required, room)
+            leftover = room - sum(self._split_bytes(t, static_rows[t.name], slots[t.name]) for t in split)
+            whole_next = self._table_to_put_whole(split, stats, static_rows, slots, whole, leftover)
+            if whole_next is None and self.cache_policy != "static":
+                slots = self._spread_dynamic(split, stats, static_rows, slots, leftover)
+                # Headroom and hot rows can make a small table's split cost more than the table
+                # itself (its slots then cover every row anyway): such a table goes whole instead.
+                grown = (t for t in split if self._split_bytes(t, static_rows[t.name], slots[t.name]) >= whole[t.name])
+                whole_next = next(grown, None)
+            if whole_next is None:
+                break
+            split.remove(whole_next)
+            on_device.add(whole_next.name)
 
         plans = []
         for t in tables:
@@ -374,20 +457,124 @@ class HotColdPlanner:
             assert stats is not None
             k = static_rows[t.name]
             ids, _ = stats.top_ids(t.name, k)
-            slots = min_slots[t.name]
-            reach = k if self.cache_policy == "static" else k + slots
-            hit = float(stats.coverage(t.name, min(reach, t.num_embeddings))) * (1.0 - _unseen_mass(stats, t.name))
-            plans.append(TablePlan(t.name, t.num_embeddings, t.embedding_dim, np.sort(ids.astype(np.int64)), slots,
-                                   self._split_bytes(t, len(ids), slots), hit))  # fmt: skip
+            reach = k if self.cache_policy == "static" else k + slots[t.name]
+            plans.append(TablePlan(t.name, t.num_embeddings, t.embedding_dim, np.sort(ids.astype(np.int64)),
+                                   slots[t.name], self._split_bytes(t, len(ids), slots[t.name]),
+                                   _expected_hit_rate(stats, t, reach)))  # fmt: skip
         device_tables = [t for t in tables if t.name in on_device]
         return HotColdPlan(
             tables=plans,
             budget_bytes=budget,
+            minimum_bytes=minimum,
             world_size=self.world_size,
             prefetch_depth=self.prefetch_depth,
             cache_policy=self.cache_policy,
+            batches_in_flight=self.batches_in_flight,
+            batch_size=stats.batch_size if stats is not None and split else None,
+            note=self._unused_budget_note(plans, stats, whole, budget),
             sharding_plan=torchrec_sharding_plan(device_tables, self.world_size, self.device),
         )
+
+    def check_plan(self, plan: HotColdPlan, tables: Sequence[EmbeddingBagConfig], batch_size: int | None = None) -> None:
+        """Raise ValueError, saying what differs, unless ``plan`` (made earlier, e.g. by
+        ``hotcache plan``) can train ``tables`` in this planner's run: the same tables, world
+        size and cache policy, slots for at least this run's batches in flight, device bytes
+        within ``device_budget``, and, when ``batch_size`` (the run's) is given, the batch
+        size of the stats it was made from."""
+        plan.check_tables(tables)
+        whole = sum(t.num_embeddings * row_bytes(t, self.optimizer) for t in tables)
+        budget = resolve_budget(self.device_budget, whole, self.device)
+        if self.grow_budget_to_minimum:  # as `plan` would have grown it
+            budget = max(budget, plan.minimum_bytes)
+        problems = []
+        if plan.world_size != self.world_size:
+            problems.append(f"it was made for world size {plan.world_size} but this run has {self.world_size}")
+        if plan.cache_policy != self.cache_policy:
+            problems.append(f"it was made for cache_policy {plan.cache_policy!r} but this run uses {self.cache_policy!r}")
+        if plan.batches_in_flight < self.batches_in_flight:
+            problems.append(
+                f"its cache slots hold {plan.batches_in_flight} batches in flight but this run has "
+                f"{self.batches_in_flight} (prefetch_depth {self.prefetch_depth}, see `batches_in_flight`)"
+            )
+        if plan.device_bytes > budget:
+            problems.append(
+                f"it needs {format_bytes(plan.device_bytes)} on the device but device_budget {self.device_budget!r} "
+                f"allows {format_bytes(budget)}"
+            )
+        if plan.batch_size is not None and batch_size is not None and plan.batch_size != batch_size:
+            problems.append(
+                f"it was made from stats of batches of {plan.batch_size} samples but this run's batches have {batch_size}"
+            )
+        if problems:
+            raise ValueError(
+                f"The hot/cold plan does not fit this run: {'; '.join(problems)}. Plan again with `hotcache plan` "
+                "for this run's settings, or set them to the plan's."
+            )
+
+    def _hot_rows_and_slots(
+        self, split: list[EmbeddingBagConfig], stats: "AccessStats | None", required: dict[str, int], room: int
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Static rows and cache slots of the split tables within ``room`` bytes: the
+        slots the batches in flight need, their headroom if it fits, then the hottest rows."""
+        slots = dict(required)
+        fixed = sum(self._split_bytes(t, 0, slots[t.name]) for t in split)
+        # Headroom slots keep rows read by consecutive batches cached between them; take
+        # them when the budget allows (not for the static policy, which empties its slots).
+        if self.cache_policy != "static":
+            roomy = {t.name: min(required[t.name] * DYNAMIC_HEADROOM, t.num_embeddings) for t in split}
+            roomy_bytes = sum(self._split_bytes(t, 0, roomy[t.name]) for t in split)
+            if roomy_bytes <= room:
+                slots, fixed = roomy, roomy_bytes
+        assert stats is not None or not split  # `_min_slots` asked for stats
+        static_rows = self._buy_hot_rows(split, stats, room - fixed) if split else {}
+        return static_rows, slots
+
+    def _table_to_put_whole(
+        self,
+        split: list[EmbeddingBagConfig],
+        stats: "AccessStats | None",
+        static_rows: dict[str, int],
+        slots: dict[str, int],
+        whole: dict[str, int],
+        leftover: int,
+    ) -> EmbeddingBagConfig | None:
+        """The split table that ``leftover`` bytes (the budget hot rows left: every profiled
+        row of the split tables is a static row then) can put whole on the device, the one
+        that saves the most expected misses per extra byte; None if none fits. A whole table
+        serves every lookup, rows never profiled included, and needs no id map or slot
+        bookkeeping, so it beats spending the same bytes on cache slots."""
+        best, best_value = None, -1.0
+        for t in split:
+            extra = whole[t.name] - self._split_bytes(t, static_rows[t.name], slots[t.name])
+            if extra <= 0:
+                return t
+            if extra > leftover:
+                continue
+            assert stats is not None
+            reach = static_rows[t.name] + (0 if self.cache_policy == "static" else slots[t.name])
+            value = (1.0 - _expected_hit_rate(stats, t, reach)) * stats.num_lookups[t.name] / extra
+            if value > best_value:
+                best, best_value = t, value
+        return best
+
+    def _unused_budget_note(
+        self, plans: list[TablePlan], stats: "AccessStats | None", whole: dict[str, int], budget: int
+    ) -> str:
+        """Why part of the budget stays unused, when the reason is more than rounding."""
+        unused_bytes = budget - sum(p.device_bytes for p in plans)
+        unused = format_bytes(unused_bytes)
+        split = [p for p in plans if not p.on_device]
+        if not split:
+            return f"every table is whole on the device: {unused} of the budget unused." if unused_bytes else ""
+        assert stats is not None
+        if self.cache_policy == "static" and all(len(p.static_ids) == len(stats.top_ids(p.name)[0]) for p in split):
+            cheapest = min(split, key=lambda p: whole[p.name] - p.device_bytes)
+            return (
+                f"every profiled row of the split tables ({', '.join(p.name for p in split)}) is a static row and the "
+                f"static policy has no cache slots for rows never profiled: {unused} of the budget unused (putting "
+                f"{cheapest.name} whole needs {format_bytes(whole[cheapest.name] - cheapest.device_bytes)} more)."
+            )
+        return ""
 
     def _smallest_layout(
         self, tables: list[EmbeddingBagConfig], stats: "AccessStats | None"
@@ -429,11 +616,10 @@ class HotColdPlanner:
         budget: int,
     ) -> dict[str, int]:
         """Budget left after the hot rows becomes extra dynamic slots, shared in proportion to
-        the lookups each table's device rows do not yet cover (rows never seen while profiling
-        can still be cached when they turn up)."""
+        the lookups each table's device rows are expected to miss (rows never seen while
+        profiling can still be cached when they turn up)."""
         misses = {
-            t.name: (1.0 - float(stats.coverage(t.name, min(static_rows[t.name] + slots[t.name], t.num_embeddings))))
-            * stats.num_lookups[t.name]
+            t.name: (1.0 - _expected_hit_rate(stats, t, static_rows[t.name] + slots[t.name])) * stats.num_lookups[t.name]
             for t in tables
         }
         total = sum(misses.values())
@@ -441,9 +627,12 @@ class HotColdPlanner:
         if budget <= 0 or total <= 0:
             return out
         for t in tables:
-            per_slot = row_bytes(t, self.optimizer) + SLOT_BOOKKEEPING_BYTES + SORTED_BYTES_PER_RESIDENT
-            room = t.num_embeddings - static_rows[t.name] - slots[t.name]
-            out[t.name] += max(0, min(room, int(budget * misses[t.name] / total) // per_slot))
+            k, base = static_rows[t.name], slots[t.name]
+            share = int(budget * misses[t.name] / total)
+            cost = self._split_bytes(t, k, base)
+            # The most slots whose bytes (the id map's included) fit the share; bytes grow with slots.
+            room = range(t.num_embeddings - k - base + 1)
+            out[t.name] += bisect.bisect_right(room, share, key=lambda n: self._split_bytes(t, k, base + n) - cost) - 1
         return out
 
     def _buy_hot_rows(self, tables: list[EmbeddingBagConfig], stats: "AccessStats", budget: int) -> dict[str, int]:

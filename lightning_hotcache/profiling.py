@@ -182,13 +182,23 @@ class AccessStats:
         tables: the signatures of the profiled tables, in profiling order.
         num_batches: batches observed (counted).
         num_batches_seen: batches offered to the profiler, observed or skipped by sampling.
+        batch_size: samples in the largest observed batch (None: no batch observed, or a
+            file written before batch sizes were recorded). The unique rows per batch, which
+            size the cache, hold for this batch size only.
     """
 
-    def __init__(self, table_stats: Sequence[_TableStats], num_batches: int, num_batches_seen: int) -> None:
+    def __init__(
+        self,
+        table_stats: Sequence[_TableStats],
+        num_batches: int,
+        num_batches_seen: int,
+        batch_size: int | None = None,
+    ) -> None:
         self.tables: tuple[TableSignature, ...] = _signatures([t.signature for t in table_stats])
         self._by_name = {t.signature.name: t for t in table_stats}
         self.num_batches = int(num_batches)
         self.num_batches_seen = int(num_batches_seen)
+        self.batch_size = None if batch_size is None else int(batch_size)
 
     def _table(self, table: str) -> _TableStats:
         try:
@@ -264,6 +274,29 @@ class AccessStats:
         if problems:
             raise ValueError(f"Access stats do not match the model: {'; '.join(problems)}: {_REPROFILE}.")
 
+    def check_run(self, tables: Sequence[EmbeddingBagConfig | TableSignature], batch_size: int | None = None) -> None:
+        """Raise ValueError, saying what to do, unless these stats can plan a run of ``tables``
+        with batches of ``batch_size`` samples (None: not compared): the same tables, at least
+        one batch observed, and the same batch size, since the unique rows per batch that size
+        the cache grow with it."""
+        self.check_tables(tables)
+        if self.num_batches == 0:
+            hint = ": raise sample_fraction" if self.num_batches_seen else ""
+            raise ValueError(
+                f"Access stats hold no batches ({self.num_batches_seen} seen, none observed{hint}), so they "
+                f"cannot tell how many rows a batch reads: {_REPROFILE} over some training batches."
+            )
+        if self.batch_size is None:
+            raise ValueError(
+                f"Access stats do not record their batch size (written by an older lightning_hotcache): {_REPROFILE}."
+            )
+        if batch_size is not None and batch_size != self.batch_size:
+            raise ValueError(
+                f"Access stats were profiled with batches of {self.batch_size} samples but this run's batches have "
+                f"{batch_size}; the rows a batch reads, which size the cache, differ: {_REPROFILE} with the run's "
+                "batch size."
+            )
+
     def merge(self, other: AccessStats) -> AccessStats:
         """Stats over the batches of both (e.g. ranks that profiled different shards).
 
@@ -294,8 +327,12 @@ class AccessStats:
                     capacity=capacity,
                 )
             )
+        sizes = [s for s in (self.batch_size, other.batch_size) if s is not None]
         return AccessStats(
-            merged, self.num_batches + other.num_batches, self.num_batches_seen + other.num_batches_seen
+            merged,
+            self.num_batches + other.num_batches,
+            self.num_batches_seen + other.num_batches_seen,
+            max(sizes) if sizes else None,
         )
 
     def summary(self) -> str:
@@ -327,11 +364,15 @@ class AccessStats:
             last = len(row) - 1
             return "  ".join(c.ljust(w) if i in (0, last) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
 
-        title = f"Access stats: {self.num_batches:,} batches observed of {self.num_batches_seen:,} seen"
+        size = "" if self.batch_size is None else f" of {self.batch_size:,}"
+        title = f"Access stats: {self.num_batches:,} batches{size} observed of {self.num_batches_seen:,} seen"
         return "\n".join([title, *(fmt(row).rstrip() for row in [header, *lines])])
 
     def __repr__(self) -> str:
-        return f"AccessStats(tables={[t.name for t in self.tables]}, num_batches={self.num_batches})"
+        return (
+            f"AccessStats(tables={[t.name for t in self.tables]}, num_batches={self.num_batches}, "
+            f"batch_size={self.batch_size})"
+        )
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write a compressed ``.npz`` (plain arrays and a JSON header, no pickle), atomically."""
@@ -340,6 +381,7 @@ class AccessStats:
             "format": _FORMAT_NAME,
             "num_batches": self.num_batches,
             "num_batches_seen": self.num_batches_seen,
+            "batch_size": self.batch_size,
             "tables": [
                 {
                     "name": t.signature.name,
@@ -359,6 +401,8 @@ class AccessStats:
         for i, t in enumerate(self._by_name.values()):
             arrays[f"ids_{i}"], arrays[f"counts_{i}"] = t.ids, t.counts
         # A file object keeps numpy from appending ".npz"; the rename keeps a reader from seeing half a file.
+        if not path.parent.is_dir():  # else mkstemp's error names the hidden temporary file
+            raise FileNotFoundError(f"cannot save {path}: the folder {path.parent} does not exist")
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -421,7 +465,11 @@ class AccessStats:
                         capacity=None if capacity is None else int(capacity),
                     )
                 )
-        return cls(table_stats, int(meta["num_batches"]), int(meta["num_batches_seen"]))
+            # Absent from files written before batch sizes were recorded: they load, but `check_run` refuses them.
+            batch_size = meta.get("batch_size")
+            if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+                raise ValueError(f"batch_size {batch_size!r} is not a positive integer")
+        return cls(table_stats, int(meta["num_batches"]), int(meta["num_batches_seen"]), batch_size)
 
 
 class _TableCounter:
@@ -523,6 +571,7 @@ class AccessProfiler:
                 self._feature_table[feature] = index
         self.num_batches = 0
         self.num_batches_seen = 0
+        self.batch_size: int | None = None
 
     def observe(self, features: KeyedJaggedTensor) -> None:
         """Count every id of every table feature in ``features`` (weights, if any, are ignored).
@@ -559,10 +608,26 @@ class AccessProfiler:
         for counter, chunks in zip(self._counters, per_table):
             counter.add(np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64))
         self.num_batches += 1
+        self.batch_size = max(self.batch_size or 0, _samples_in(features))
 
     def stats(self) -> AccessStats:
         """A snapshot of the counts so far (the profiler can keep observing)."""
-        return AccessStats([c.snapshot() for c in self._counters], self.num_batches, self.num_batches_seen)
+        return AccessStats(
+            [c.snapshot() for c in self._counters], self.num_batches, self.num_batches_seen, self.batch_size
+        )
+
+
+def _samples_in(features: KeyedJaggedTensor) -> int:
+    """Samples in a batch: the bags per feature of its sparse features."""
+    return int(features.stride())
+
+
+def first_batch_size(batches: Iterable[Any]) -> int | None:
+    """The batch size of the first of ``batches`` (torchrec ``Batch`` objects or KJTs); None
+    when there is none. What a run's stats or plan are checked against."""
+    for batch in batches:
+        return _samples_in(getattr(batch, "sparse_features", batch))
+    return None
 
 
 def profile_batches(
@@ -624,4 +689,4 @@ def plot_coverage(stats: AccessStats, path: str | os.PathLike[str]) -> None:
     fig.savefig(os.fspath(path), dpi=120)
 
 
-__all__ = ["AccessProfiler", "AccessStats", "TableSignature", "plot_coverage", "profile_batches"]
+__all__ = ["AccessProfiler", "AccessStats", "TableSignature", "first_batch_size", "plot_coverage", "profile_batches"]

@@ -19,8 +19,9 @@ on every rank); misses come from their owners, and in backward the ranks all-gat
 rows they read with their gradients so that every copy gets the same mean update: N ranks
 x batch B learn what 1 rank x N*B learns. Checkpoints gather the shards into whole tables,
 or, with ``checkpoint_shards=True`` (tables too large to gather on one rank), each rank
-writes its own shard file beside the checkpoint; `consolidate_checkpoint` (or ``hotcache
-consolidate``) turns such a checkpoint into a plain one.
+writes its own shard file beside the checkpoint (`lightning_hotcache.checkpoint`: written so
+that a kill mid-save leaves the previous or the new checkpoint whole); `consolidate_checkpoint`
+(or ``hotcache consolidate``) turns such a checkpoint into a plain one.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from typing import Any, Iterable, Iterator, Mapping
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
@@ -45,56 +48,24 @@ from typing_extensions import override
 from lightning_hotcache._compat import fit_train_dataloader
 from lightning_hotcache.cache import check_cache_policy
 from lightning_hotcache.cache.fused import KernelChoice, check_kernel_choice
+from lightning_hotcache.checkpoint import (
+    SHARDS_KEY,
+    AtomicCheckpointIO,
+    consolidated,
+    new_save_id,
+    remove_shards,
+    shard_path,
+    write_atomically,
+)
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
 from lightning_hotcache.guards import finite_loss_or_skip
 from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
-from lightning_hotcache.planner import Budget, HotColdPlan, HotColdPlanner
-from lightning_hotcache.profiling import AccessStats, profile_batches
+from lightning_hotcache.planner import Budget, HotColdPlan, HotColdPlanner, prefetch_thread_used
+from lightning_hotcache.profiling import AccessStats, first_batch_size, profile_batches
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
 from lightning_hotcache.table_init import draw_seed, is_deferred
 
 PLAN_KEY = "hotcache_plan"
-SHARDS_KEY = "hotcache_shards"
-
-
-def shard_path(checkpoint_path: str | Path, rank: int, world: int) -> Path:
-    return Path(f"{checkpoint_path}.rank{rank}-of-{world}")
-
-
-def consolidate_checkpoint(path: str | Path, out: str | Path | None = None) -> dict[str, Any]:
-    """A plain checkpoint from one saved with ``checkpoint_shards=True``: the shard files of
-    every rank are interleaved back into whole tables (state_dict) and row state. Needs the
-    whole tables in memory. Saves to ``out`` when given."""
-    checkpoint = _consolidated(torch.load(path, map_location="cpu", weights_only=True), path)
-    if out is not None:
-        torch.save(checkpoint, out)
-    return checkpoint
-
-
-def _consolidated(checkpoint: dict[str, Any], path: str | Path) -> dict[str, Any]:
-    """``checkpoint`` (the main file at ``path``, already loaded) with its rank files merged in."""
-    meta = checkpoint.pop(SHARDS_KEY, None)
-    if meta is None:
-        raise ValueError(f"{path} is not a sharded hotcache checkpoint (it has no {SHARDS_KEY!r}).")
-    world = int(meta["world_size"])
-    shards = []
-    for rank in range(world):
-        file = shard_path(path, rank, world)
-        if not file.is_file():
-            raise FileNotFoundError(f"{file} is missing: a sharded checkpoint needs all {world} rank files.")
-        shards.append(torch.load(file, map_location="cpu", weights_only=True))
-    row_state = checkpoint.setdefault(ROW_STATE_KEY, {})
-    for key, rows in meta["num_embeddings"].items():
-        arrays = {}
-        for name in shards[0][key]:
-            full = torch.empty(rows, shards[0][key][name].shape[1])
-            for rank, shard in enumerate(shards):
-                full[rank::world] = shard[key][name]
-            arrays[name] = full
-        module_path, table = key.rsplit(".", 1)
-        checkpoint["state_dict"][f"{module_path}.embedding_bags.{table}.weight"] = arrays.pop("weight")
-        row_state[key] = arrays
-    return checkpoint
 
 
 class _PrefetchingLoader:
@@ -214,6 +185,10 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             bytes, or ``"auto"`` (half the free device memory).
         stats_path: access stats from ``hotcache profile``; without them the first
             ``profile_batches`` training batches are profiled when the plan needs stats.
+            They must be for the model's tables and this run's batch size.
+        plan_path: a plan from ``hotcache plan --out`` to train with as it is, instead of
+            planning: it must be for the model's tables, this run's world size, cache policy,
+            batches in flight and batch size, and fit ``device_budget``.
         profile_batches: training batches to profile when there are no stats.
         cache_policy: ``lfu``, ``lru`` or ``static`` (FAE: hot rows only, misses staged per batch).
         host_storage: ``"memory"`` or a directory for memory-mapped host tables.
@@ -227,9 +202,12 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         kernel: the device tier's kernel: ``"auto"`` (FBGEMM's fused table-batched kernel
             where it trains exactly, else PyTorch's; the log says which and why), ``"fbgemm"``
             (fail if it cannot run) or ``"pytorch"``.
-        checkpoint_shards: save split tables as one file per rank (``<ckpt>.rank<r>-of-<n>``)
-            instead of gathering them into the checkpoint. Loading one consolidates it in
-            each rank's memory.
+        checkpoint_shards: save split tables as one file per rank (``<ckpt>.<id>.rank<r>-of-<n>``,
+            the id tying them to their main file) instead of gathering them into the
+            checkpoint. Loading one consolidates it in each rank's memory.
+        grow_budget_to_minimum: when ``device_budget`` is below the minimum the batches in
+            flight need, plan with that minimum (and warn) instead of failing; the fractional
+            presets (``hotcache_10pct``, ``hotcache_1pct``) set it, so they fit tables of any size.
         **kwargs: DDPStrategy options (process_group_backend, timeout, DDP arguments, ...).
     """
 
@@ -242,6 +220,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         self,
         device_budget: Budget = "auto",
         stats_path: str | None = None,
+        plan_path: str | None = None,
         profile_batches: int = 100,
         cache_policy: str = "lfu",
         host_storage: str = "memory",
@@ -250,6 +229,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         cache_metrics: bool = True,
         checkpoint_shards: bool = False,
         kernel: KernelChoice = "auto",
+        grow_budget_to_minimum: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -265,8 +245,14 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             )
         if stats_path is not None and not Path(stats_path).is_file():
             raise FileNotFoundError(f"stats_path {stats_path} does not exist; make it with `hotcache profile`.")
+        if plan_path is not None and not Path(plan_path).is_file():
+            raise FileNotFoundError(f"plan_path {plan_path} does not exist; make it with `hotcache plan --out`.")
+        if plan_path is not None and stats_path is not None:
+            raise ValueError("Give plan_path or stats_path, not both: a plan from `hotcache plan` is already made from stats.")
         self.device_budget = device_budget
+        self.grow_budget_to_minimum = grow_budget_to_minimum
         self.stats_path = stats_path
+        self.plan_path = plan_path
         self.profile_batches = profile_batches
         self.cache_policy = cache_policy
         self.host_storage = host_storage
@@ -280,8 +266,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
 
     @property
     def uses_prefetch_thread(self) -> bool:
-        wanted = self.root_device.type == "cuda" if self.prefetch_thread is None else self.prefetch_thread
-        return wanted and self.world_size == 1
+        return prefetch_thread_used(self.prefetch_thread, self.root_device, self.world_size)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -317,21 +302,23 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         if any(map(is_deferred, collections.values())):
             seed = getattr(model, "table_init_seed", None)
             seed = self.broadcast(draw_seed() if seed is None else seed)
-        # In flight besides the training step: `prefetch_depth` staged batches, the one
-        # Lightning's data fetcher holds ahead, a validation batch between them, and the
-        # one a prefetch thread is staging.
-        in_flight = self.prefetch_depth + 2 + int(self.uses_prefetch_thread)
         planner = HotColdPlanner(
-            self.device_budget, optimizer, world_size=self.world_size, prefetch_depth=in_flight,
-            cache_policy=self.cache_policy, device=self.root_device,
+            self.device_budget, optimizer, world_size=self.world_size, prefetch_depth=self.prefetch_depth,
+            cache_policy=self.cache_policy, device=self.root_device, grow_budget_to_minimum=self.grow_budget_to_minimum,
+            prefetch_thread=self.uses_prefetch_thread,
         )  # fmt: skip
-        stats = AccessStats.load(self.stats_path, tables) if self.stats_path else None
-        try:
-            self.plan = planner.plan(tables, stats)
-        except ValueError as err:
-            if stats is not None or "hotcache profile" not in str(err):
-                raise
-            self.plan = planner.plan(tables, profile_batches(self._training_batches(trainer), tables, self.profile_batches))
+        if self.plan_path is not None:
+            self.plan = HotColdPlan.load(self.plan_path)
+            planner.check_plan(self.plan, tables, self._run_batch_size(trainer))
+        else:
+            stats = AccessStats.load(self.stats_path, tables) if self.stats_path else None
+            try:
+                self.plan = planner.plan(tables, stats, self._run_batch_size(trainer) if stats is not None else None)
+            except ValueError as err:
+                if stats is not None or "hotcache profile" not in str(err):
+                    raise
+                batches = self._training_batches(trainer)
+                self.plan = planner.plan(tables, profile_batches(batches, tables, self.profile_batches))
         if self.world_size > 1:
             # Ranks profiled different batches; they must share one plan (their row exchanges
             # must match), so rank 0's wins.
@@ -355,6 +342,14 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         if self.host_storage == "memory" or self.world_size == 1:
             return self.host_storage
         return str(Path(self.host_storage) / f"rank{self.global_rank}")
+
+    def _run_batch_size(self, trainer: pl.Trainer) -> int | None:
+        """Samples in the fit's first training batch (None without training data): what stats
+        or a plan made elsewhere must have been made for."""
+        if fit_train_dataloader(trainer) is None:
+            return None
+        with contextlib.closing(self._training_batches(trainer)) as batches:
+            return first_batch_size(batches)
 
     def _training_batches(self, trainer: pl.Trainer) -> Iterator[KeyedJaggedTensor]:
         """The sparse features of the fit's training batches, for profiling."""
@@ -414,23 +409,51 @@ class HotCacheStrategy(LikeAutoInOneProcess):
                 checkpoint[ROW_STATE_KEY] = {
                     f"{path}.{table}": arrays for path, m in modules.items() for table, arrays in m.optimizer_state().items()
                 }
+        save_id = None
         if modules and self.checkpoint_shards:
+            save_id = self.broadcast(new_save_id(checkpoint["global_step"]))  # one id for every rank's shard
             shards, rows = {}, {}
             for path, m in modules.items():
                 for table, arrays in m.host_shards().items():
                     shards[f"{path}.{table}"] = arrays
                     rows[f"{path}.{table}"] = m.caches[table].num_embeddings
-            checkpoint[SHARDS_KEY] = {"world_size": self.world_size, "num_embeddings": rows}
-            # Every rank writes its own shard; the main file is written by rank 0 below.
-            target = shard_path(filepath, self.global_rank, self.world_size)
+            checkpoint[SHARDS_KEY] = {"id": save_id, "world_size": self.world_size, "num_embeddings": rows}
+            # Every rank writes its own shard; the main file (rank 0's) only once all are in
+            # place, so that no main file is ever without its shards (see lightning_hotcache.checkpoint).
+            target = shard_path(filepath, save_id, self.global_rank, self.world_size)
             target.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(shards, target)
+            write_atomically({"id": save_id, "tables": shards}, target)
+            self.barrier("hotcache shards saved")
         super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.is_global_zero:  # the main file no longer refers to the previous save's shards
+            remove_shards(filepath, keep=save_id)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            remove_shards(filepath)
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        # As Lightning's default, but syncing what it writes (see AtomicCheckpointIO); a user's
+        # checkpoint_io is kept, and a wrapping one (AsyncCheckpointIO) gets ours unless it wraps one.
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        return _consolidated(checkpoint, checkpoint_path) if SHARDS_KEY in checkpoint else checkpoint
+        return consolidated(checkpoint, checkpoint_path) if SHARDS_KEY in checkpoint else checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

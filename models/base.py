@@ -16,6 +16,7 @@ The model code never decides where rows live: strategies do.
 
 from __future__ import annotations
 
+import inspect
 from abc import abstractmethod
 from dataclasses import asdict
 from typing import Any, Mapping, Sequence
@@ -72,6 +73,12 @@ class _AssembledAfterInit(type):
         model = super().__call__(*args, **kwargs)
         model._assemble_after_init()
         return model
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        # Else inspect.signature(model class) would be this __call__'s (*args, **kwargs).
+        init = inspect.signature(cls.__init__)
+        return init.replace(parameters=list(init.parameters.values())[1:], return_annotation=inspect.Signature.empty)
 
 
 class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):

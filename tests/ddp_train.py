@@ -8,36 +8,49 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import cpu_trainer, tiny_synthetic  # noqa: E402
 
 from lightning_hotcache import HotCacheStrategy  # noqa: E402  (importing registers the strategies)
 from lightning_hotcache.embedding import hot_cold_modules  # noqa: E402
-from models import create_model  # noqa: E402
+from models import CTRModel, create_model  # noqa: E402
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="dlrm")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--train-samples", type=int, default=4096)
+    parser.add_argument("--shuffle", action="store_true", help="shuffle the training batches every epoch")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--optimizer", default="rowwise_adagrad")
     parser.add_argument("--strategy", default="ddp", help="strategy for more than one process")
     parser.add_argument("--device-budget", type=float, default=None, help="hotcache budget (fraction)")
     parser.add_argument("--big-tables", action="store_true", help="tables up to 100k rows, so budgets split them")
     parser.add_argument("--sharded-checkpoint", type=Path, help="hotcache: also save a checkpoint with per-rank shards")
+    parser.add_argument(
+        "--resume-from", type=int, nargs="+", help="checkpoint every 2 steps, then resume from these steps' checkpoints"
+    )
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def fit(
+    args: argparse.Namespace, ckpt_path: Path | None = None, callbacks: Sequence[pl.Callback] = ()
+) -> tuple[pl.Trainer, CTRModel]:
     pl.seed_everything(0)
     tables = {"scale": 0.01, "num_embeddings_cap": None} if args.big_tables else {}
-    dm = tiny_synthetic(batch_size=args.batch_size, num_train_samples=4096, **tables)
+    dm = tiny_synthetic(
+        batch_size=args.batch_size, num_train_samples=args.train_samples, shuffle=args.shuffle, **tables
+    )
     model = create_model(args.model, dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer})
     strategy = args.strategy if args.devices > 1 else "auto"
     if strategy == "hotcache" and args.device_budget is not None:
@@ -49,10 +62,36 @@ def main() -> None:
         devices=args.devices,
         max_steps=args.steps,
         limit_val_batches=0,
+        enable_checkpointing=bool(callbacks),
+        callbacks=list(callbacks),
     )
-    trainer.fit(model, dm)
+    trainer.fit(model, dm, ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def check_resume(args: argparse.Namespace) -> None:
+    """The uninterrupted run, checkpointing every 2 steps, and a run resumed from each asked
+    step: (global step, gathered weights) of each, by step (None: the uninterrupted run)."""
+    directory = args.out.parent / f"{args.out.stem}-checkpoints"
+    every2 = ModelCheckpoint(directory, "{step}", every_n_train_steps=2, save_top_k=-1)
+    trainer, _ = fit(args, callbacks=[every2])
+    runs = {None: (trainer.global_step, trainer.strategy.lightning_module_state_dict())}
+    for step in args.resume_from:
+        resumed, _ = fit(args, ckpt_path=directory / f"step={step}.ckpt")
+        runs[step] = (resumed.global_step, resumed.strategy.lightning_module_state_dict())
+    if trainer.is_global_zero:
+        torch.save(runs, args.out)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.resume_from:
+        check_resume(args)
+        return
+    trainer, model = fit(args)
     if args.sharded_checkpoint is not None:
         trainer.save_checkpoint(args.sharded_checkpoint)
+        trainer.save_checkpoint(args.sharded_checkpoint)  # over the first save: the shards of its every rank go
         trainer.strategy.checkpoint_shards = False
     state = trainer.strategy.lightning_module_state_dict()  # sharded tables gathered
     # Rows this rank's host stores hold, and rows fetched into its caches (hotcache only).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -17,6 +19,12 @@ CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 # Keep every run tiny, whatever the config asks for.
 SMALL_SYNTHETIC = ["--data.init_args.num_embeddings_cap=200", "--data.init_args.num_train_samples=2048",
                    "--data.init_args.num_val_samples=1024", "--data.init_args.batch_size=256"]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _restore_sys_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # main() puts the current directory (a test's tmp_path) on sys.path.
+    monkeypatch.setattr(sys, "path", list(sys.path))
 
 
 def _data_overrides(config: Path, tmp_path: Path) -> list[str]:
@@ -142,7 +150,192 @@ def test_profile_then_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caps
         main(["plan", "-c", config, "--budget", "10KB", "--stats", "stats.npz", *data])
 
 
+# Tables bigger than the batches, so that a budget fraction splits them.
+PLAN_DATA = [*SMALL_SYNTHETIC, "--data.init_args.num_embeddings_cap=null", "--data.init_args.batch_size=64"]
+DEMO_CONFIG = str(REPO / "configs" / "dlrm_synthetic.yaml")
+
+
+def test_plan_file_trains_with_exactly_that_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    main(["profile", "-c", DEMO_CONFIG, "--out", "stats.npz", "--batches", "8", *PLAN_DATA])
+    # Budget, policy and prefetch depth default to the config's strategy (0.25, lfu, 1).
+    plan = main(["plan", "-c", DEMO_CONFIG, "--stats", "stats.npz", "--out", "plan.json", *PLAN_DATA])
+    assert "prefetch depth 1 (4 batches in flight), policy lfu" in capsys.readouterr().out
+    assert any(not t.on_device for t in plan.tables)
+    fit = ["fit", "-c", DEMO_CONFIG, "--trainer.fast_dev_run=true", *PLAN_DATA]
+    cli = main([*fit, "--trainer.strategy.init_args.plan_path=plan.json"])
+    assert cli.trainer.strategy.plan.to_dict() == plan.to_dict()
+    assert cli.trainer.global_step == 1
+    main(["plan", "-c", DEMO_CONFIG, "--stats", "stats.npz", "--out", "lru.json", "--policy", "lru", *PLAN_DATA])
+    with pytest.raises(ValueError, match="cache_policy 'lru' but this run uses 'lfu'.*hotcache plan"):
+        main([*fit, "--trainer.strategy.init_args.plan_path=lru.json"])
+    with pytest.raises(ValueError, match="Table 't_cat_2' is 200x16 in the model but .* in the plan"):
+        main([*fit, "--trainer.strategy.init_args.plan_path=plan.json", "--data.init_args.num_embeddings_cap=200"])
+
+
+def test_minimum_that_plan_reports_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `hotcache plan` and the strategy count the same batches in flight.
+    monkeypatch.chdir(tmp_path)
+    main(["profile", "-c", DEMO_CONFIG, "--out", "stats.npz", "--batches", "8", *PLAN_DATA])
+    with pytest.raises(SystemExit, match=r"the minimum is .* \((\d+) bytes\) for 4 batches in flight") as exit_:
+        main(["plan", "-c", DEMO_CONFIG, "--budget", "10KB", "--stats", "stats.npz", *PLAN_DATA])
+    minimum = re.search(r"\((\d+) bytes\)", str(exit_.value)).group(1)  # type: ignore[union-attr]
+    cli = main(["fit", "-c", DEMO_CONFIG, "--trainer.fast_dev_run=true", f"--trainer.strategy.init_args.device_budget={minimum}",
+                "--trainer.strategy.init_args.stats_path=stats.npz", *PLAN_DATA])  # fmt: skip
+    assert cli.trainer.strategy.plan.budget_bytes == int(minimum)
+    assert cli.trainer.global_step == 1
+
+
+def test_stats_that_cannot_serve_the_run_are_refused_when_planning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not at the first training step, with advice to raise the budget.
+    monkeypatch.chdir(tmp_path)
+    main(["profile", "-c", DEMO_CONFIG, "--out", "stats.npz", "--batches", "4", *PLAN_DATA])
+    bigger = [*PLAN_DATA, "--data.init_args.batch_size=128"]
+    message = "batches of 64 samples but this run's batches have 128.*hotcache profile"
+    with pytest.raises(SystemExit, match=message):
+        main(["plan", "-c", DEMO_CONFIG, "--budget", "0.25", "--stats", "stats.npz", *bigger])
+    with pytest.raises(ValueError, match=message):
+        main(["fit", "-c", DEMO_CONFIG, "--trainer.fast_dev_run=true", "--trainer.strategy.init_args.stats_path=stats.npz",
+              *bigger])  # fmt: skip
+    with pytest.raises(SystemExit):
+        main(["profile", "-c", DEMO_CONFIG, "--out", "none.npz", "--batches", "0", *PLAN_DATA])
+
+
+def test_strategy_plan_path_is_checked_up_front(tmp_path: Path) -> None:
+    from lightning_hotcache import HotCacheStrategy
+
+    with pytest.raises(FileNotFoundError, match="plan_path .*missing.json does not exist; make it with `hotcache plan"):
+        HotCacheStrategy(plan_path=str(tmp_path / "missing.json"))
+    (tmp_path / "plan.json").write_text("{}")
+    (tmp_path / "stats.npz").write_bytes(b"")
+    with pytest.raises(ValueError, match="plan_path or stats_path, not both"):
+        HotCacheStrategy(plan_path=str(tmp_path / "plan.json"), stats_path=str(tmp_path / "stats.npz"))
+
+
 def test_module_entry_point_prints_help() -> None:
     result = subprocess.run([sys.executable, "-m", "lightning_hotcache", "--help"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "fit" in result.stdout and "validate" in result.stdout
+
+
+@pytest.mark.parametrize("class_path", ["lightning_hotcache.HotCacheStrategy", "lightning_hotcache.strategy.HotCacheStrategy"])
+def test_strategy_by_class_path_alone(class_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_hotcache import HotCacheStrategy
+
+    monkeypatch.chdir(tmp_path)
+    config = str(REPO / "configs" / "deepfm_synthetic.yaml")
+    cli = main(["fit", "-c", config, "--trainer.fast_dev_run=true", f"--trainer.strategy={class_path}", *SMALL_SYNTHETIC])
+    assert type(cli.trainer.strategy) is HotCacheStrategy and cli.trainer.strategy.cache_policy == "lfu"
+    assert cli.trainer.global_step == 1
+
+
+@pytest.mark.parametrize("value", ["lightning_hotcache.NoSuch", "no_such_package.Strategy", "collections.OrderedDict"])
+def test_strategy_class_path_that_is_no_strategy(value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = str(REPO / "configs" / "deepfm_synthetic.yaml")
+    with pytest.raises(ValueError, match=rf"strategy={value} is neither a registered strategy name \(.*hotcache"):
+        main(["fit", "-c", config, "--trainer.fast_dev_run=true", f"--trainer.strategy={value}", *SMALL_SYNTHETIC])
+
+
+def test_user_module_in_current_directory_by_class_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As `hotcache` is run from a shell: the script's folder on sys.path, not the current one.
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    (tmp_path / "cwd_models.py").write_text(textwrap.dedent(USER_MODEL))
+    monkeypatch.chdir(tmp_path)
+    cli = main(["fit", "--model=cwd_models.MyDLRM", "--data=datamodules.SyntheticCTRDataModule",
+                "--trainer.fast_dev_run=true", "--trainer.accelerator=cpu", *SMALL_SYNTHETIC])  # fmt: skip
+    assert type(cli.model).__module__ == "cwd_models"
+
+
+def test_constructor_errors_are_shown_as_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not inside jsonargparse's errors, which repeat every argument (the linked tables: ~20 KB).
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as error:
+        main(["fit", "--model=models.DLRM", "--model.init_args.dense_lr=-1", "--data=datamodules.SyntheticCTRDataModule",
+              "--trainer.fast_dev_run=true", *SMALL_SYNTHETIC])  # fmt: skip
+    assert str(error.value) == "dense_lr must be > 0, got -1.0."
+    missing = tmp_path / "nowhere" / "train.txt"
+    with pytest.raises(FileNotFoundError, match=f"Criteo data not found at {missing}: expected"):
+        main(["fit", "-c", str(REPO / "configs" / "dlrm_criteo.yaml"), f"--data.init_args.path={missing}",
+              "--data.init_args.num_embeddings_per_feature=10"])  # fmt: skip
+
+
+@pytest.mark.parametrize("outputs", [["--out", "missing/stats.npz"], ["--out", "stats.npz", "--plot", "missing/c.png"]])
+def test_profile_output_folder_is_checked_before_profiling(
+    outputs: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import lightning_hotcache.cli as cli_module
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli_module, "_lightning_cli", lambda *args, **kwargs: pytest.fail("profiled first"))
+    with pytest.raises(SystemExit):
+        main(["profile", "-c", str(REPO / "configs" / "dlrm_synthetic.yaml"), *outputs])
+    assert "the folder missing does not exist" in capsys.readouterr().err
+
+
+def _documented(config: Path, step: str) -> list[str]:
+    """The command a config's header comment gives for `step` (Run, Evaluate), as main's args."""
+    (command,) = re.findall(rf"^# {step}:\s+hotcache (.+)$", config.read_text(), flags=re.MULTILINE)
+    return shlex.split(command, comments=True)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_documented_evaluate_tests_the_newest_run(config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    small = [*_data_overrides(config, tmp_path), "--trainer.max_epochs=1"]
+    short = ["--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=1"]
+    for _ in range(2):  # the second run saves beside the first
+        newest = main([*_documented(config, "Run"), *small, *short]).trainer.checkpoint_callback.last_model_path
+    evaluated = main([*_documented(config, "Evaluate"), *small, *short]).trainer.ckpt_path
+    assert Path(evaluated).resolve() == Path(newest).resolve()
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test"])
+def test_ckpt_path_last_without_a_run_is_an_error(subcommand: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lightning would only warn and evaluate the untrained model.
+    monkeypatch.chdir(tmp_path)
+    config = REPO / "configs" / "deepfm_synthetic.yaml"
+    folder = tmp_path / "checkpoints" / "deepfm_synthetic"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"--ckpt_path last: no last checkpoint in {folder}. Train")):
+        main([subcommand, "-c", str(config), "--ckpt_path", "last", *SMALL_SYNTHETIC])
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], []], ids=["--help", "-h", "no-args"])
+def test_help_lists_every_command(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out = capsys.readouterr()
+    shown = out.out if argv else out.err  # no command is a usage error: help on stderr, status 2
+    for command in ("fit", "validate", "test", "predict", "profile", "plan", "consolidate"):
+        assert re.search(rf"^ +{command} +\w", shown, flags=re.MULTILINE), f"{command} missing from\n{shown}"
+    assert exit_.value.code == (0 if argv else 2)
+
+
+def _readme_commands() -> list[list[str]]:
+    """Every `hotcache ...` line of README.md's code blocks, as argv (comments dropped)."""
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", (REPO / "README.md").read_text(), flags=re.MULTILINE | re.DOTALL)
+    lines = [line for block in blocks for line in block.splitlines() if line.startswith("hotcache ")]
+    return [shlex.split(line, comments=True)[1:] for line in lines]
+
+
+def test_readme_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").symlink_to(REPO / "configs")  # the README's paths are relative to the repository
+    commands = _readme_commands()
+    assert {argv[0] for argv in commands} >= {"fit", "test", "profile", "plan"}
+    for argv in commands:  # in README order: `plan --stats` reads what `profile` wrote
+        if argv[0] == "fit":
+            cli = main([*argv, "--trainer.fast_dev_run=true"])
+            # Unset, Lightning trains for 1000 epochs.
+            assert cli.config.fit.trainer.max_epochs is not None, f"`hotcache {shlex.join(argv)}` sets no max_epochs"
+        elif argv[0] == "profile":
+            main([*argv, "--batches=2"])
+        elif argv[0] in ("plan", "consolidate"):
+            main(argv)
+        else:  # validate/test/predict need a trained checkpoint: check that they parse
+            with pytest.raises(SystemExit) as exit_:
+                main([*argv, "--print_config"])
+            assert exit_.value.code == 0

@@ -257,14 +257,15 @@ def test_criteo_npy_triples_from_torchrec(tmp_path: Path) -> None:
 
 
 def test_criteo_missing_path_and_bad_args(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="nowhere.tsv"):
-        CriteoDataModule(str(tmp_path / "nowhere.tsv")).setup()
+    # At construction: LightningCLI builds the model (GBs of tables) between __init__ and setup.
+    with pytest.raises(FileNotFoundError, match="nowhere.tsv.*expected a Criteo TSV file"):
+        CriteoDataModule(str(tmp_path / "nowhere.tsv"))
     (tmp_path / "readme.md").write_text("x")
     with pytest.raises(FileNotFoundError, match="no Criteo TSV files"):
-        CriteoDataModule(str(tmp_path)).setup()
+        CriteoDataModule(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="_labels.npy"):
         np.save(tmp_path / "day_0_dense.npy", np.zeros((2, 13), dtype=np.float32))
-        CriteoDataModule(str(tmp_path), format="npy").setup()
+        CriteoDataModule(str(tmp_path), format="npy")
     with pytest.raises(ValueError, match="num_embeddings_per_feature"):
         CriteoDataModule("x", num_embeddings_per_feature=[10, 10])
     with pytest.raises(ValueError, match="fraction"):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_hotcache.strategy import consolidate_checkpoint
+from lightning_hotcache.checkpoint import SHARDS_KEY, consolidate_checkpoint, shard_path
 
 SCRIPT = Path(__file__).with_name("ddp_train.py")
 REPO = SCRIPT.parents[1]
@@ -65,6 +65,7 @@ def test_hotcache_two_processes_match_one_with_double_batch(tmp_path: Path, opti
     assert two["host_rows"] * 2 - two["table_rows"] in range(0, 27)  # rank 0 holds half of every split table
     # Each rank wrote its shard; consolidating them gives the gathered tables.
     consolidated = consolidate_checkpoint(sharded)
-    assert {f.name for f in tmp_path.glob("sharded.ckpt.rank*")} == {"sharded.ckpt.rank0-of-2", "sharded.ckpt.rank1-of-2"}
+    save_id = torch.load(sharded, weights_only=True)[SHARDS_KEY]["id"]  # drawn by rank 0, used by both
+    assert set(tmp_path.glob("sharded.ckpt.*")) == {shard_path(sharded, save_id, rank, 2) for rank in range(2)}
     torch.testing.assert_close(consolidated["state_dict"], two["state_dict"])
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)

@@ -191,3 +191,23 @@ def test_mmap_host_files_hold_the_current_tables_after_flush(tmp_path) -> None:
         torch.testing.assert_close(torch.from_numpy(on_disk), m.state_dict()[f"embedding_bags.{table.name}.weight"])
         momentum = np.fromfile(tmp_path / f"{table.name}.momentum.f32", dtype=np.float32)
         assert (momentum > 0).any()  # optimizer state travels to disk with its rows
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("budget", [1.0, 0.3, 0.1, "minimum"])
+def test_device_bytes_stay_within_the_budget(optimizer, budget) -> None:
+    from conftest import tiny_synthetic
+
+    from lightning_hotcache import HotColdPlanner, RowWiseOptimizerConfig
+    from lightning_hotcache.profiling import profile_batches
+
+    dm = tiny_synthetic(scale=0.01, num_embeddings_cap=None, num_train_samples=2048, batch_size=64)
+    dm.setup("fit")
+    stats = profile_batches(list(dm.train_dataloader()), dm.tables, progress=False)
+    config = RowWiseOptimizerConfig(optimizer)
+    if budget == "minimum":
+        budget = HotColdPlanner(1.0, config, prefetch_depth=3).minimum_bytes(dm.tables, stats)
+    plan = HotColdPlanner(budget, config, prefetch_depth=3).plan(dm.tables, stats)
+    m = HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(tables=dm.tables), plan, config)
+    assert m.device_bytes() <= plan.budget_bytes
+    assert m.device_bytes() <= plan.device_bytes  # the planner never counts less than the caches hold

@@ -166,3 +166,25 @@ def test_fused_kernel_refused_where_it_would_not_be_exact() -> None:
     plan = make_plan(batches, 0.1, 0, "lfu", SUM_TABLES)
     with pytest.raises(ValueError, match="Adam"):
         train_hotcache(RowWiseOptimizerConfig("adam"), batches, UPSTREAM, plan, "lfu", "memory", 0, SUM_TABLES, kernel="fbgemm")
+
+
+@pytest.mark.parametrize("kernel", ["fbgemm", "pytorch"])
+def test_staging_between_forward_and_backward_is_exact(kernel) -> None:
+    # The prefetch thread stages later batches while a step's forward and backward run: the
+    # slots it fills must not disturb the step (autograd's saved weights, its locked rows).
+    config = RowWiseOptimizerConfig(name="rowwise_adagrad", lr=0.05)
+    batches = zipf_batches(seed=7)
+    depth = 2
+    plan = make_plan(batches, None, depth, "lfu", SUM_TABLES)  # the minimum: every stage evicts
+    reference = train_reference(config, batches, UPSTREAM, SUM_TABLES)
+    torch.manual_seed(0)
+    module = HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(tables=SUM_TABLES), plan, config, kernel=kernel)
+    for batch in batches[:depth]:
+        module.prefetch(batch)
+    for step, (batch, grad) in enumerate(zip(batches, UPSTREAM)):
+        out = module(batch).values()
+        if step + depth < len(batches):
+            module.prefetch(batches[step + depth])
+        out.backward(grad)
+    assert module.caches["t_user"].counters.evicted_rows > 0
+    assert_same(module, reference)

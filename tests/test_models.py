@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -109,3 +111,30 @@ def test_bad_tables_are_clear_errors() -> None:
         DLRM([], 4)
     with pytest.raises(ValueError, match="Unknown model"):
         create_model("wide_and_deep", mixed[:1], 4)
+
+
+class _WidthFromAttribute(DLRM):
+    """The usual PyTorch habit: set what the builders read after super().__init__()."""
+
+    def __init__(self, tables, num_dense_features: int, head_width: int = 4, **kwargs) -> None:
+        super().__init__(tables, num_dense_features, **kwargs)
+        self.head_width = head_width
+        self.head_dropout = torch.nn.Dropout(0.0)
+
+    def build_over_arch(self, in_features: int) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(in_features, self.head_width), self.head_dropout,
+                                   torch.nn.Linear(self.head_width, 1))  # fmt: skip
+
+
+def test_subclass_builders_see_attributes_set_after_super_init(tmp_path) -> None:
+    dm = tiny_synthetic()
+    assert "head_width" in inspect.signature(_WidthFromAttribute).parameters
+    model = _WidthFromAttribute(dm.tables, dm.num_dense_features, head_width=3)
+    assert model.over_arch[0].out_features == 3 and model.over_arch[1] is model.head_dropout
+    batch = dm.source("train").batch(0, 8)
+    assert model(batch.dense_features, batch.sparse_features).shape == (8,)
+    trainer = cpu_trainer(max_steps=1, limit_val_batches=0)
+    trainer.fit(model, dm)
+    trainer.save_checkpoint(tmp_path / "model.ckpt")
+    loaded = _WidthFromAttribute.load_from_checkpoint(tmp_path / "model.ckpt")
+    torch.testing.assert_close(loaded.state_dict(), model.state_dict())

@@ -8,7 +8,7 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from lightning_hotcache import RowWiseOptimizerConfig
-from lightning_hotcache.planner import HotColdPlan, HotColdPlanner, resolve_budget, row_bytes
+from lightning_hotcache.planner import HotColdPlan, HotColdPlanner, batches_in_flight, resolve_budget, row_bytes
 from lightning_hotcache.profiling import AccessProfiler
 
 TABLES = [
@@ -75,16 +75,16 @@ def test_split_prefers_coverage_per_byte_and_respects_budget() -> None:
     assert set(ids[counts > 1].tolist()) <= set(skewed.static_ids.tolist())
     assert skewed.expected_hit_rate > 0.85 > 0.6 > flat.expected_hit_rate
     assert plan.device_bytes <= plan.budget_bytes
-    # Hot rows are the measured hottest ones; every split table has room for 2 batches in flight.
+    # Hot rows are the measured hottest ones; every split table has room for the batches in flight.
     top, _ = st.top_ids("skewed", len(skewed.static_ids))
     assert set(skewed.static_ids.tolist()) == set(top.tolist())
-    assert skewed.cache_slots >= 2 * st.unique_rows_per_batch("skewed")[1]
+    assert skewed.cache_slots >= plan.batches_in_flight * st.unique_rows_per_batch("skewed")[1]
 
 
 def test_more_budget_never_lowers_hit_rates() -> None:
     st = stats()
     rates = [
-        [t.expected_hit_rate for t in HotColdPlanner(b, SGD).plan(TABLES, st).tables] for b in (0.05, 0.1, 0.3, 1.0)
+        [t.expected_hit_rate for t in HotColdPlanner(b, SGD).plan(TABLES, st).tables] for b in (0.1, 0.2, 0.3, 0.6, 1.0)
     ]
     for low, high in zip(rates, rates[1:]):
         assert all(h >= lo - 1e-12 for lo, h in zip(low, high))
@@ -137,8 +137,8 @@ def test_split_without_stats_asks_for_profiling() -> None:
 def test_optimizer_state_counts_in_the_budget() -> None:
     adam = RowWiseOptimizerConfig(name="adam")
     assert row_bytes(TABLES[0], adam) == 4 * (8 + 8 + 8 + 1)
-    plan_sgd = HotColdPlanner(0.1, SGD).plan(TABLES, stats())
-    plan_adam = HotColdPlanner(int(0.1 * TOTAL), adam).plan(TABLES, stats())
+    plan_sgd = HotColdPlanner(0.2, SGD).plan(TABLES, stats())
+    plan_adam = HotColdPlanner(int(0.2 * TOTAL), adam).plan(TABLES, stats())
     assert len(plan_adam.table("skewed").static_ids) < len(plan_sgd.table("skewed").static_ids)
 
 
@@ -153,3 +153,82 @@ def test_json_round_trip_and_checks(tmp_path) -> None:
     (tmp_path / "bad.json").write_text('{"format_version": 1, "tables": [')
     with pytest.raises(ValueError, match="bad.json is not a readable hot/cold plan"):
         HotColdPlan.load(tmp_path / "bad.json")
+
+
+def test_batches_in_flight_are_the_strategys() -> None:
+    # The training batch, the staged ones, the one Lightning's fetcher holds, a validation
+    # batch, and the one a prefetch thread is staging.
+    assert batches_in_flight(1, prefetch_thread=False) == 4
+    assert batches_in_flight(2, prefetch_thread=True) == 6
+    planner = HotColdPlanner(0.1, SGD, prefetch_depth=1)
+    plan = planner.plan(TABLES, stats())
+    assert (plan.prefetch_depth, plan.batches_in_flight) == (1, 4)
+    assert "prefetch depth 1 (4 batches in flight)" in str(plan)
+    # The thread counts on CUDA by default and never across processes, as in the strategy.
+    assert HotColdPlanner(prefetch_depth=1, device="cuda").batches_in_flight == 5
+    assert HotColdPlanner(prefetch_depth=1, device="cuda", world_size=2).batches_in_flight == 4
+    assert HotColdPlanner(prefetch_depth=1, prefetch_thread=True).batches_in_flight == 5
+    with pytest.raises(ValueError, match="the minimum is .* for 4 batches in flight"):
+        HotColdPlanner(1000, SGD, prefetch_depth=1).plan(TABLES, stats())
+
+
+@pytest.mark.parametrize("budget", [0.3, 0.5, 0.7, 0.9])
+def test_budget_beyond_the_profiled_rows_is_spent(budget: float) -> None:
+    # At these budgets every profiled row of the split tables is a static row.
+    st = stats()
+    plan = HotColdPlanner(budget, SGD).plan(TABLES, st)
+    assert plan.budget_bytes * 0.99 <= plan.device_bytes <= plan.budget_bytes, plan
+    less = HotColdPlanner(budget - 0.1, SGD).plan(TABLES, st)
+    assert sum(t.expected_hit_rate for t in plan.tables) > sum(t.expected_hit_rate for t in less.tables)
+    assert plan.note == ""
+
+
+def test_budget_left_unused_is_explained() -> None:
+    st = stats()
+    # The static policy has no cache slots to spend on rows the profile never saw.
+    static = HotColdPlanner(0.3, SGD, cache_policy="static").plan(TABLES, st)
+    unused = static.budget_bytes - static.device_bytes
+    assert unused > 0.05 * static.budget_bytes
+    assert "every profiled row of the split tables (skewed, flat) is a static row" in static.note
+    assert static.note in str(static)
+    whole = HotColdPlanner(2 * TOTAL, SGD).plan(TABLES)
+    assert "every table is whole on the device" in whole.note
+
+
+def test_plan_is_checked_against_the_run(tmp_path) -> None:
+    st = stats(batch=256)
+    planner = HotColdPlanner(0.1, SGD, prefetch_depth=1)
+    plan = planner.plan(TABLES, st, batch_size=256)
+    assert plan.batch_size == 256
+    planner.check_plan(plan, TABLES, batch_size=256)
+    HotColdPlanner(0.1, SGD, prefetch_depth=0).check_plan(plan, TABLES)  # fewer batches in flight fit
+    mismatches = [
+        (HotColdPlanner(0.1, SGD, prefetch_depth=1, world_size=2), TABLES, 256, "world size 1 .* this run has 2"),
+        (HotColdPlanner(0.1, SGD, prefetch_depth=1, cache_policy="lru"), TABLES, 256, "cache_policy 'lfu' .* 'lru'"),
+        (HotColdPlanner(0.1, SGD, prefetch_depth=2), TABLES, 256, "4 batches in flight .* this run has 5"),
+        (HotColdPlanner(0.05, SGD, prefetch_depth=1), TABLES, 256, "needs .* on the device .* device_budget 0.05"),
+        (planner, TABLES, 512, "batches of 256 samples .* this run's batches have 512"),
+        (planner, TABLES[:2], 256, "Tables in the plan but not in the model: flat"),
+    ]
+    for checker, tables, batch, message in mismatches:
+        with pytest.raises(ValueError, match=f"{message}.*hotcache plan"):
+            checker.check_plan(plan, tables, batch_size=batch)
+    # A plan grown to its minimum fits a run that grows its budget too.
+    grown = HotColdPlanner(1000, SGD, prefetch_depth=1, grow_budget_to_minimum=True)
+    with pytest.warns(UserWarning, match="below the minimum"):
+        minimal = grown.plan(TABLES, st)
+    assert minimal.budget_bytes == minimal.minimum_bytes == planner.minimum_bytes(TABLES, st)
+    grown.check_plan(minimal, TABLES)
+    with pytest.raises(ValueError, match="device_budget 1000 allows"):
+        HotColdPlanner(1000, SGD, prefetch_depth=1).check_plan(minimal, TABLES)
+
+
+def test_stats_that_cannot_serve_the_run_are_refused() -> None:
+    # Else the plan is made and training fails at its first step, asking for more budget.
+    with pytest.raises(ValueError, match="hold no batches.*hotcache profile"):
+        HotColdPlanner(0.1, SGD).plan(TABLES, AccessProfiler(TABLES).stats())
+    with pytest.raises(ValueError, match="batches of 256 samples but this run's batches have 1024.*hotcache profile"):
+        HotColdPlanner(0.1, SGD).plan(TABLES, stats(batch=256), batch_size=1024)
+    with pytest.raises(ValueError, match="table extra is in the model but not in the stats.*hotcache profile"):
+        extra = EmbeddingBagConfig(name="extra", num_embeddings=9, embedding_dim=8, feature_names=["x"])
+        HotColdPlanner(0.1, SGD).plan([*TABLES, extra], stats())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import zipfile
 from collections import Counter
 
@@ -290,3 +292,57 @@ def test_profile_batches_on_torchrec_batches(capsys) -> None:
     assert sampled.num_batches_seen == 6 and sampled.num_batches < 6
     summary = stats.summary()
     assert "t_user" in summary and "t_item" in summary and "exact" in summary
+
+
+def test_save_into_missing_folder_names_it(tmp_path, mixed_stats: AccessStats) -> None:
+    folder = tmp_path / "missing"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"save {folder / 'stats.npz'}: the folder {folder} does not")):
+        mixed_stats.save(folder / "stats.npz")
+
+
+def test_stats_record_the_batch_size(tmp_path) -> None:
+    # The largest observed batch: an epoch's last batch may be smaller.
+    rng = np.random.default_rng(3)
+    profiler = AccessProfiler(TABLES)
+    assert profiler.stats().batch_size is None  # nothing observed yet
+    for bags in (16, 16, 5):
+        profiler.observe(zipf_batch(rng, {"user": 50, "item": 3000}, bags=bags)[0])
+    stats = profiler.stats()
+    assert stats.batch_size == 16
+    stats.save(tmp_path / "s.npz")
+    assert AccessStats.load(tmp_path / "s.npz").batch_size == 16
+    assert "3 batches of 16 observed of 3 seen" in stats.summary()
+    small = AccessProfiler(TABLES)
+    small.observe(zipf_batch(rng, {"user": 50}, bags=4)[0])
+    assert stats.merge(small.stats()).batch_size == 16
+
+
+def test_stats_that_cannot_serve_a_run_say_to_profile_again(tmp_path) -> None:
+    rng = np.random.default_rng(4)
+    profiler = AccessProfiler(TABLES, sample_fraction=0.01)
+    profiler.observe(zipf_batch(rng, {"user": 50, "item": 3000}, bags=16)[0])
+    none_observed = profiler.stats()
+    with pytest.raises(ValueError, match=r"hold no batches \(1 seen, none observed: raise sample_fraction\).*hotcache profile"):
+        none_observed.check_run(TABLES, 16)
+    with pytest.raises(ValueError, match=r"hold no batches \(0 seen.*hotcache profile"):
+        AccessProfiler(TABLES).stats().check_run(TABLES)
+    profiler = AccessProfiler(TABLES)
+    profiler.observe(zipf_batch(rng, {"user": 50, "item": 3000}, bags=16)[0])
+    stats = profiler.stats()
+    stats.check_run(TABLES, 16)
+    stats.check_run(TABLES)  # the run's batch size unknown: not compared
+    with pytest.raises(ValueError, match=r"batches of 16 samples but this run's batches have 32.*hotcache profile"):
+        stats.check_run(TABLES, 32)
+    with pytest.raises(ValueError, match="table t_item is in the stats but not in the model.*hotcache profile"):
+        stats.check_run(TABLES[:1], 16)
+    # A file from before batch sizes were recorded loads (for its summary and plots) but cannot plan.
+    stats.save(tmp_path / "s.npz")
+    with np.load(tmp_path / "s.npz") as npz:
+        arrays = dict(npz)
+    meta = json.loads(str(arrays["meta"]))
+    del meta["batch_size"]
+    np.savez_compressed(tmp_path / "old.npz", **{**arrays, "meta": np.array(json.dumps(meta))})
+    old = AccessStats.load(tmp_path / "old.npz", TABLES)
+    assert old.batch_size is None and old.num_batches == 1
+    with pytest.raises(ValueError, match="do not record their batch size.*hotcache profile"):
+        old.check_run(TABLES, 16)

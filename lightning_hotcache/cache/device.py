@@ -145,6 +145,14 @@ class DeviceCache:
     def weight(self) -> Tensor:
         return self.slots["weight"]
 
+    def device_bytes(self) -> int:
+        """Bytes this cache holds on its device: slot rows, their optimizer state, the id ->
+        slot map and per-slot bookkeeping (what the planner's budget must cover)."""
+        arrays = list(self.slots.values())
+        if not self.identity:
+            arrays += [self.id_of_slot, self.dirty, self.last_used, self.frequency, *self.slot_map.tensors()]
+        return sum(a.numel() * a.element_size() for a in arrays)
+
     # ------------------------------------------------------------ residency
     def acquire(self, ids: Tensor) -> tuple[Tensor, int]:
         """Slots of ``ids`` (any order, duplicates allowed), fetching missing rows, and the
@@ -168,7 +176,7 @@ class DeviceCache:
         acquire = _Acquire(ids, slots, self._issued, missing)
         # With several ranks every rank joins the row exchange, misses or not.
         if num_missing or self.sharding.world > 1:
-            acquire.needed = ids[missing].unique()
+            acquire.needed, acquire.needed_index = ids[missing].unique(return_inverse=True)
             acquire.victims = self._choose_victims(len(acquire.needed))
             self._evict(acquire.victims[self.id_of_slot[acquire.victims] >= 0])
         return acquire
@@ -185,8 +193,9 @@ class DeviceCache:
             self.id_of_slot[victims] = needed
             self.frequency[victims] = 0
             self.counters.fetched_rows += len(needed)
-            slots = self.slot_map.lookup(acquire.ids)
-            self.last_used[slots[acquire.missing]] = acquire.ticket
+            slots = slots.clone()
+            slots[acquire.missing] = victims[acquire.needed_index]
+            self.last_used[victims] = acquire.ticket
         if self.policy == "lfu" and not self.identity:
             self.frequency.index_add_(0, slots, torch.ones_like(slots))
         return slots, acquire.ticket
@@ -356,6 +365,7 @@ class _Acquire:
     ticket: int
     missing: Tensor | None = None
     needed: Tensor | None = None  # unique missing ids, when there is a fetch to join
+    needed_index: Tensor | None = None  # position in `needed` of each missing id
     victims: Tensor | None = None  # the slots they go to
 
 

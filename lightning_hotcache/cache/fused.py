@@ -118,12 +118,16 @@ class FusedTables:
         )
         weights = self.tbe.split_embedding_weights()
         states = self.tbe.split_optimizer_states() if optimizer.name == "rowwise_adagrad" else [[] for _ in weights]
-        # Detached views share the TBE's memory; the caches write rows in through them.
+        # Views of the TBE's memory through which the caches write rows. ``.data``, not
+        # ``detach()``: a detached view shares the TBE weights' version counter, so filling
+        # a free slot (from the prefetch thread, between a step's forward and backward)
+        # would fail autograd's check of the weights the lookup saved for backward, though
+        # that backward only updates the step's own, locked, rows.
         self._storage = []
         for weight, state in zip(weights, states):
-            arrays = {"weight": weight.detach()}
+            arrays = {"weight": weight.data}
             if state:
-                arrays["momentum"] = state[0].detach().view(-1, 1)
+                arrays["momentum"] = state[0].data.view(-1, 1)
             self._storage.append(arrays)
 
     def storage(self, table: int) -> dict[str, Tensor]:

@@ -37,6 +37,9 @@ class DenseSlotMap:
         self.slot_of_id = torch.full((num_embeddings,), -1, dtype=torch.int32, device=device)
         self.slot_of_id[static_ids] = torch.arange(len(static_ids), dtype=torch.int32, device=device)
 
+    def tensors(self) -> list[Tensor]:
+        return [self.slot_of_id]
+
     def lookup(self, ids: Tensor) -> Tensor:
         return self.slot_of_id[ids].long()
 
@@ -55,6 +58,9 @@ class SortedSlotMap:
         self.dynamic_ids = torch.empty(0, dtype=torch.int64, device=device)
         self.dynamic_slots = torch.empty(0, dtype=torch.int64, device=device)
 
+    def tensors(self) -> list[Tensor]:
+        return [self.static_ids, self.dynamic_ids, self.dynamic_slots]
+
     @staticmethod
     def _find(sorted_ids: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         pos = torch.searchsorted(sorted_ids, ids).clamp_(max=len(sorted_ids) - 1)
@@ -71,13 +77,24 @@ class SortedSlotMap:
         return slots
 
     def assign(self, ids: Tensor, slots: Tensor) -> None:
-        merged_ids = torch.cat([self.dynamic_ids, ids])
-        order = torch.argsort(merged_ids)
-        self.dynamic_ids = merged_ids[order]
-        self.dynamic_slots = torch.cat([self.dynamic_slots, slots])[order]
+        """Add ``ids`` (none present) at ``slots``. Only the new ids are sorted; they merge
+        into the sorted dynamic ids by their ranks in each other, cheaper than re-sorting
+        the union every fetch."""
+        ids, order = ids.sort()
+        slots = slots[order]
+        old = self.dynamic_ids
+        new_at = torch.searchsorted(old, ids) + torch.arange(len(ids), device=ids.device)
+        old_at = torch.searchsorted(ids, old) + torch.arange(len(old), device=old.device)
+        merged_ids = torch.empty(len(old) + len(ids), dtype=torch.int64, device=old.device)
+        merged_slots = torch.empty_like(merged_ids)
+        merged_ids[old_at], merged_ids[new_at] = old, ids
+        merged_slots[old_at], merged_slots[new_at] = self.dynamic_slots, slots
+        self.dynamic_ids, self.dynamic_slots = merged_ids, merged_slots
 
     def remove(self, ids: Tensor) -> None:
-        keep = ~torch.isin(self.dynamic_ids, ids)
+        """Drop ``ids`` (all present as dynamic ids, any order)."""
+        keep = torch.ones(len(self.dynamic_ids), dtype=torch.bool, device=self.dynamic_ids.device)
+        keep[torch.searchsorted(self.dynamic_ids, ids)] = False
         self.dynamic_ids = self.dynamic_ids[keep]
         self.dynamic_slots = self.dynamic_slots[keep]
 

@@ -1,0 +1,163 @@
+"""Sharded checkpoint files (``HotCacheStrategy(checkpoint_shards=True)``), written so that a
+kill at any moment of a save leaves a checkpoint that loads: the previous one or the new one.
+
+A sharded checkpoint is the main file ``<ckpt>`` (rank 0's) and one shard file per rank,
+``<ckpt>.<id>.rank<r>-of-<n>``. The id (global step + a random token, one for all ranks)
+is recorded in the main file and in every shard, so a main file only ever pairs with the
+shards of its own save. Every file is written under a temporary name, synced, and renamed
+over its target, so a file under its final name is always whole. A save writes the shards
+first, then, once every rank's are in place, the main file; only then are the previous
+save's shards of that path removed: until the new main file replaces the old one, the old
+one's shards are still there under their own names.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from typing_extensions import override
+
+from lightning_hotcache.rowwise import ROW_STATE_KEY
+
+SHARDS_KEY = "hotcache_shards"
+
+
+def new_save_id(step: int) -> str:
+    return f"{step}-{secrets.token_hex(4)}"
+
+
+def shard_path(checkpoint_path: _PATH, save_id: str, rank: int, world: int) -> Path:
+    return Path(f"{checkpoint_path}.{save_id}.rank{rank}-of-{world}")
+
+
+def write_atomically(obj: Any, path: _PATH) -> None:
+    """``torch.save(obj, path)`` such that ``path`` holds the previous file or the whole new one,
+    also after a kill or a power loss."""
+    path = Path(path)
+    temp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        with open(temp, "xb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    # The rename itself is durable only once the folder is synced.
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's TorchCheckpointIO, writing local checkpoint files with `write_atomically`
+    (Lightning renames a temporary file too, but syncs nothing: a power loss can leave the
+    new name with no data after the previous save's shards are gone)."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        fs, local_path = url_to_fs(str(path))
+        if storage_options is not None or not isinstance(fs, LocalFileSystem):
+            super().save_checkpoint(checkpoint, path, storage_options)  # remote: fsspec's transaction
+            return
+        Path(local_path).parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(checkpoint, local_path)
+
+
+def _own_files(checkpoint_path: _PATH) -> list[tuple[Path, str | None]]:
+    """The shard files of the checkpoint at ``checkpoint_path`` (with their save ids) and the
+    temporary files a killed save of it left (id None)."""
+    path = Path(checkpoint_path)
+    if not path.parent.is_dir():
+        return []
+    pattern = re.compile(rf"{re.escape(path.name)}(?:\.(\d+-[0-9a-f]+)\.rank\d+-of-\d+)?(\.tmp-[0-9a-f]+)?")
+    found = []
+    with os.scandir(path.parent) as entries:
+        for entry in entries:
+            match = pattern.fullmatch(entry.name)
+            if match and (match[1] or match[2]):
+                found.append((Path(entry.path), None if match[2] else match[1]))
+    return found
+
+
+def remove_shards(checkpoint_path: _PATH, keep: str | None = None) -> None:
+    """Remove the shard files of every rank of the checkpoint at ``checkpoint_path`` (but those
+    of save ``keep``) and what a killed save of it left. The caller is one process (rank 0)."""
+    for file, save_id in _own_files(checkpoint_path):
+        if save_id is None or save_id != keep:
+            file.unlink(missing_ok=True)
+
+
+def consolidate_checkpoint(path: _PATH, out: _PATH | None = None) -> dict[str, Any]:
+    """A plain checkpoint from one saved with ``checkpoint_shards=True``: the shard files of
+    every rank are interleaved back into whole tables (state_dict) and row state. Needs the
+    whole tables in memory. Saves to ``out`` when given."""
+    checkpoint = consolidated(torch.load(path, map_location="cpu", weights_only=True), path)
+    if out is not None:
+        write_atomically(checkpoint, out)
+    return checkpoint
+
+
+def consolidated(checkpoint: dict[str, Any], path: _PATH) -> dict[str, Any]:
+    """``checkpoint`` (the main file at ``path``, already loaded) with its shard files merged in."""
+    meta = checkpoint.pop(SHARDS_KEY, None)
+    if meta is None:
+        raise ValueError(f"{path} is not a sharded hotcache checkpoint (it has no {SHARDS_KEY!r}).")
+    if "id" not in meta:
+        raise ValueError(
+            f"{path} was saved by an older lightning-hotcache, whose shard files cannot be told from those of "
+            "another save; load it with that version and save it again, or use another checkpoint."
+        )
+    world = int(meta["world_size"])
+    # A link (ModelCheckpoint(save_last="link")) has its target's shards.
+    main_file = Path(os.path.realpath(path))
+    shards = [_load_shard(main_file, meta["id"], rank, world) for rank in range(world)]
+    row_state = checkpoint.setdefault(ROW_STATE_KEY, {})
+    for key, rows in meta["num_embeddings"].items():
+        arrays = {}
+        for name in shards[0][key]:
+            full = torch.empty(rows, shards[0][key][name].shape[1])
+            for rank, shard in enumerate(shards):
+                full[rank::world] = shard[key][name]
+            arrays[name] = full
+        module_path, table = key.rsplit(".", 1)
+        checkpoint["state_dict"][f"{module_path}.embedding_bags.{table}.weight"] = arrays.pop("weight")
+        row_state[key] = arrays
+    return checkpoint
+
+
+def _load_shard(main_file: Path, save_id: str, rank: int, world: int) -> dict[str, Any]:
+    file = shard_path(main_file, save_id, rank, world)
+    if not file.is_file():
+        others = sorted(other.name for other, other_id in _own_files(main_file) if other_id)
+        mixed = f"; beside it are {', '.join(others)}: {main_file.name} and its shard files are from different saves"
+        raise FileNotFoundError(
+            f"{file} is missing: the checkpoint {main_file} (save {save_id}) needs the shard files of all its "
+            f"{world} rank(s){mixed if others else ''}. Use another checkpoint."
+        )
+    try:
+        shard = torch.load(file, map_location="cpu", weights_only=True)
+    except (EOFError, RuntimeError, pickle.UnpicklingError) as err:  # torch's names neither the file nor what to do
+        raise ValueError(
+            f"{file} cannot be read (truncated or corrupt: {err}); the checkpoint {main_file} needs it. "
+            "Use another checkpoint."
+        ) from err
+    if shard.get("id") != save_id:
+        raise ValueError(
+            f"{file} holds save {shard.get('id')}, but {main_file} is save {save_id}: the main file and the shard "
+            "files are from different saves. Use another checkpoint."
+        )
+    return shard["tables"]

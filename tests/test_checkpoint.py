@@ -1,0 +1,229 @@
+"""Sharded checkpoints (``checkpoint_shards=True``): a kill at any point of a save leaves a
+checkpoint that loads, a main file is never paired with the shards of another save, and a
+checkpoint Lightning removes takes its shard files with it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import cpu_trainer, tiny_synthetic
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins import AsyncCheckpointIO
+
+from lightning_hotcache import HotCacheStrategy
+from lightning_hotcache.checkpoint import AtomicCheckpointIO, write_atomically
+from lightning_hotcache.cli import main
+from lightning_hotcache.rowwise import ROW_STATE_KEY
+from models import create_model
+
+
+class _SaveAt(Callback):
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def _fit(steps: int, callbacks: list[Callback]) -> pl.Trainer:
+    pl.seed_everything(0)
+    # Tables of up to ~2k rows against a budget of a tenth of them: some are split, so there are shard files.
+    dm = tiny_synthetic(scale=0.004, num_embeddings_cap=None, num_train_samples=8 * 64, batch_size=64)
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad"})
+    strategy = HotCacheStrategy(device_budget=0.1, profile_batches=2, checkpoint_shards=True)
+    trainer = cpu_trainer(
+        strategy=strategy, max_steps=steps, limit_val_batches=0, enable_checkpointing=True, callbacks=callbacks
+    )
+    trainer.fit(model, dm)
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[pl.Trainer, Path]:
+    """A trainer after 4 steps, and a folder with its checkpoints after step 2 (``a.ckpt``) and 4 (``b.ckpt``)."""
+    folder = tmp_path_factory.mktemp("run")
+    trainer = _fit(4, [_SaveAt(2, folder / "a.ckpt")])
+    trainer.save_checkpoint(folder / "b.ckpt")
+    return trainer, folder
+
+
+def _copy(folder: Path, to: Path, prefix: str = "") -> Path:
+    return Path(shutil.copytree(folder, to, ignore=lambda _, names: [n for n in names if not n.startswith(prefix)]))
+
+
+def _content(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What a resumed run takes from a checkpoint: its step, weights and row-wise optimizer state."""
+    return {key: checkpoint[key] for key in ("global_step", "state_dict", ROW_STATE_KEY)}
+
+
+def _consolidated(path: Path) -> dict[str, Any]:
+    return main(["consolidate", str(path), "--out", str(path.parent.parent / "plain.ckpt")])
+
+
+@contextlib.contextmanager
+def _crash_images(folder: Path, into: Path) -> Iterator[list[Path]]:
+    """Copies of ``folder`` as a kill at each point of the file operations run inside leaves
+    it: before every torch.save, fsync, rename and unlink, and with each file that torch.save
+    writes into ``folder`` half written (a kill in the middle of the write)."""
+    images: list[Path] = []
+    copying = False
+
+    def image(half_written: Path | None = None) -> None:
+        nonlocal copying
+        if copying:
+            return
+        copying = True
+        copy = Path(shutil.copytree(folder, into / str(len(images))))
+        copying = False
+        if half_written is not None:
+            target = copy / half_written.name
+            os.truncate(target, target.stat().st_size // 2)
+        images.append(copy)
+
+    def image_before(operation: Callable[..., Any]) -> Callable[..., Any]:
+        def imaged(*args: Any, **kwargs: Any) -> Any:
+            image()
+            return operation(*args, **kwargs)
+
+        return imaged
+
+    real_save = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        image()
+        real_save(obj, f, *args, **kwargs)
+        name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+        if isinstance(name, (str, os.PathLike)) and Path(name).resolve().parent == folder.resolve():
+            if hasattr(f, "flush"):
+                f.flush()
+            image(half_written=Path(name))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "save", save)
+        for name in ("fsync", "replace", "rename", "unlink", "remove"):
+            patch.setattr(os, name, image_before(getattr(os, name)))
+        yield images
+
+
+def test_a_kill_at_any_point_of_a_save_leaves_the_previous_or_the_new_checkpoint(run, tmp_path) -> None:
+    trainer, saved = run
+    folder = _copy(saved, tmp_path / "run", prefix="a.ckpt")
+    path = folder / "a.ckpt"
+    load = trainer.strategy.load_checkpoint
+    previous = _content(load(path))
+    with _crash_images(folder, tmp_path / "images") as images:
+        trainer.save_checkpoint(path)  # step 4 over step 2's checkpoint
+    new = _content(load(path))
+    assert (previous["global_step"], new["global_step"]) == (2, 4)
+
+    found = []
+    for image in images:
+        for loaded in (_content(load(image / path.name)), _content(_consolidated(image / path.name))):
+            expected = new if loaded["global_step"] == 4 else previous
+            torch.testing.assert_close(loaded, expected, rtol=0, atol=0, msg=lambda m: f"kill image {image.name}: {m}")
+        found.append(loaded["global_step"])
+    assert found[0] == 2 and found[-1] == 4 and found == sorted(found), found  # the new save appears at one point
+
+    # A later save to the same path clears what the kill left there (half-written files, old shards).
+    for image in images:
+        trainer.save_checkpoint(image / path.name)
+        names = sorted(p.name for p in image.iterdir())
+        assert len(names) == 2 and names[0] == path.name and names[1].endswith(".rank0-of-1"), (image.name, names)
+
+
+def _replace_main_file(folder: Path) -> None:
+    shutil.copy(folder / "b.ckpt", folder / "a.ckpt")  # step 4's main file beside step 2's shards
+
+
+def _replace_shard_file(folder: Path) -> None:
+    [a_shard], [b_shard] = folder.glob("a.ckpt.*rank0-of-1"), folder.glob("b.ckpt.*rank0-of-1")
+    shutil.copy(b_shard, a_shard)  # step 4's shard under the name of step 2's
+
+
+def _truncate_shard(size: Callable[[int], int]) -> Callable[[Path], None]:
+    def truncate(folder: Path) -> None:
+        [shard] = folder.glob("a.ckpt.*rank0-of-1")
+        os.truncate(shard, size(shard.stat().st_size))
+
+    return truncate
+
+
+def _delete_shard(folder: Path) -> None:
+    [shard] = folder.glob("a.ckpt.*rank0-of-1")
+    shard.unlink()
+
+
+@pytest.mark.parametrize(
+    ("damage", "error", "message"),
+    [
+        (_replace_main_file, FileNotFoundError, r"a\.ckpt\.4-\w+\.rank0-of-1 is missing.*a\.ckpt\.2-\w+.*different saves"),
+        (_replace_shard_file, ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 holds save 4-\w+.*different saves"),
+        (_truncate_shard(lambda size: 0), ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 cannot be read"),
+        (_truncate_shard(lambda size: size // 2), ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 cannot be read"),
+        (_delete_shard, FileNotFoundError, r"a\.ckpt\.2-\w+\.rank0-of-1 is missing"),
+    ],
+    ids=["main-of-another-save", "shard-of-another-save", "empty-shard", "truncated-shard", "missing-shard"],
+)
+def test_a_main_file_without_its_own_whole_shards_is_a_clear_error(run, tmp_path, damage, error, message) -> None:
+    trainer, saved = run
+    folder = _copy(saved, tmp_path / "run")
+    damage(folder)
+    with pytest.raises(error, match=message):
+        trainer.strategy.load_checkpoint(folder / "a.ckpt")
+    with pytest.raises(error, match=message):
+        _consolidated(folder / "a.ckpt")
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_checkpoints_model_checkpoint_removes_take_their_shards(tmp_path, save_last) -> None:
+    checkpoints = ModelCheckpoint(tmp_path, "{step}", save_top_k=1, every_n_train_steps=2, save_last=save_last)
+    trainer = _fit(6, [checkpoints])
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"step=6.ckpt", "last.ckpt"} <= names
+    # Nothing of step 2's or step 4's checkpoint is left: one shard file per checkpoint file (a link has none).
+    assert {name.split(".ckpt")[0] for name in names} == {"step=6", "last"}, names
+    assert len(names) == (4 if save_last is True else 3), names
+    load = trainer.strategy.load_checkpoint
+    torch.testing.assert_close(_content(load(tmp_path / "last.ckpt")), _content(load(tmp_path / "step=6.ckpt")))
+
+
+def test_removing_a_checkpoint_removes_the_shards_of_every_rank(tmp_path) -> None:
+    ours = ["x.ckpt", "x.ckpt.6-ab12.rank0-of-2", "x.ckpt.6-ab12.rank1-of-2", "x.ckpt.4-cd34.rank1-of-2"]
+    crash_leftovers = ["x.ckpt.tmp-ef56", "x.ckpt.6-ab12.rank1-of-2.tmp-0a1b"]
+    others = ["x.ckpt.v2.ckpt", "x.ckpt.v2.ckpt.6-ab12.rank0-of-1", "y.ckpt.6-ab12.rank0-of-2", "x.ckpt.notes"]
+    for name in ours + crash_leftovers + others:
+        (tmp_path / name).touch()
+    HotCacheStrategy().remove_checkpoint(tmp_path / "x.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(others)
+
+
+def test_checkpoints_are_synced_by_default_and_a_users_checkpoint_io_is_kept() -> None:
+    assert isinstance(HotCacheStrategy().checkpoint_io, AtomicCheckpointIO)
+    wrapping = HotCacheStrategy(checkpoint_io=AsyncCheckpointIO()).checkpoint_io
+    assert isinstance(wrapping, AsyncCheckpointIO) and isinstance(wrapping.checkpoint_io, AtomicCheckpointIO)
+    users = TorchCheckpointIO()
+    assert HotCacheStrategy(checkpoint_io=users).checkpoint_io is users
+    assert HotCacheStrategy(checkpoint_io=AsyncCheckpointIO(users)).checkpoint_io.checkpoint_io is users
+
+
+def test_a_failed_write_leaves_the_previous_file_and_no_temporary_one(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "x.ckpt"
+    write_atomically({"step": 1}, path)
+
+    def full_disk(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_atomically({"step": 2}, path)
+    assert [p.name for p in tmp_path.iterdir()] == ["x.ckpt"]
+    assert torch.load(path) == {"step": 1}
