@@ -48,14 +48,3 @@ def rss_bytes() -> int:
     except OSError:
         return 0
 
-
-class PeakRSS(pl.Callback):
-    """Highest resident memory seen at the end of any training batch of a fit (the memory
-    a variant holds while it trains; ru_maxrss would be the whole process' peak, across
-    every variant a benchmark runs)."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.peak = max(self.peak, rss_bytes())

@@ -4,8 +4,10 @@ Each strategy trains the same DLRM (row-wise Adagrad on the tables, Adam on the 
 layers) on SyntheticCTRDataModule at scale 1.0 (33.8M rows) for ``--steps`` steps, one
 process, in this order, ``--rounds`` times over; samples/s is measured between the end of
 the warm-up steps and the last step (set-up, table init and profiling excluded), and the
-median round is reported. Prints a table and writes
-benchmarks/results/cpu_throughput.json.
+median round is reported, with ratios to ``auto`` and to ``torchrec`` (the fused FBGEMM
+baseline). Every run is a process of its own: its peak RSS is then that strategy's alone
+(and memory one fit leaves behind, as TorchRec's CPU sharding does, cannot starve the next).
+Prints a table and writes benchmarks/results/cpu_throughput.json.
 
     python benchmarks/cpu_throughput.py [--dim 16] [--batch-size 2048] [--steps 300] [--rounds 3] [--strategies auto hotcache@1]
 """
@@ -13,11 +15,15 @@ benchmarks/results/cpu_throughput.json.
 from __future__ import annotations
 
 import argparse
+import json
+import resource
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from clock import PeakRSS, StepClock
+from clock import StepClock
 from report import median_round, write_report
 
 from datamodules import SyntheticCTRDataModule
@@ -32,14 +38,15 @@ def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
     dm = SyntheticCTRDataModule(scale=1.0, embedding_dim=args.dim, batch_size=args.batch_size,
                                 num_train_samples=args.batch_size * (args.steps + 200), shuffle=False)  # fmt: skip
     model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
-    clock, memory = StepClock(args.warmup), PeakRSS()
+    clock = StepClock(args.warmup)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, limit_val_batches=0,
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[clock, memory],
+        enable_model_summary=False, callbacks=[clock],
     )  # fmt: skip
     trainer.fit(model, dm)
-    out = {"samples_per_s": clock.samples_per_s, "peak_rss_mib": memory.peak / 2**20}
+    # ru_maxrss is in KiB on Linux: the whole process' peak, i.e. this run's.
+    out = {"samples_per_s": clock.samples_per_s, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}
     plan = getattr(trainer.strategy, "plan", None)
     if plan is not None:
         out["device_mib"] = plan.device_bytes / 2**20
@@ -56,6 +63,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of every strategy; the median is reported")
     parser.add_argument("--strategies", nargs="+", help="a subset to run (default: all; auto is the baseline)")
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_throughput.json")
+    parser.add_argument("--job", help=argparse.SUPPRESS)  # one run in this process; prints its JSON
     args = parser.parse_args()
 
     runs = {
@@ -66,10 +74,21 @@ def main() -> None:
     unknown = set(args.strategies or ()) - set(runs)
     if unknown:
         parser.error(f"unknown strategies {sorted(unknown)}; choose from {list(runs)}")
+    if args.job:
+        print(json.dumps(train(runs[args.job](), args)))
+        return
     chosen = [name for name in runs if not args.strategies or name in args.strategies]
+    settings = ["--dim", str(args.dim), "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+
+    def job(name: str) -> dict[str, Any]:
+        done = subprocess.run([sys.executable, __file__, *settings, "--job", name], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
     # Rounds over all strategies, so slow drift of this shared machine hits them alike; the
     # median round counts.
-    rounds = [{name: train(runs[name](), args) for name in chosen} for _ in range(args.rounds)]
+    rounds = [{name: job(name) for name in chosen} for _ in range(args.rounds)]
     results = {name: median_round([r[name] for r in rounds]) for name in chosen}
     for r in results.values():
         for baseline in ("auto", "torchrec"):

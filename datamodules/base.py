@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
+from typing import Any, Literal, Protocol, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import ParallelStrategy
@@ -23,8 +23,8 @@ from torchrec import EmbeddingBagConfig, PoolingType
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-if TYPE_CHECKING:
-    from lightning.pytorch.loops import _FitLoop
+from lightning_hotcache._compat import fit_resume_point
+
 
 Split = Literal["train", "val", "test"]
 SPLITS: tuple[Split, ...] = ("train", "val", "test")
@@ -109,7 +109,7 @@ class ResumableSampler(DistributedSampler):
     and never its last. It also creates the resumed epoch's iterator before it sets the
     sampler's epoch, so a shuffled run would draw another epoch's order. The datamodule
     tells the sampler which epoch the restored run continues and how many of its batches
-    were already trained (see :func:`resume_point`).
+    were already trained (see `lightning_hotcache._compat.fit_resume_point`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -125,38 +125,6 @@ class ResumableSampler(DistributedSampler):
         indices = list(super().__iter__())
         skip, self._skip = self._skip, 0
         return iter(indices[skip:])
-
-
-def resume_point(fit_loop: _FitLoop) -> tuple[int, int]:
-    """The epoch a fit's next training iterator serves, and how many of its batches were trained.
-
-    Lightning asks for the training loader (and iterates it) after a checkpoint's loop state
-    is restored but before its loops' ``reset`` settles where the run goes on; with
-    ``reload_dataloaders_every_n_epochs`` it asks again between ``FitLoop.reset`` and
-    ``_TrainingEpochLoop.reset``. This follows their rules from the restored counters (which
-    neither call has changed in a way that matters here), so the iterator serves exactly the
-    batches the epoch loop will draw:
-
-    - not restarting (a fresh fit, or a checkpoint of a finished epoch under ``max_epochs``):
-      the epoch after the last processed one, from its first batch;
-    - saved by ``on_train_batch_end`` of an epoch's last batch (e.g. ``ModelCheckpoint(
-      every_n_train_steps=...)`` landing on it): that epoch is over, so the next one from its
-      first batch (Lightning closes the epoch, then starts the next one's batch count at 0);
-    - otherwise the restored epoch less the batches it completed, counting the one whose
-      ``on_train_batch_end`` saved the checkpoint (Lightning completes it on restart). An
-      epoch whose batches are all done (saved at its end under ``max_steps``) serves none.
-    """
-    epochs = fit_loop.epoch_progress.current
-    if not fit_loop.restarting:
-        return epochs.processed, 0
-    batches = fit_loop.epoch_loop.batch_progress
-    total = batches.total
-    saved_on_batch_end = total.started == total.ready == total.processed == total.completed + 1
-    if saved_on_batch_end and batches.is_last_batch:
-        # `started` counts the saving epoch in, so it indexes the next one; FitLoop.reset, which
-        # closes the saving epoch, leaves it as it is.
-        return epochs.started, 0
-    return epochs.processed, batches.current.completed + int(saved_on_batch_end)
 
 
 class CTRDataModule(pl.LightningDataModule):
@@ -243,7 +211,7 @@ class CTRDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader[Batch]:
         loader = self.dataloader("train", shuffle=self.shuffle)
         if self.trainer is not None:
-            loader.sampler.resume_at(*resume_point(self.trainer.fit_loop))
+            loader.sampler.resume_at(*fit_resume_point(self.trainer))
         return loader
 
     def val_dataloader(self) -> DataLoader[Batch]:

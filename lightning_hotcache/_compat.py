@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 def fit_train_dataloader(trainer: pl.Trainer) -> Any:
@@ -32,3 +33,42 @@ def keep_user_samplers(trainer: pl.Trainer) -> None:
     set up; there is no public setter after construction.
     """
     trainer._accelerator_connector.use_distributed_sampler = False
+
+
+def fit_resume_point(trainer: pl.Trainer) -> tuple[int, int]:
+    """The epoch a fit's next training iterator serves, and how many of its batches were trained.
+
+    Lightning asks for the training loader (and iterates it) after a checkpoint's loop state
+    is restored but before its loops' ``reset`` settles where the run goes on; with
+    ``reload_dataloaders_every_n_epochs`` it asks again between ``FitLoop.reset`` and
+    ``_TrainingEpochLoop.reset``. This follows their rules from the restored counters (which
+    neither call has changed in a way that matters here), so the iterator serves exactly the
+    batches the epoch loop will draw:
+
+    - not restarting (a fresh fit, or a checkpoint of a finished epoch under ``max_epochs``):
+      the epoch after the last processed one, from its first batch;
+    - saved by ``on_train_batch_end`` of an epoch's last batch (e.g. ``ModelCheckpoint(
+      every_n_train_steps=...)`` landing on it): that epoch is over, so the next one from its
+      first batch (Lightning closes the epoch, then starts the next one's batch count at 0);
+    - otherwise the restored epoch less the batches it completed, counting the one whose
+      ``on_train_batch_end`` saved the checkpoint (Lightning completes it on restart). An
+      epoch whose batches are all done (saved at its end under ``max_steps``) serves none.
+    """
+    fit_loop = trainer.fit_loop
+    epochs = fit_loop.epoch_progress.current
+    if not fit_loop.restarting:
+        return epochs.processed, 0
+    batches = fit_loop.epoch_loop.batch_progress
+    total = batches.total
+    saved_on_batch_end = total.started == total.ready == total.processed == total.completed + 1
+    if saved_on_batch_end and batches.is_last_batch:
+        # `started` counts the saving epoch in, so it indexes the next one; FitLoop.reset, which
+        # closes the saving epoch, leaves it as it is.
+        return epochs.started, 0
+    return epochs.processed, batches.current.completed + int(saved_on_batch_end)
+
+
+def has_last_checkpoint(callback: ModelCheckpoint, trainer: pl.Trainer) -> bool:
+    """Whether ``ckpt_path="last"`` finds a checkpoint of ``callback`` (its ``last*.ckpt``):
+    Lightning's own search, which it keeps private, so that the answer is the one it acts on."""
+    return bool(callback._find_last_checkpoints(trainer))

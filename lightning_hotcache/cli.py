@@ -33,6 +33,8 @@ from rich.console import Console
 from rich.table import Table
 from typing_extensions import override
 
+from lightning_hotcache._compat import has_last_checkpoint
+
 
 class HotCacheCLI(LightningCLI):
     """LightningCLI with the datamodule's table shapes linked into the model."""
@@ -93,7 +95,7 @@ class HotCacheCLI(LightningCLI):
             return
         callbacks = [c for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
         # The search Lightning makes for "last" (last*.ckpt in each callback's folder).
-        if not any(c._find_last_checkpoints(self.trainer) for c in callbacks):
+        if not any(has_last_checkpoint(c, self.trainer) for c in callbacks):
             folders = ", ".join(str(c.dirpath) for c in callbacks) or "none (the config has no ModelCheckpoint)"
             raise FileNotFoundError(
                 f"--ckpt_path last: no last checkpoint in {folders}. Train first (`hotcache fit` with the same "

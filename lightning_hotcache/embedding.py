@@ -97,18 +97,30 @@ def _same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
     return a is b or (va.data_ptr() == vb.data_ptr() and va.shape == vb.shape and a.keys() == b.keys())
 
 
-def _check_ids(values: Tensor, table: EmbeddingBagConfig, feature: str) -> None:
+def _check_ids(features: KeyedJaggedTensor, tables: dict[str, EmbeddingBagConfig]) -> None:
+    """Every id of every feature of ``tables`` (feature -> table) within its table, checked
+    in one pass over the batch's values (a check per feature costs a few small ops each,
+    which add up across 26 features on every step); the first bad id is named."""
+    values = features.values()
     if values.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"Feature {feature!r} (table {table.name!r}) has ids of dtype {values.dtype}; expected int32/int64.")
+        raise TypeError(f"Features {features.keys()} have ids of dtype {values.dtype}; expected int32/int64.")
     if values.numel() == 0:
         return
-    bad = (values < 0) | (values >= table.num_embeddings)
-    if bool(bad.any()):
-        first = int(values[bad][0])
-        raise ValueError(
-            f"Feature {feature!r} of table {table.name!r} has id {first}, outside [0, {table.num_embeddings}). "
-            "Hash or clip ids into the table's range (or enlarge num_embeddings); no row was touched."
-        )
+    keys = features.keys()
+    no_table = torch.iinfo(torch.int64).max  # features of other modules are not checked here
+    limits = torch.tensor([tables[k].num_embeddings if k in tables else no_table for k in keys], device=values.device)
+    per_value = torch.repeat_interleave(limits, torch.tensor(features.length_per_key(), device=values.device))
+    bad = (values < 0) | (values >= per_value)
+    if not bool(bad.any()):
+        return
+    position = int(bad.nonzero()[0])
+    feature = keys[int((position >= torch.tensor(features.offset_per_key()[1:])).sum())]
+    table = tables[feature]
+    raise ValueError(
+        f"Feature {feature!r} of table {table.name!r} has id {int(values[position])}, outside [0, "
+        f"{table.num_embeddings}). Hash or clip ids into the table's range (or enlarge num_embeddings); no row "
+        "was touched."
+    )
 
 
 class HotColdEmbeddingBagCollection(nn.Module):
@@ -301,7 +313,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
                         f"Feature {feature!r} of table {table.name!r} is missing from the batch "
                         f"(it has {features.keys()})."
                     )
-                _check_ids(by_feature[feature].values(), table, feature)
+        _check_ids(features, self._feature_table)
         slots: dict[str, Tensor] = {}
         tickets: dict[str, list[int]] = {}
         # One acquire per table (all its features' rows must be resident together), all tables

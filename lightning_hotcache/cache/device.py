@@ -281,8 +281,11 @@ class DeviceCache:
 
     def mark_updated(self, slots: Tensor) -> None:
         """Note that ``slots`` (repeats allowed) were updated, so eviction writes them back."""
-        if not self.identity:
-            # Only the owner writes a row back: other ranks' copies are dropped on eviction.
+        if self.identity:
+            return
+        if self.sharding.world == 1:
+            self.dirty[slots] = True
+        else:  # only the owner writes a row back: other ranks' copies are dropped on eviction
             self.dirty[slots] = self.dirty[slots] | self.sharding.owned(self.id_of_slot[slots])
 
     @torch.no_grad()

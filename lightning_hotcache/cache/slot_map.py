@@ -77,26 +77,26 @@ class SortedSlotMap:
         return slots
 
     def assign(self, ids: Tensor, slots: Tensor) -> None:
-        """Add ``ids`` (none present) at ``slots``. Only the new ids are sorted; they merge
-        into the sorted dynamic ids by their ranks in each other, cheaper than re-sorting
-        the union every fetch."""
+        """Add ``ids`` (none present) at ``slots``. Removed ids are dropped here, and only
+        the new ids are sorted: they merge into the sorted dynamic ids by their ranks in each
+        other, cheaper than re-sorting the union every fetch."""
+        live = self.dynamic_slots >= 0
+        old, old_slots = self.dynamic_ids[live], self.dynamic_slots[live]
         ids, order = ids.sort()
         slots = slots[order]
-        old = self.dynamic_ids
         new_at = torch.searchsorted(old, ids) + torch.arange(len(ids), device=ids.device)
         old_at = torch.searchsorted(ids, old) + torch.arange(len(old), device=old.device)
         merged_ids = torch.empty(len(old) + len(ids), dtype=torch.int64, device=old.device)
         merged_slots = torch.empty_like(merged_ids)
         merged_ids[old_at], merged_ids[new_at] = old, ids
-        merged_slots[old_at], merged_slots[new_at] = self.dynamic_slots, slots
+        merged_slots[old_at], merged_slots[new_at] = old_slots, slots
         self.dynamic_ids, self.dynamic_slots = merged_ids, merged_slots
 
     def remove(self, ids: Tensor) -> None:
-        """Drop ``ids`` (all present as dynamic ids, any order)."""
-        keep = torch.ones(len(self.dynamic_ids), dtype=torch.bool, device=self.dynamic_ids.device)
-        keep[torch.searchsorted(self.dynamic_ids, ids)] = False
-        self.dynamic_ids = self.dynamic_ids[keep]
-        self.dynamic_slots = self.dynamic_slots[keep]
+        """Drop ``ids`` (all present as dynamic ids, any order). They stay in the sorted
+        array with slot -1, which `lookup` reports as absent, until the next `assign`
+        compacts them away: an eviction is followed by a fill, so one compaction serves both."""
+        self.dynamic_slots[torch.searchsorted(self.dynamic_ids, ids)] = -1
 
 
 def make_slot_map(num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device) -> DenseSlotMap | SortedSlotMap:
