@@ -7,6 +7,7 @@ ranks by re-running the command that started rank 0.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,8 +40,34 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--resume-from", type=int, nargs="+", help="checkpoint every 2 steps, then resume from these steps' checkpoints"
     )
+    parser.add_argument("--nan-at-step", type=int, help="poison one dense value of the last rank's batch at this step")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args()
+
+
+class PoisonLastRank(pl.Callback):
+    """NaN in one dense feature of the last rank's batch at one step: the other ranks' losses stay finite."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == trainer.world_size - 1:
+            batch.dense_features[0, 0] = float("nan")
+
+
+def check_non_finite_loss(args: argparse.Namespace) -> None:
+    """Every rank stops at the poisoned step (none waits for the others in a collective):
+    each writes the error it raised."""
+    from lightning_hotcache.guards import NonFiniteLossError
+
+    try:
+        fit(args, callbacks=[PoisonLastRank(args.nan_at_step)])
+        error = "no error"
+    except NonFiniteLossError as err:
+        error = str(err)
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    Path(f"{args.out}.rank{rank}").write_text(error)
 
 
 def fit(
@@ -62,7 +89,7 @@ def fit(
         devices=args.devices,
         max_steps=args.steps,
         limit_val_batches=0,
-        enable_checkpointing=bool(callbacks),
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         callbacks=list(callbacks),
     )
     trainer.fit(model, dm, ckpt_path=ckpt_path)
@@ -85,6 +112,9 @@ def check_resume(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.nan_at_step is not None:
+        check_non_finite_loss(args)
+        return
     if args.resume_from:
         check_resume(args)
         return

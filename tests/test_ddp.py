@@ -69,3 +69,18 @@ def test_hotcache_two_processes_match_one_with_double_batch(tmp_path: Path, opti
     assert set(tmp_path.glob("sharded.ckpt.*")) == {shard_path(sharded, save_id, rank, 2) for rank in range(2)}
     torch.testing.assert_close(consolidated["state_dict"], two["state_dict"])
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["hotcache"])
+def test_nan_loss_on_one_rank_stops_every_rank(tmp_path: Path, strategy: str) -> None:
+    # Without agreeing across ranks, the rank with the NaN would stop and the others would
+    # wait forever for it in backward's collectives.
+    out = tmp_path / "nan"
+    env = {k: v for k, v in os.environ.items() if k not in {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"}}
+    cmd = [sys.executable, str(SCRIPT), "--devices=2", "--batch-size=128", f"--strategy={strategy}", "--big-tables", "--device-budget=0.05",
+           "--nan-at-step=2", f"--out={out}"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in (0, 1):
+        assert "global step 2 " in Path(f"{out}.rank{rank}").read_text()
