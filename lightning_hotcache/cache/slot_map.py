@@ -2,11 +2,13 @@
 
 The dense map costs 4 bytes per row of the *whole* table, which at small budgets can cost
 more than the cached rows themselves (1.6% of a 64-wide float table); the sorted map costs
-8 bytes per *resident* row but a binary search per lookup. `slot_map_kind` picks the cheaper
-one in bytes, and the planner counts the same bytes, so the budget is always honest.
+8 bytes per *resident* row (12 for tables of 2**31 rows or more) but a binary search per
+lookup. `slot_map_kind` picks the cheaper one in bytes, and the planner counts the same
+bytes, so the budget is always honest.
 
-The sorted map keeps the static ids (fixed for the whole run) apart from the dynamic ones,
-so a fetch re-sorts only the dynamic part, which is small.
+The sorted map keeps the static ids (fixed for the whole run, int64, the slot being the
+position) apart from the dynamic ones (int32 id and int32 slot where ids fit), so a fetch
+merges only the dynamic part, which is small.
 """
 
 from __future__ import annotations
@@ -18,16 +20,22 @@ from torch import Tensor
 
 SlotMapKind = Literal["dense", "sorted"]
 DENSE_BYTES_PER_ROW = 4  # int32 slot per table row
-SORTED_BYTES_PER_RESIDENT = 8  # int64 id per resident row (slots follow from positions or a parallel array)
+SORTED_BYTES_PER_RESIDENT = 8  # a static int64 id (its slot is its position), or a dynamic int32 id + int32 slot
+INT32_IDS_BELOW = 2**31
+
+
+def sorted_bytes_per_resident(num_embeddings: int) -> int:
+    # Tables too large for int32 ids keep dynamic ids in int64 (with an int32 slot).
+    return SORTED_BYTES_PER_RESIDENT if num_embeddings < INT32_IDS_BELOW else SORTED_BYTES_PER_RESIDENT + 4
 
 
 def slot_map_kind(num_embeddings: int, num_resident: int) -> SlotMapKind:
     dense = num_embeddings * DENSE_BYTES_PER_ROW
-    return "dense" if dense <= num_resident * SORTED_BYTES_PER_RESIDENT else "sorted"
+    return "dense" if dense <= num_resident * sorted_bytes_per_resident(num_embeddings) else "sorted"
 
 
 def slot_map_bytes(num_embeddings: int, num_resident: int) -> int:
-    return min(num_embeddings * DENSE_BYTES_PER_ROW, num_resident * SORTED_BYTES_PER_RESIDENT)
+    return min(num_embeddings * DENSE_BYTES_PER_ROW, num_resident * sorted_bytes_per_resident(num_embeddings))
 
 
 class DenseSlotMap:
@@ -55,8 +63,9 @@ class SortedSlotMap:
 
     def __init__(self, num_embeddings: int, static_ids: Tensor, device: torch.device) -> None:
         self.static_ids = static_ids.to(device)  # sorted by the cache
-        self.dynamic_ids = torch.empty(0, dtype=torch.int64, device=device)
-        self.dynamic_slots = torch.empty(0, dtype=torch.int64, device=device)
+        self.id_dtype = torch.int32 if num_embeddings < INT32_IDS_BELOW else torch.int64
+        self.dynamic_ids = torch.empty(0, dtype=self.id_dtype, device=device)
+        self.dynamic_slots = torch.empty(0, dtype=torch.int32, device=device)
 
     def tensors(self) -> list[Tensor]:
         return [self.static_ids, self.dynamic_ids, self.dynamic_slots]
@@ -72,8 +81,8 @@ class SortedSlotMap:
             pos, found = self._find(self.static_ids, ids)
             slots = torch.where(found, pos, slots)
         if len(self.dynamic_ids):
-            pos, found = self._find(self.dynamic_ids, ids)
-            slots = torch.where(found, self.dynamic_slots[pos], slots)
+            pos, found = self._find(self.dynamic_ids, ids.to(self.id_dtype))
+            slots = torch.where(found, self.dynamic_slots[pos].long(), slots)
         return slots
 
     def assign(self, ids: Tensor, slots: Tensor) -> None:
@@ -82,12 +91,12 @@ class SortedSlotMap:
         other, cheaper than re-sorting the union every fetch."""
         live = self.dynamic_slots >= 0
         old, old_slots = self.dynamic_ids[live], self.dynamic_slots[live]
-        ids, order = ids.sort()
-        slots = slots[order]
+        ids, order = ids.to(self.id_dtype).sort()
+        slots = slots[order].int()
         new_at = torch.searchsorted(old, ids) + torch.arange(len(ids), device=ids.device)
         old_at = torch.searchsorted(ids, old) + torch.arange(len(old), device=old.device)
-        merged_ids = torch.empty(len(old) + len(ids), dtype=torch.int64, device=old.device)
-        merged_slots = torch.empty_like(merged_ids)
+        merged_ids = torch.empty(len(old) + len(ids), dtype=self.id_dtype, device=old.device)
+        merged_slots = torch.empty(len(old) + len(ids), dtype=torch.int32, device=old.device)
         merged_ids[old_at], merged_ids[new_at] = old, ids
         merged_slots[old_at], merged_slots[new_at] = old_slots, slots
         self.dynamic_ids, self.dynamic_slots = merged_ids, merged_slots
@@ -96,7 +105,7 @@ class SortedSlotMap:
         """Drop ``ids`` (all present as dynamic ids, any order). They stay in the sorted
         array with slot -1, which `lookup` reports as absent, until the next `assign`
         compacts them away: an eviction is followed by a fill, so one compaction serves both."""
-        self.dynamic_slots[torch.searchsorted(self.dynamic_ids, ids)] = -1
+        self.dynamic_slots[torch.searchsorted(self.dynamic_ids, ids.to(self.id_dtype))] = -1
 
 
 def make_slot_map(num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device) -> DenseSlotMap | SortedSlotMap:
