@@ -367,8 +367,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
                     for feature in features:
                         cache.mark_updated(staged.slots[feature])
                 # FBGEMM's lookup node updates the rows in its backward; its post-hook runs
-                # once they are updated, and only then may they be evicted.
-                values.grad_fn.register_hook(_fused_backward_hook(self, staged))
+                # once they are updated, and only then may they be evicted. Should another
+                # node (a view) ever come after it, the rows wait for the next forward instead,
+                # which comes after this backward for sure (`_release_abandoned`).
+                if "Lookup" in values.grad_fn.name():
+                    values.grad_fn.register_hook(_fused_backward_hook(self, staged))
         else:
             self._release(staged)
         return KeyedTensor(

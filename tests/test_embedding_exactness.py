@@ -188,3 +188,16 @@ def test_staging_between_forward_and_backward_is_exact(kernel) -> None:
         out.backward(grad)
     assert module.caches["t_user"].counters.evicted_rows > 0
     assert_same(module, reference)
+
+
+def test_fused_backward_unlocks_the_rows_it_updated() -> None:
+    # The rows are released by a post-hook on FBGEMM's lookup node, right after its update:
+    # if that hook were not found, they would stay locked until the next forward.
+    batches = zipf_batches(steps=1)
+    plan = make_plan(batches, 0.05, 0, "lfu", SUM_TABLES)
+    module = HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(tables=SUM_TABLES), plan, RowWiseOptimizerConfig("sgd"))
+    assert module.kernel_note.startswith("fbgemm")
+    out = module(batches[0]).values()
+    assert sum(c.num_locked() for c in module.caches.values()) > 0
+    out.backward(UPSTREAM[0])
+    assert sum(c.num_locked() for c in module.caches.values()) == 0
