@@ -10,6 +10,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
 
 def fit_train_dataloader(trainer: pl.Trainer) -> Any:
@@ -72,3 +73,9 @@ def has_last_checkpoint(callback: ModelCheckpoint, trainer: pl.Trainer) -> bool:
     """Whether ``ckpt_path="last"`` finds a checkpoint of ``callback`` (its ``last*.ckpt``):
     Lightning's own search, which it keeps private, so that the answer is the one it acts on."""
     return bool(callback._find_last_checkpoints(trainer))
+
+
+def is_wrapping_checkpoint_io(io: object) -> bool:
+    """Whether ``io`` wraps another checkpoint IO (AsyncCheckpointIO does): Lightning's base
+    class for those is private, and the strategy must put its own IO inside such a wrapper."""
+    return isinstance(io, _WrappingCheckpointIO)

@@ -184,7 +184,7 @@ def _given(option: Any, default: Any) -> Any:
 
 def run_tool(command: str, argv: Sequence[str]) -> Any:
     """``hotcache profile`` / ``hotcache plan``: model and data from the config, no training."""
-    from lightning_hotcache.planner import HotColdPlanner
+    from lightning_hotcache.planner import HotColdPlanner, StatsNeededError
     from lightning_hotcache.profiling import AccessStats, plot_coverage
     from lightning_hotcache.rowwise import RowWiseOptimizerConfig
     from lightning_hotcache.strategy import HotCacheStrategy
@@ -232,10 +232,10 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
     )
     try:
         plan = planner.plan(tables, stats, _run_batch_size(cli) if stats is not None else None)
-    except ValueError as err:
-        if stats is not None or "hotcache profile" not in str(err):
-            raise SystemExit(f"error: {err}") from None
+    except StatsNeededError:
         plan = planner.plan(tables, _profile(cli, tables, options.batches))
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     print(plan)
     if options.out:
         plan.save(options.out)

@@ -6,7 +6,8 @@ pinned, others cached from a `HostStore`); a batch's ids become cache slots in `
 (ahead of time) or at the start of `forward`, and the lookup runs on slot ids. Where FBGEMM
 can (see `FusedTables`), all tables' slots live in one table-batched embedding: one kernel
 call per batch, and its backward applies the row-wise rule to the rows read, as TorchRec's
-fused tables do; the batch's slots unlock once its output is freed after backward.
+fused tables do; the batch's slots unlock in a post-hook on that kernel's autograd node, once
+the rows are updated.
 Otherwise the lookup is one ``embedding_bag`` per feature and, in backward, a hook on each
 table's slot tensor applies the row-wise optimizer to the rows the batch read (duplicate
 ids summed) and unlocks them.
@@ -184,6 +185,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         if process_group is not None:
             sharding = RowSharding(dist.get_rank(process_group), dist.get_world_size(process_group), process_group)
         self._features = [f for t in self._tables for f in t.feature_names]
+        self._feature_table = {f: t for t in self._tables for f in t.feature_names}
         self._fused = self._fused_tables(kernel, sharding.world)
         self.caches: dict[str, DeviceCache] = {}
         for index, table in enumerate(self._tables):
@@ -214,7 +216,6 @@ class HotColdEmbeddingBagCollection(nn.Module):
         # Across ranks, gradients wait here until every table's has arrived, so that the rows
         # of all tables travel in one exchange, not one per table.
         self._pending_gradients: dict[str, Tensor] = {}
-        self._feature_table = {f: t for t in self._tables for f in t.feature_names}
         self._table_features = [(self.caches[t.name], list(t.feature_names)) for t in self._tables]
         self._queue: deque[_StagedBatch] = deque()
         self._in_flight: list[_StagedBatch] = []
@@ -239,14 +240,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
         return FusedTables(
             slot_counts,
             [t.embedding_dim for t in self._tables],
-            [table_index[self._feature_table_name(f)] for f in self._features],
+            [table_index[self._feature_table[f].name] for f in self._features],
             self._tables[0].pooling,
             self.optimizer,
             self.device,
         )
-
-    def _feature_table_name(self, feature: str) -> str:
-        return next(t.name for t in self._tables if feature in t.feature_names)
 
     @classmethod
     def from_ebc(

@@ -73,6 +73,11 @@ def prefetch_thread_used(prefetch_thread: bool | None, device: torch.device | st
     return wanted and world_size == 1
 
 
+class StatsNeededError(ValueError):
+    """The plan splits a table and so needs access stats, and none were given: callers that
+    can profile the training data do so and plan again."""
+
+
 def batches_in_flight(prefetch_depth: int, prefetch_thread: bool) -> int:
     """Batches whose rows the device cache holds at once while the hotcache strategy trains:
     the one training, ``prefetch_depth`` staged ahead of it, the one Lightning's data fetcher
@@ -393,7 +398,7 @@ class HotColdPlanner:
 
     def _min_slots(self, table: EmbeddingBagConfig, stats: "AccessStats | None") -> int:
         if stats is None:
-            raise ValueError(
+            raise StatsNeededError(
                 f"Table {table.name!r} does not fit the device budget whole, so the planner needs access stats "
                 "to choose its hot rows: profile first (`hotcache profile -c CONFIG --out stats.npz`)."
             )

@@ -39,13 +39,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 from typing_extensions import override
 
-from lightning_hotcache._compat import fit_train_dataloader
+from lightning_hotcache._compat import fit_train_dataloader, is_wrapping_checkpoint_io
 from lightning_hotcache.cache import check_cache_policy
 from lightning_hotcache.cache.fused import KernelChoice, check_kernel_choice
 from lightning_hotcache.checkpoint import (
@@ -60,7 +59,7 @@ from lightning_hotcache.checkpoint import (
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
 from lightning_hotcache.guards import finite_loss_or_skip
 from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
-from lightning_hotcache.planner import Budget, HotColdPlan, HotColdPlanner, prefetch_thread_used
+from lightning_hotcache.planner import Budget, HotColdPlan, HotColdPlanner, StatsNeededError, prefetch_thread_used
 from lightning_hotcache.profiling import AccessStats, first_batch_size, profile_batches
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
 from lightning_hotcache.table_init import draw_seed, is_deferred
@@ -314,9 +313,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             stats = AccessStats.load(self.stats_path, tables) if self.stats_path else None
             try:
                 self.plan = planner.plan(tables, stats, self._run_batch_size(trainer) if stats is not None else None)
-            except ValueError as err:
-                if stats is not None or "hotcache profile" not in str(err):
-                    raise
+            except StatsNeededError:
                 batches = self._training_batches(trainer)
                 self.plan = planner.plan(tables, profile_batches(batches, tables, self.profile_batches))
         if self.world_size > 1:
@@ -441,7 +438,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         # checkpoint_io is kept, and a wrapping one (AsyncCheckpointIO) gets ours unless it wraps one.
         if self._checkpoint_io is None:
             self._checkpoint_io = AtomicCheckpointIO()
-        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+        elif is_wrapping_checkpoint_io(self._checkpoint_io) and self._checkpoint_io.checkpoint_io is None:
             self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()
         return self._checkpoint_io
 

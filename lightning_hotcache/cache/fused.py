@@ -14,6 +14,7 @@ pure-PyTorch path runs instead, and `fused_unavailable` says why (the plan print
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, Sequence
 
 import torch
@@ -64,6 +65,7 @@ def _tbe_classes() -> tuple[type, type, type, type, type]:
     return EmbOptimType, SparseType, EmbeddingLocation, PoolingMode, ComputeDevice
 
 
+@functools.cache  # one probe per process, not one per collection built
 def _cuda_kernels_present() -> bool:
     try:
         tables = FusedTables([2], [4], [0], PoolingType.SUM, RowWiseOptimizerConfig("sgd"), torch.device("cuda"))
