@@ -211,8 +211,9 @@ class HotColdPlan:
     def device_bytes(self) -> int:
         return sum(t.device_bytes for t in self.tables)
 
-    def check_tables(self, tables: Sequence[EmbeddingBagConfig]) -> None:
-        """Raise if the plan was made for other tables than ``tables``."""
+    def check_tables(self, tables: Sequence[EmbeddingBagConfig], whole_model: bool = True) -> None:
+        """Raise if the plan was made for other tables than ``tables``; with ``whole_model=False``
+        they are one collection's, and the plan may hold the model's other collections too."""
         planned = {t.name: t for t in self.tables}
         for table in tables:
             plan = planned.get(table.name)
@@ -224,7 +225,7 @@ class HotColdPlan:
                     f"{plan.num_embeddings}x{plan.embedding_dim} in the plan; plan again for this model."
                 )
         extra = sorted(planned.keys() - {t.name for t in tables})
-        if extra:
+        if extra and whole_model:
             raise ValueError(f"Tables in the plan but not in the model: {', '.join(extra)}; plan again with `hotcache plan`.")
 
     def __str__(self) -> str:
@@ -654,7 +655,7 @@ class HotColdPlanner:
                 continue
             points = np.unique(np.concatenate([[0], np.geomspace(1, seen, num=min(seen, 256)).astype(np.int64), [seen]]))
             lookups = stats.coverage(t.name, points) * stats.num_lookups[t.name]
-            # Charged as if the id map were sorted (8 bytes per resident row): never less than
+            # Charged as if the id map were sorted (its bytes per resident row): never less than
             # what the cheaper map really costs, so the plan stays within the budget.
             per_row = row_bytes(t, self.optimizer) + SORTED_BYTES_PER_RESIDENT
             for (k0, k1), (c0, c1) in zip(zip(points[:-1], points[1:]), zip(lookups[:-1], lookups[1:])):

@@ -28,6 +28,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="dlrm")
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--num-nodes", type=int, default=1, help="machines (under torchrun, one launch per node)")
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--train-samples", type=int, default=4096)
     parser.add_argument("--shuffle", action="store_true", help="shuffle the training batches every epoch")
@@ -40,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--resume-from", type=int, nargs="+", help="checkpoint every 2 steps, then resume from these steps' checkpoints"
     )
+    parser.add_argument("--resume-ckpt", type=Path, help="resume from this checkpoint (of a run with any number of processes)")
     parser.add_argument("--nan-at-step", type=int, help="poison one dense value of the last rank's batch at this step")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args()
@@ -54,6 +56,16 @@ class PoisonLastRank(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
         if trainer.global_step == self.step and trainer.global_rank == trainer.world_size - 1:
             batch.dense_features[0, 0] = float("nan")
+
+
+class CountBatches(pl.Callback):
+    """Training batches this process ran (a resumed fit runs only the rest)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_train_batch_end(self, *args) -> None:
+        self.count += 1
 
 
 def check_non_finite_loss(args: argparse.Namespace) -> None:
@@ -79,7 +91,9 @@ def fit(
         batch_size=args.batch_size, num_train_samples=args.train_samples, shuffle=args.shuffle, **tables
     )
     model = create_model(args.model, dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer})
-    strategy = args.strategy if args.devices > 1 else "auto"
+    # hotcache runs in one process too when asked (e.g. to resume a run of several).
+    processes = args.devices * args.num_nodes
+    strategy = args.strategy if processes > 1 or args.strategy == "hotcache" else "auto"
     if strategy == "hotcache" and args.device_budget is not None:
         strategy = HotCacheStrategy(
             device_budget=args.device_budget, profile_batches=2, checkpoint_shards=args.sharded_checkpoint is not None
@@ -87,6 +101,7 @@ def fit(
     trainer = cpu_trainer(
         strategy=strategy,
         devices=args.devices,
+        num_nodes=args.num_nodes,
         max_steps=args.steps,
         limit_val_batches=0,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
@@ -118,7 +133,8 @@ def main() -> None:
     if args.resume_from:
         check_resume(args)
         return
-    trainer, model = fit(args)
+    counter = CountBatches()
+    trainer, model = fit(args, ckpt_path=args.resume_ckpt, callbacks=[counter])
     if args.sharded_checkpoint is not None:
         trainer.save_checkpoint(args.sharded_checkpoint)
         trainer.save_checkpoint(args.sharded_checkpoint)  # over the first save: the shards of its every rank go
@@ -132,7 +148,7 @@ def main() -> None:
     if trainer.is_global_zero:
         torch.save(
             {"state_dict": state, "world_size": trainer.world_size, "host_rows": host_rows, "table_rows": table_rows,
-             "fetched_rows": fetched},
+             "fetched_rows": fetched, "batches_trained": counter.count},
             args.out,
         )  # fmt: skip
 

@@ -84,3 +84,33 @@ def test_nan_loss_on_one_rank_stops_every_rank(tmp_path: Path, strategy: str) ->
     assert result.returncode == 0, result.stderr[-4000:]
     for rank in (0, 1):
         assert "global step 2 " in Path(f"{out}.rank{rank}").read_text()
+
+
+def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path) -> None:
+    """Multi-node as a cluster runs it: one torchrun per "node" (here both on this machine),
+    Lightning's num_nodes; 2 nodes x 2 processes x batch 64 learn what 1 process x 256 learns."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "nodes.pt"
+    stale = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED"}
+    env = {**{k: v for k, v in os.environ.items() if k not in stale}, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    split = ["--big-tables", "--device-budget=0.05"]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", f"--node-rank={node}",
+             "--master-addr=127.0.0.1", f"--master-port={port}", str(SCRIPT), "--devices=2", "--num-nodes=2",
+             "--batch-size=64", "--optimizer=rowwise_adagrad", "--strategy=hotcache", *split, f"--out={out}"],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+    logs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), logs[0][-3000:] + logs[1][-3000:]
+    four = torch.load(out)
+    one = _train(tmp_path, 1, 256, "rowwise_adagrad", "auto", *split)
+    assert four["world_size"] == 4
+    assert four["fetched_rows"] > 0
+    torch.testing.assert_close(four["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)

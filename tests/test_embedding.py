@@ -152,11 +152,12 @@ def test_both_slot_maps_train_exactly(kind: str, monkeypatch: pytest.MonkeyPatch
 
 
 def test_slot_maps_agree_under_random_edits() -> None:
-    from lightning_hotcache.cache.slot_map import DenseSlotMap, SortedSlotMap
+    from lightning_hotcache.cache.slot_map import DenseSlotMap, SortedSlotMap, sorted_bytes_per_resident
 
     g = torch.Generator().manual_seed(0)
+    merges = 0
     static = torch.randperm(1000, generator=g)[:50].sort().values
-    maps = [cls(1000, static, torch.device("cpu")) for cls in (DenseSlotMap, SortedSlotMap)]
+    maps = [cls(1000, static, 150, torch.device("cpu")) for cls in (DenseSlotMap, SortedSlotMap)]
     resident: dict[int, int] = {}
     free_slots = list(range(50, 150))
     for _ in range(30):
@@ -173,6 +174,11 @@ def test_slot_maps_agree_under_random_edits() -> None:
             free_slots.append(resident.pop(i))
         probe = torch.randint(0, 1000, (200,), generator=g)
         torch.testing.assert_close(maps[0].lookup(probe), maps[1].lookup(probe))
+        # Evicted entries wait in the runs, but never past the room the planner pays for.
+        held = sum(t.numel() * t.element_size() for t in maps[1].tensors())
+        assert held <= 150 * sorted_bytes_per_resident(1000)
+        merges += len(maps[1].runs[1][0]) == 0
+    assert merges > 1  # the runs were merged into one more than once
 
 
 def test_mmap_host_files_hold_the_current_tables_after_flush(tmp_path) -> None:
@@ -220,7 +226,7 @@ def test_sorted_slot_map_holds_the_bytes_the_planner_counts(num_embeddings) -> N
     from lightning_hotcache.cache.slot_map import SortedSlotMap, sorted_bytes_per_resident
 
     static = torch.arange(0, 2000, 2)
-    m = SortedSlotMap(num_embeddings, static, torch.device("cpu"))
+    m = SortedSlotMap(num_embeddings, static, 1350, torch.device("cpu"))
     m.assign(torch.arange(1, 601, 2), torch.arange(1000, 1300))
     m.remove(torch.arange(1, 101, 2))
     m.assign(torch.arange(3001, 3101, 2), torch.arange(1300, 1350))

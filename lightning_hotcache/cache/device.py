@@ -248,12 +248,11 @@ class DeviceCache:
                 f"{self.num_dynamic} dynamic cache slots are free (the others hold rows of batches in flight). "
                 "Raise the device budget, lower prefetch_depth, or use smaller batches."
             )
-        if self.policy == "lfu":
-            score = self.frequency[start:].double() + self.last_used[start:].double() / (self._issued + 1)
-        else:
-            score = self.last_used[start:].double()
-        score[self.id_of_slot[start:] < 0] = -1.0  # empty slots first
-        score[locked] = float("inf")
+        last_used = self.last_used[start:]
+        # LFU ranks by frequency, then by last use (tickets are < _issued + 1): one exact integer key.
+        score = self.frequency[start:] * (self._issued + 1) + last_used if self.policy == "lfu" else last_used.clone()
+        score[self.id_of_slot[start:] < 0] = -1  # empty slots first
+        score[locked] = torch.iinfo(torch.int64).max
         return torch.topk(score, count, largest=False).indices + start
 
     def _evict(self, slots: Tensor) -> None:

@@ -2,13 +2,16 @@
 
 The dense map costs 4 bytes per row of the *whole* table, which at small budgets can cost
 more than the cached rows themselves (1.6% of a 64-wide float table); the sorted map costs
-8 bytes per *resident* row (12 for tables of 2**31 rows or more) but a binary search per
+10 bytes per *resident* row (15 for tables of 2**31 rows or more) but a binary search per
 lookup. `slot_map_kind` picks the cheaper one in bytes, and the planner counts the same
 bytes, so the budget is always honest.
 
 The sorted map keeps the static ids (fixed for the whole run, int64, the slot being the
-position) apart from the dynamic ones (int32 id and int32 slot where ids fit), so a fetch
-merges only the dynamic part, which is small.
+position) apart from the dynamic ones (int32 id and int32 slot where ids fit). Dynamic ids
+are two sorted runs, as in a log-structured merge tree: every fetch merges its new ids into
+a small recent run, and only when the runs (with the evicted ids they still hold) outgrow
+their room are both merged into one. Merging the whole cache on every fetch would cost
+O(cache slots) per step, the largest cost of a split-budget step before.
 """
 
 from __future__ import annotations
@@ -20,13 +23,18 @@ from torch import Tensor
 
 SlotMapKind = Literal["dense", "sorted"]
 DENSE_BYTES_PER_ROW = 4  # int32 slot per table row
-SORTED_BYTES_PER_RESIDENT = 8  # a static int64 id (its slot is its position), or a dynamic int32 id + int32 slot
+SORTED_BYTES_PER_ENTRY = 8  # a static int64 id (its slot is its position), or a dynamic int32 id + int32 slot
+# The dynamic runs may hold this many entries per dynamic slot (evicted ids wait for the next
+# merge as tombstones): more room, fewer whole-cache merges, more bytes.
+RUN_ROOM = 1.25
+SORTED_BYTES_PER_RESIDENT = int(SORTED_BYTES_PER_ENTRY * RUN_ROOM)
 INT32_IDS_BELOW = 2**31
 
 
 def sorted_bytes_per_resident(num_embeddings: int) -> int:
     # Tables too large for int32 ids keep dynamic ids in int64 (with an int32 slot).
-    return SORTED_BYTES_PER_RESIDENT if num_embeddings < INT32_IDS_BELOW else SORTED_BYTES_PER_RESIDENT + 4
+    entry = SORTED_BYTES_PER_ENTRY if num_embeddings < INT32_IDS_BELOW else SORTED_BYTES_PER_ENTRY + 4
+    return int(entry * RUN_ROOM)
 
 
 def slot_map_kind(num_embeddings: int, num_resident: int) -> SlotMapKind:
@@ -41,7 +49,7 @@ def slot_map_bytes(num_embeddings: int, num_resident: int) -> int:
 class DenseSlotMap:
     """``slot_of_id[id]``: one gather per lookup."""
 
-    def __init__(self, num_embeddings: int, static_ids: Tensor, device: torch.device) -> None:
+    def __init__(self, num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device) -> None:
         self.slot_of_id = torch.full((num_embeddings,), -1, dtype=torch.int32, device=device)
         self.slot_of_id[static_ids] = torch.arange(len(static_ids), dtype=torch.int32, device=device)
 
@@ -59,16 +67,20 @@ class DenseSlotMap:
 
 
 class SortedSlotMap:
-    """Static ids sorted (slot = position) plus dynamic ids sorted with their slots."""
+    """Static ids sorted (slot = position) plus dynamic ids in two sorted runs with their slots."""
 
-    def __init__(self, num_embeddings: int, static_ids: Tensor, device: torch.device) -> None:
+    def __init__(self, num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device) -> None:
         self.static_ids = static_ids.to(device)  # sorted by the cache
         self.id_dtype = torch.int32 if num_embeddings < INT32_IDS_BELOW else torch.int64
-        self.dynamic_ids = torch.empty(0, dtype=self.id_dtype, device=device)
-        self.dynamic_slots = torch.empty(0, dtype=torch.int32, device=device)
+        self.max_entries = int((num_slots - len(static_ids)) * RUN_ROOM)
+        # [whole run, recent run], each (sorted ids, their slots; -1 where evicted).
+        self.runs = [self._empty_run(device), self._empty_run(device)]
+
+    def _empty_run(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        return torch.empty(0, dtype=self.id_dtype, device=device), torch.empty(0, dtype=torch.int32, device=device)
 
     def tensors(self) -> list[Tensor]:
-        return [self.static_ids, self.dynamic_ids, self.dynamic_slots]
+        return [self.static_ids, *(t for run in self.runs for t in run)]
 
     @staticmethod
     def _find(sorted_ids: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -80,34 +92,53 @@ class SortedSlotMap:
         if len(self.static_ids):
             pos, found = self._find(self.static_ids, ids)
             slots = torch.where(found, pos, slots)
-        if len(self.dynamic_ids):
-            pos, found = self._find(self.dynamic_ids, ids.to(self.id_dtype))
-            slots = torch.where(found, self.dynamic_slots[pos].long(), slots)
+        narrow = ids.to(self.id_dtype)
+        for run_ids, run_slots in self.runs:
+            if len(run_ids):
+                pos, found = self._find(run_ids, narrow)
+                slot = run_slots[pos].long()
+                slots = torch.where(found & (slot >= 0), slot, slots)  # an evicted entry hides nothing
         return slots
 
     def assign(self, ids: Tensor, slots: Tensor) -> None:
-        """Add ``ids`` (none present) at ``slots``. Removed ids are dropped here, and only
-        the new ids are sorted: they merge into the sorted dynamic ids by their ranks in each
-        other, cheaper than re-sorting the union every fetch."""
-        live = self.dynamic_slots >= 0
-        old, old_slots = self.dynamic_ids[live], self.dynamic_slots[live]
+        """Add ``ids`` (none present) at ``slots``: merged into the recent run (dropping its
+        evicted entries), or, when the runs would outgrow their room or the recent run a
+        quarter of it (so that merging into it stays cheap), both runs into one."""
         ids, order = ids.to(self.id_dtype).sort()
-        slots = slots[order].int()
-        new_at = torch.searchsorted(old, ids) + torch.arange(len(ids), device=ids.device)
-        old_at = torch.searchsorted(ids, old) + torch.arange(len(old), device=old.device)
-        merged_ids = torch.empty(len(old) + len(ids), dtype=self.id_dtype, device=old.device)
-        merged_slots = torch.empty(len(old) + len(ids), dtype=torch.int32, device=old.device)
-        merged_ids[old_at], merged_ids[new_at] = old, ids
-        merged_slots[old_at], merged_slots[new_at] = old_slots, slots
-        self.dynamic_ids, self.dynamic_slots = merged_ids, merged_slots
+        merged = _merge(*_live(*self.runs[1]), ids, slots[order].int())
+        whole = self.runs[0]
+        if len(whole[0]) + len(merged[0]) > self.max_entries or len(merged[0]) > self.max_entries // 4:
+            self.runs = [_merge(*_live(*whole), *merged), self._empty_run(ids.device)]
+        else:
+            self.runs[1] = merged
 
     def remove(self, ids: Tensor) -> None:
-        """Drop ``ids`` (all present as dynamic ids, any order). They stay in the sorted
-        array with slot -1, which `lookup` reports as absent, until the next `assign`
-        compacts them away: an eviction is followed by a fill, so one compaction serves both."""
-        self.dynamic_slots[torch.searchsorted(self.dynamic_ids, ids.to(self.id_dtype))] = -1
+        """Drop ``ids`` (all present as dynamic ids, any order). They stay in their run with
+        slot -1, which `lookup` reports as absent, until that run is next merged."""
+        narrow = ids.to(self.id_dtype)
+        for run_ids, run_slots in self.runs:
+            if len(run_ids):
+                pos, found = self._find(run_ids, narrow)
+                run_slots[pos[found]] = -1
+
+
+def _live(ids: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+    live = slots >= 0
+    return ids[live], slots[live]
+
+
+def _merge(ids_a: Tensor, slots_a: Tensor, ids_b: Tensor, slots_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Two sorted runs (no id in both) as one, placed by each id's rank in the other run:
+    O(n log m) with no sort of the union."""
+    at_a = torch.searchsorted(ids_b, ids_a) + torch.arange(len(ids_a), device=ids_a.device)
+    at_b = torch.searchsorted(ids_a, ids_b) + torch.arange(len(ids_b), device=ids_b.device)
+    merged_ids = torch.empty(len(ids_a) + len(ids_b), dtype=ids_a.dtype, device=ids_a.device)
+    merged_slots = torch.empty(len(ids_a) + len(ids_b), dtype=torch.int32, device=ids_a.device)
+    merged_ids[at_a], merged_ids[at_b] = ids_a, ids_b
+    merged_slots[at_a], merged_slots[at_b] = slots_a, slots_b
+    return merged_ids, merged_slots
 
 
 def make_slot_map(num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device) -> DenseSlotMap | SortedSlotMap:
     cls = DenseSlotMap if slot_map_kind(num_embeddings, num_slots) == "dense" else SortedSlotMap
-    return cls(num_embeddings, static_ids, device)
+    return cls(num_embeddings, static_ids, num_slots, device)

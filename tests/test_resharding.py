@@ -1,0 +1,38 @@
+"""A hotcache checkpoint written by N processes resumes on M != N processes, exactly.
+
+Split tables live in round-robin host shards, one per rank; a checkpoint holds them either
+gathered into whole tables or as one shard file per rank (``checkpoint_shards``). Loading
+interleaves the N saved shards back into whole tables and every one of the M new ranks keeps
+its own round-robin share, so the resumed run learns what one process with the same global
+batch learns (TorchRec's sharded checkpoints cannot change the world size: torchrec #2534).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_ddp import _train
+
+SPLIT = ["--big-tables", "--device-budget=0.05"]
+GLOBAL_BATCH = 256
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One process, the global batch, 6 steps, no interruption."""
+    return _train(tmp_path_factory.mktemp("straight"), 1, GLOBAL_BATCH, "rowwise_adagrad", "auto", *SPLIT, "--steps=6")
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 4)], ids=["2to1", "1to2", "2to4"])
+def test_sharded_checkpoint_resumes_on_another_number_of_processes(tmp_path: Path, straight: dict, before: int, after: int) -> None:
+    checkpoint = tmp_path / "step3.ckpt"
+    first = _train(tmp_path, before, GLOBAL_BATCH // before, "rowwise_adagrad", "hotcache", *SPLIT, "--steps=3",
+                   f"--sharded-checkpoint={checkpoint}")  # fmt: skip
+    assert len(list(tmp_path.glob(f"step3.ckpt.*.rank*-of-{before}"))) == before  # really saved as shards
+    resumed = _train(tmp_path, after, GLOBAL_BATCH // after, "rowwise_adagrad", "hotcache", *SPLIT, "--steps=6",
+                     f"--resume-ckpt={checkpoint}")  # fmt: skip
+    assert first["world_size"] == before and resumed["world_size"] == after
+    assert resumed["batches_trained"] == 3  # it went on from step 3
+    torch.testing.assert_close(resumed["state_dict"], straight["state_dict"], rtol=1e-5, atol=1e-5)
