@@ -175,7 +175,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         self.optimizer = optimizer or RowWiseOptimizerConfig()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.plan = plan
-        plan.check_tables(self._tables)
+        plan.check_tables(self._tables, whole_model=False)  # one plan covers all of a model's collections
         for table in self._tables:
             if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                 raise ValueError(f"Table {table.name!r}: pooling {table.pooling} is not supported (SUM or MEAN).")

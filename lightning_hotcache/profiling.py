@@ -530,7 +530,8 @@ class AccessProfiler:
 
     Args:
         tables: the model's table configs (torchrec ``EmbeddingBagConfig``); every feature a
-            table lists counts into that table, features no table lists are ignored.
+            table lists counts into that table (into each of them, for a feature several
+            tables read), features no table lists are ignored.
         exact_max_bytes: a table whose int64 count array (8 bytes a row) fits this is
             counted exactly; a larger one gets a SpaceSaving sketch.
         sketch_capacity: counters per sketched table. Guarantee, with N lookups of the
@@ -562,13 +563,11 @@ class AccessProfiler:
             _TableCounter(sig, exact=sig.num_embeddings * 8 <= exact_max_bytes, capacity=sketch_capacity)
             for sig in self.tables
         ]
-        self._feature_table: dict[str, int] = {}
+        # A feature may feed several tables, as TorchRec allows (e.g. a model's first-order tables).
+        self._feature_tables: dict[str, list[int]] = {}
         for index, sig in enumerate(self.tables):
             for feature in sig.feature_names:
-                if feature in self._feature_table:
-                    other = self.tables[self._feature_table[feature]].name
-                    raise ValueError(f"Feature {feature!r} is listed by both table {other} and table {sig.name}.")
-                self._feature_table[feature] = index
+                self._feature_tables.setdefault(feature, []).append(index)
         self.num_batches = 0
         self.num_batches_seen = 0
         self.batch_size: int | None = None
@@ -594,17 +593,17 @@ class AccessProfiler:
         # Validate the whole batch before counting any of it, so an error leaves the counts untouched.
         for feature, length in zip(features.keys(), features.length_per_key()):
             chunk, start = ids[start : start + length], start + length
-            index = self._feature_table.get(feature)
-            if index is None or not len(chunk):
+            if not len(chunk):
                 continue
-            rows = self.tables[index].num_embeddings
-            if chunk.min() < 0 or chunk.max() >= rows:
-                bad = chunk[np.flatnonzero((chunk < 0) | (chunk >= rows))[0]]
-                raise ValueError(
-                    f"Feature {feature!r} of table {self.tables[index].name} has id {bad}, "
-                    f"outside the table's rows [0, {rows})."
-                )
-            per_table[index].append(chunk)
+            for index in self._feature_tables.get(feature, []):
+                rows = self.tables[index].num_embeddings
+                if chunk.min() < 0 or chunk.max() >= rows:
+                    bad = chunk[np.flatnonzero((chunk < 0) | (chunk >= rows))[0]]
+                    raise ValueError(
+                        f"Feature {feature!r} of table {self.tables[index].name} has id {bad}, "
+                        f"outside the table's rows [0, {rows})."
+                    )
+                per_table[index].append(chunk)
         for counter, chunks in zip(self._counters, per_table):
             counter.add(np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64))
         self.num_batches += 1

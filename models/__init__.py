@@ -12,8 +12,15 @@ from models.base import CTRModel
 from models.dcn import DCN
 from models.deepfm import DeepFM
 from models.dlrm import DLRM, DLRM_DCN
+from models.finalmlp import FinalMLP
+from models.fm import FM
+from models.lr import LR
+from models.wide_deep import WideAndDeep
+from models.xdeepfm import XDeepFM
 
-MODEL_REGISTRY: dict[str, type[CTRModel]] = {"dlrm": DLRM, "dlrm_dcn": DLRM_DCN, "deepfm": DeepFM, "dcn": DCN}
+MODEL_REGISTRY: dict[str, type[CTRModel]] = {"dlrm": DLRM, "dlrm_dcn": DLRM_DCN, "deepfm": DeepFM, "dcn": DCN,
+                                             "xdeepfm": XDeepFM, "finalmlp": FinalMLP, "lr": LR, "fm": FM,
+                                             "wide_deep": WideAndDeep}  # fmt: skip
 
 
 def create_model(name: str, tables: Sequence[EmbeddingBagConfig], num_dense_features: int, **kwargs: Any) -> CTRModel:
@@ -25,4 +32,5 @@ def create_model(name: str, tables: Sequence[EmbeddingBagConfig], num_dense_feat
     return model_cls(tables, num_dense_features, **kwargs)
 
 
-__all__ = ["CTRModel", "DCN", "DLRM", "DLRM_DCN", "DeepFM", "MODEL_REGISTRY", "create_model"]
+__all__ = ["CTRModel", "DCN", "DLRM", "DLRM_DCN", "DeepFM", "FM", "FinalMLP", "LR", "MODEL_REGISTRY", "WideAndDeep",
+           "XDeepFM", "create_model"]  # fmt: skip

@@ -1,9 +1,10 @@
 """CTRModel: the LightningModule every zoo model is; subclasses only say how logits are made.
 
 A CTR model here is torchrec's sparse arch (an EmbeddingBagCollection looked up with a
-KeyedJaggedTensor) plus dense layers. The base class owns what is the same for all of
-them: the embedding tables, the click loss and metrics, and the split between the two
-kinds of parameters:
+KeyedJaggedTensor) plus dense layers, and, in models with one (LR, FM, DeepFM, ...), a
+first-order term with per-id weights in a collection of their own. The base class owns
+what is the same for all of them: the embedding tables, the click loss and metrics, and
+the split between the two kinds of parameters:
 
 * embedding rows are trained by a row-wise rule (`RowWiseOptimizerConfig`) on sparse
   gradients, stepped right after the dense optimizer's backward pass; a placement strategy
@@ -19,7 +20,7 @@ from __future__ import annotations
 import inspect
 from abc import abstractmethod
 from dataclasses import asdict
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -40,6 +41,7 @@ from lightning_hotcache.guards import (
 )
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
 from lightning_hotcache.table_init import draw_seed, materialize_tables
+from models.first_order import FirstOrderArch
 
 TableSpec = EmbeddingBagConfig | Mapping[str, Any]
 
@@ -103,6 +105,13 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     # training_step checks its loss itself (see `non_finite_loss`): the hotcache strategy
     # then does not check it again.
     checks_non_finite_loss = True
+    # The two terms whose sum is the logit (see `forward`); a subclass switches them:
+    # the embedding tower (TorchRec's sparse arch over the dim-D tables, then the dense
+    # arch, interaction and over arch of the builders below), and the first-order term
+    # (`FirstOrderArch`: a weight per sparse id in tables of its own, plus a linear layer
+    # on the dense features and the bias).
+    uses_embeddings: ClassVar[bool] = True
+    uses_first_order: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -126,6 +135,10 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             )
         if num_dense_features < 1:
             raise ValueError(f"num_dense_features must be >= 1, got {num_dense_features}.")
+        if not (self.uses_embeddings or self.uses_first_order):
+            raise TypeError(
+                f"{type(self).__name__} sets neither uses_embeddings nor uses_first_order: it has no logit."
+            )
         if not dense_lr > 0:
             raise ValueError(f"dense_lr must be > 0, got {dense_lr}.")
         if isinstance(embedding_optimizer, Mapping):
@@ -144,9 +157,12 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         # Drawn where eager tables draw their rows, so a seeded run gets the same tables under
         # every strategy, whenever and wherever they are materialized.
         self.table_init_seed = draw_seed() if defer_table_init else None
-        self.sparse_arch = SparseArch(EmbeddingBagCollection(tables=table_configs, device=table_device))
-        self.num_sparse_features = self.sparse_arch.F
-        use_sparse_gradients(self.sparse_arch)
+        self.num_sparse_features = sum(len(t.feature_names) for t in table_configs)
+        if self.uses_embeddings:
+            self.sparse_arch = SparseArch(EmbeddingBagCollection(tables=table_configs, device=table_device))
+            use_sparse_gradients(self.sparse_arch)
+        if self.uses_first_order:
+            self.first_order_arch = FirstOrderArch(table_configs, num_dense_features, device=table_device)
         self._embedding_optimizer: RowWiseOptimizer | None = None
 
         self.loss_fn = nn.BCEWithLogitsLoss()
@@ -179,7 +195,10 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         """Module mapping the interaction output (B, in_features) to logits (B, 1)."""
 
     def assemble(self) -> None:
-        """Build the dense arch, interaction and over arch from the builders."""
+        """Build the dense arch, interaction and over arch from the builders (a model without
+        the embedding tower has none)."""
+        if not self.uses_embeddings:
+            return
         self.dense_arch = self.build_dense_arch()
         self.inter_arch = self.build_interaction()
         # The over arch's input width follows from whatever interaction a subclass built.
@@ -197,9 +216,15 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
 
     @override
     def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
-        """Click logits of shape (B,)."""
+        """Click logits of shape (B,): the embedding tower's plus the first-order term, each
+        where the model has it."""
+        if not self.uses_embeddings:
+            return self.first_order_arch(dense_features, sparse_features)
         interaction = self.inter_arch(self.dense_arch(dense_features), self.embed(sparse_features))
-        return self.over_arch(interaction).squeeze(-1)
+        logits = self.over_arch(interaction).squeeze(-1)
+        if self.uses_first_order:
+            logits = logits + self.first_order_arch(dense_features, sparse_features)
+        return logits
 
     # ----------------------------------------------------------------- training
     @override

@@ -18,9 +18,12 @@ class DCN(CTRModel):
     Args:
         tables: the datamodule's embedding tables (one shared embedding_dim).
         num_dense_features: width of the dense input (fed raw, as in the paper).
-        cross_version: ``v2`` (full-rank DCN-V2), ``low_rank`` (DCN-V2 low-rank) or ``v1``.
+        cross_version: ``v2`` (full-rank DCN-V2), ``low_rank`` (DCN-V2 low-rank), ``mixture``
+            (DCN-V2's mixture of low-rank experts, gated per sample) or ``v1``.
         num_cross_layers: depth of the cross network.
-        low_rank: rank of each cross layer when ``cross_version="low_rank"``.
+        low_rank: rank of each cross layer (of each expert's) when ``cross_version`` is
+            ``low_rank`` (``mixture``).
+        num_experts: low-rank experts per cross layer when ``cross_version="mixture"``.
         deep_layer_sizes: sizes of the deep tower.
         **kwargs: `CTRModel` options (embedding_optimizer, dense_lr).
     """
@@ -32,6 +35,7 @@ class DCN(CTRModel):
         cross_version: CrossNetVersion = "v2",
         num_cross_layers: int = 3,
         low_rank: int = 32,
+        num_experts: int = 4,
         deep_layer_sizes: Sequence[int] = (128, 64),
         **kwargs: Any,
     ) -> None:
@@ -49,6 +53,7 @@ class DCN(CTRModel):
             deep_layer_sizes=self.hparams.deep_layer_sizes,
             version=self.hparams.cross_version,
             low_rank=self.hparams.low_rank,
+            num_experts=self.hparams.num_experts,
         )
 
     @override

@@ -16,6 +16,10 @@ from models.interactions import FMInteraction
 class DeepFM(CTRModel):
     """DeepFM with the dense features projected into one extra field.
 
+    As in the paper, the logit is the FM's first-order term (`models.first_order.FirstOrderArch`:
+    a weight per sparse id, a linear layer on the raw dense features, the bias) plus its
+    second-order term and the deep tower's output, the last two weighed by the over arch.
+
     Args:
         tables: the datamodule's embedding tables (one shared embedding_dim).
         num_dense_features: width of the dense input.
@@ -24,6 +28,8 @@ class DeepFM(CTRModel):
         deep_layer_sizes: sizes of the deep tower over all fields.
         **kwargs: `CTRModel` options (embedding_optimizer, dense_lr).
     """
+
+    uses_first_order = True
 
     def __init__(
         self,
@@ -45,4 +51,4 @@ class DeepFM(CTRModel):
 
     @override
     def build_over_arch(self, in_features: int) -> nn.Module:
-        return nn.Linear(in_features, 1)
+        return nn.Linear(in_features, 1, bias=False)  # the bias is the first-order term's

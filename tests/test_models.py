@@ -138,3 +138,299 @@ def test_subclass_builders_see_attributes_set_after_super_init(tmp_path) -> None
     trainer.save_checkpoint(tmp_path / "model.ckpt")
     loaded = _WidthFromAttribute.load_from_checkpoint(tmp_path / "model.ckpt")
     torch.testing.assert_close(loaded.state_dict(), model.state_dict())
+
+
+# ----------------------------------------------------------- xDeepFM, FinalMLP, DCN mixture
+from models.interactions import (  # noqa: E402
+    CINInteraction,
+    CompressedInteractionNetwork,
+    FeatureGate,
+    MultiHeadBilinearFusion,
+)
+
+
+def test_cin_one_layer_by_hand() -> None:
+    """X^1[h] = sum_ij W[h, i, j] (X^0[i] ∘ X^0[j]), then summed over the embedding axis."""
+    cin = CompressedInteractionNetwork(num_fields=2, layer_sizes=[2])
+    fields = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])  # one sample, x1 = (1, 2), x2 = (3, 4)
+    with torch.no_grad():
+        # map 0: 1 * x1∘x1 + 2 * x2∘x2 = (1, 4) + 2 * (9, 16) -> 55; map 1: x1∘x2 = (3, 8) -> 11
+        cin.layers[0].weight.copy_(torch.tensor([[1.0, 0.0, 0.0, 2.0], [0.0, 1.0, 0.0, 0.0]]))
+    torch.testing.assert_close(cin(fields), torch.tensor([[55.0, 11.0]]))
+
+
+def test_cin_layers_cross_previous_maps_with_the_fields() -> None:
+    torch.manual_seed(0)
+    fields = torch.randn(3, 4, 5)  # B, m, D
+    cin = CompressedInteractionNetwork(num_fields=4, layer_sizes=[2, 3])
+    x, expected = fields, []
+    for layer in cin.layers:
+        w = layer.weight.view(layer.out_features, x.shape[1], 4)  # (H_k, H_{k-1}, m)
+        x = torch.stack(
+            [sum(w[h, i, j] * x[:, i] * fields[:, j] for i in range(x.shape[1]) for j in range(4)) for h in range(len(w))],
+            dim=1,
+        )
+        expected.append(x.sum(dim=2))
+    out = cin(fields)
+    assert out.shape == (3, 5)
+    torch.testing.assert_close(out, torch.cat(expected, dim=1))
+
+    interaction = CINInteraction(num_fields=5, embedding_dim=5, cin_layer_sizes=[2, 3], deep_layer_sizes=[8, 6])
+    assert interaction(torch.randn(3, 5), fields).shape == (3, 2 + 3 + 6)
+    with pytest.raises(ValueError, match="CIN layer_sizes"):
+        CompressedInteractionNetwork(4, [])
+
+
+def test_feature_gate_weights_each_element_by_its_context() -> None:
+    torch.manual_seed(0)
+    fields = torch.randn(4, 3, 2)
+    shared = FeatureGate(num_fields=3, embedding_dim=2, context_fields=[], hidden_sizes=[8])
+    gated = shared(fields)
+    gate = gated / fields.flatten(1)
+    assert gated.shape == (4, 6) and ((gate > 0) & (gate < 2)).all()
+    torch.testing.assert_close(gate, gate[:1].expand(4, -1))  # no context: one gate for every sample
+
+    by_field_1 = FeatureGate(num_fields=3, embedding_dim=2, context_fields=[1], hidden_sizes=[8])
+    other = fields.clone()
+    other[:, 2] += 1.0  # not the context: the gate stays
+    torch.testing.assert_close(by_field_1(other) / other.flatten(1), by_field_1(fields) / fields.flatten(1))
+    other[:, 1] += 1.0  # the context: the gate moves
+    assert not torch.allclose(by_field_1(other) / other.flatten(1), by_field_1(fields) / fields.flatten(1))
+
+    with torch.no_grad():
+        last = by_field_1.gate._mlp[-1]._linear
+        last.weight.zero_()
+        last.bias.fill_(1.5)
+    torch.testing.assert_close(by_field_1(fields), fields.flatten(1) * 2 * torch.sigmoid(torch.tensor(1.5)))
+    with pytest.raises(ValueError, match="out of range"):
+        FeatureGate(3, 2, [3], [8])
+
+
+def test_multi_head_bilinear_fusion_by_hand() -> None:
+    torch.manual_seed(0)
+    fusion = MultiHeadBilinearFusion(x_dim=4, y_dim=6, num_heads=2)
+    x, y = torch.randn(5, 4), torch.randn(5, 6)
+    out = fusion(torch.cat([x, y], dim=1))
+    w, b = fusion.linear.weight[0], fusion.linear.bias
+    expected = b + x @ w[:4] + y @ w[4:]
+    for h in range(2):  # head h: x[:, 2h:2h+2]^T W_h y[:, 3h:3h+3]
+        expected = expected + ((x[:, 2 * h : 2 * h + 2] @ fusion.bilinear[h]) * y[:, 3 * h : 3 * h + 3]).sum(dim=1)
+    assert out.shape == (5, 1)
+    torch.testing.assert_close(out[:, 0], expected)
+    with pytest.raises(ValueError, match="divide both stream widths"):
+        MultiHeadBilinearFusion(4, 6, num_heads=4)
+
+
+def test_finalmlp_gates_on_named_features_and_fuses_its_streams() -> None:
+    dm = tiny_synthetic()
+    model = _model("finalmlp", dm, stream1_layer_sizes=[16, 8], stream2_layer_sizes=[12],
+                   stream1_gate_features=["cat_2"], num_heads=4)  # fmt: skip
+    assert model.inter_arch.gate1.context_fields == [3]  # field 0 is the dense projection
+    assert model.inter_arch.gate2.context_fields == []
+    fusion = model.over_arch
+    assert (fusion.x_dim, fusion.num_heads, tuple(fusion.bilinear.shape)) == (8, 4, (4, 2, 3))
+    batch = dm.source("train").batch(0, 16)
+    assert model(batch.dense_features, batch.sparse_features).shape == (16,)
+    with pytest.raises(ValueError, match="not sparse features"):
+        _model("finalmlp", dm, stream2_gate_features=["user_id"])
+
+
+def test_dcn_mixture_of_low_rank_experts() -> None:
+    from torchrec.modules.crossnet import LowRankMixtureCrossNet
+
+    dm = tiny_synthetic()
+    model = _model("dcn", dm, cross_version="mixture", num_experts=3, low_rank=4)
+    cross = model.inter_arch.cross
+    assert isinstance(cross, LowRankMixtureCrossNet) and cross._num_experts == 3 and cross._low_rank == 4
+    batch = dm.source("train").batch(0, 16)
+    model.loss_fn(model(batch.dense_features, batch.sparse_features), batch.labels).backward()
+    assert all(g.weight.grad is not None for g in cross.gates)  # the per-sample gate learns
+    with pytest.raises(ValueError, match="num_experts"):
+        _model("dcn", dm, cross_version="mixture", num_experts=0)
+
+
+def test_xdeepfm_logit_is_linear_part_plus_cin_and_deep() -> None:
+    dm = tiny_synthetic()
+    model = _model("xdeepfm", dm, cin_layer_sizes=[4, 3], deep_layer_sizes=[8])
+    assert model.over_arch.in_features == 4 + 3 + 8 and model.over_arch.bias is None
+    batch = dm.source("train").batch(0, 16)
+    dense, sparse = batch.dense_features, batch.sparse_features
+    towers = model.over_arch(model.inter_arch(model.dense_arch(dense), model.embed(sparse))).squeeze(-1)
+    torch.testing.assert_close(model(dense, sparse), towers + model.first_order_arch(dense, sparse))
+
+
+# ----------------------------------------------------- first-order term: LR, FM, Wide & Deep, DeepFM
+from torchrec import KeyedJaggedTensor  # noqa: E402
+
+from lightning_hotcache.rowwise import ROW_STATE_KEY  # noqa: E402
+from models import FM, LR, DeepFM  # noqa: E402
+from models.first_order import FIRST_ORDER_DIM  # noqa: E402
+
+# Two samples; "item" and "item_hist" share a table, and item_hist is multi-hot (and empty once).
+HAND_TABLES = [
+    EmbeddingBagConfig(name="t_user", num_embeddings=5, embedding_dim=8, feature_names=["user"]),
+    EmbeddingBagConfig(name="t_item", num_embeddings=7, embedding_dim=8, feature_names=["item", "item_hist"]),
+]
+HAND_FEATURES = {"user": ("t_user", [[1], [3]]), "item": ("t_item", [[2], [6]]), "item_hist": ("t_item", [[2, 5], []])}
+
+
+def _hand_batch() -> tuple[torch.Tensor, KeyedJaggedTensor]:
+    torch.manual_seed(1)
+    bags = [bag for _, samples in HAND_FEATURES.values() for bag in samples]
+    sparse = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(HAND_FEATURES),
+        values=torch.tensor([i for bag in bags for i in bag]),
+        lengths=torch.tensor([len(bag) for bag in bags]),
+    )
+    return torch.randn(2, 3), sparse
+
+
+def _randomize(model: CTRModel) -> None:
+    """Random values everywhere, the first-order tables included (they start at zero)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+
+
+def _pooled_by_hand(weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Each feature's SUM-pooled rows of its table (``weights``: table -> weight), (B, width) each."""
+    return [
+        torch.stack([weights[table][ids].sum(dim=0) for ids in samples]) for table, samples in HAND_FEATURES.values()
+    ]
+
+
+def _first_order_by_hand(model: CTRModel, dense: torch.Tensor) -> torch.Tensor:
+    """w0 + <w_dense, x> + the per-id weights (the mean of each first-order row), summed over features."""
+    arch = model.first_order_arch
+    bags = arch.embedding_bag_collection.embedding_bags
+    weights = {t: bags[f"{t}_linear"].weight.mean(dim=1) for t in ("t_user", "t_item")}
+    return arch.dense.bias + dense @ arch.dense.weight[0] + sum(_pooled_by_hand(weights))
+
+
+def _pairwise_dots(fields: torch.Tensor) -> torch.Tensor:
+    """sum_{i<j} <f_i, f_j> over fields (B, m, D), term by term."""
+    m = fields.shape[1]
+    return sum((fields[:, i] * fields[:, j]).sum(dim=1) for i in range(m) for j in range(i + 1, m))
+
+
+def _embeddings_by_hand(model: CTRModel) -> torch.Tensor:
+    bags = model.sparse_arch.embedding_bag_collection.embedding_bags
+    return torch.stack(_pooled_by_hand({t: bags[t].weight for t in ("t_user", "t_item")}), dim=1)
+
+
+def test_lr_is_logistic_regression_on_the_picked_weights() -> None:
+    model = LR(HAND_TABLES, 3)
+    _randomize(model)
+    dense, sparse = _hand_batch()
+    assert not hasattr(model, "sparse_arch"), "LR looks up no dim-D tables"
+    assert {tuple(p.shape) for p in model.embedding_parameters()} == {(5, FIRST_ORDER_DIM), (7, FIRST_ORDER_DIM)}
+    arch, bags = model.first_order_arch, model.first_order_arch.embedding_bag_collection.embedding_bags
+    user, item = bags["t_user_linear"].weight.mean(dim=1), bags["t_item_linear"].weight.mean(dim=1)
+    sample_0 = user[1] + item[2] + item[2] + item[5] + dense[0] @ arch.dense.weight[0] + arch.dense.bias[0]
+    sample_1 = user[3] + item[6] + dense[1] @ arch.dense.weight[0] + arch.dense.bias[0]
+    torch.testing.assert_close(model(dense, sparse), torch.stack([sample_0, sample_1]))
+    torch.testing.assert_close(model(dense, sparse), _first_order_by_hand(model, dense))
+
+
+def test_fm_is_first_order_plus_every_pair_of_fields() -> None:
+    model = FM(HAND_TABLES, 3)
+    _randomize(model)
+    dense, sparse = _hand_batch()
+    # Rendle's real-valued inputs: field x_j * v_j per dense feature, beside the 3 sparse fields.
+    fields = torch.cat([dense.unsqueeze(-1) * model.dense_arch.factors, _embeddings_by_hand(model)], dim=1)
+    assert fields.shape == (2, 3 + 3, 8)
+    expected = _first_order_by_hand(model, dense) + _pairwise_dots(fields)
+    torch.testing.assert_close(model(dense, sparse), expected)
+
+
+def test_deepfm_logit_is_first_order_plus_fm_and_deep() -> None:
+    model = DeepFM(HAND_TABLES, 3, dense_arch_layer_sizes=[4], deep_layer_sizes=[6])
+    _randomize(model)
+    dense, sparse = _hand_batch()
+    fields = torch.cat([model.dense_arch(dense).unsqueeze(1), _embeddings_by_hand(model)], dim=1)
+    deep = model.inter_arch.deep([fields])
+    # The FM tower is the fields' pairwise dot products (not TorchRec's FactorizationMachine,
+    # which multiplies every two scalars of the flattened fields).
+    towers = torch.cat([deep, _pairwise_dots(fields).unsqueeze(1)], dim=1) @ model.over_arch.weight[0]
+    assert model.over_arch.bias is None  # the bias is the first-order term's
+    torch.testing.assert_close(model(dense, sparse), _first_order_by_hand(model, dense) + towers)
+
+
+def test_wide_and_deep_logit_is_wide_plus_deep() -> None:
+    dm = tiny_synthetic()
+    model = _model("wide_deep", dm, deep_layer_sizes=[8, 4])
+    _randomize(model)
+    batch = dm.source("train").batch(0, 16)
+    dense, sparse = batch.dense_features, batch.sparse_features
+    deep = model.over_arch(model.inter_arch.deep.dense_module(torch.cat([model.embed(sparse).flatten(1), dense], 1)))
+    torch.testing.assert_close(model(dense, sparse), model.first_order_arch(dense, sparse) + deep.squeeze(-1))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("name", ["lr", "wide_deep"])
+def test_first_order_rows_learn_by_the_row_wise_rule(name: str, optimizer: str) -> None:
+    dm = tiny_synthetic(num_train_samples=256)
+    model = _model(name, dm, embedding_optimizer={"name": optimizer, "lr": 0.1})
+    batch = dm.source("train").batch(0, 256)
+    model.loss_fn(model(batch.dense_features, batch.sparse_features), batch.labels).backward()
+    first_order = list(model.first_order_arch.embedding_bag_collection.parameters())
+    assert all(p.grad is not None and p.grad.is_sparse for p in first_order)
+    assert all(id(p) not in {id(d) for d in model.dense_parameters()} for p in first_order)
+    model.zero_grad()
+
+    before = _embedding_weights(model)
+    cpu_trainer(max_steps=1).fit(model, dm)
+    after = _embedding_weights(model)
+    for config, feature in zip(dm.tables, batch.sparse_features.keys()):
+        key = f"first_order_arch.embedding_bag_collection.embedding_bags.{config.name}_linear.weight"
+        looked_up = torch.zeros(config.num_embeddings, dtype=torch.bool)
+        looked_up[batch.sparse_features[feature].values()] = True
+        assert torch.equal((after[key] != before[key]).any(dim=1), looked_up), config.name
+        # Zero at first, the same gradient in every column: a row stays one weight.
+        assert torch.equal(after[key], after[key][:, :1].expand(-1, FIRST_ORDER_DIM)), config.name
+
+
+@pytest.mark.parametrize("name", ["lr", "fm"])
+def test_first_order_checkpoint_resumes_exactly_and_loads(name: str, tmp_path) -> None:
+    dm = tiny_synthetic(num_train_samples=1024)
+
+    def fresh() -> CTRModel:
+        pl.seed_everything(0)
+        return _model(name, dm, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.1})
+
+    straight = fresh()
+    cpu_trainer(max_epochs=2).fit(straight, dm)
+    first = fresh()
+    trainer = cpu_trainer(max_epochs=1)
+    trainer.fit(first, dm)
+    trainer.save_checkpoint(tmp_path / "epoch1.ckpt")
+    row_state = torch.load(tmp_path / "epoch1.ckpt", weights_only=True)[ROW_STATE_KEY]
+    assert "first_order_arch.embedding_bag_collection.t_cat_2_linear" in row_state
+    resumed = fresh()
+    cpu_trainer(max_epochs=2).fit(resumed, dm, ckpt_path=tmp_path / "epoch1.ckpt")
+    torch.testing.assert_close(resumed.state_dict(), straight.state_dict(), rtol=1e-5, atol=1e-7)
+
+    loaded = type(first).load_from_checkpoint(tmp_path / "epoch1.ckpt")
+    torch.testing.assert_close(loaded.state_dict(), first.state_dict())
+
+
+def test_first_order_keeps_the_table_checks() -> None:
+    mixed = [HAND_TABLES[0], EmbeddingBagConfig(name="b", num_embeddings=10, embedding_dim=4, feature_names=["fb"])]
+    with pytest.raises(ValueError, match="embedding_dim"):
+        LR(mixed, 3)
+
+    class NoLogit(LR):
+        uses_first_order = False
+
+    with pytest.raises(TypeError, match="neither uses_embeddings nor uses_first_order"):
+        NoLogit(HAND_TABLES, 3)
+
+
+def test_deferred_first_order_tables_are_declared_then_start_at_zero() -> None:
+    from lightning_hotcache.table_init import materialize_tables
+
+    model = FM(HAND_TABLES, 3, defer_table_init=True)
+    assert all(p.is_meta for p in model.first_order_arch.embedding_bag_collection.parameters())
+    assert materialize_tables(model, seed=model.table_init_seed)
+    assert all(torch.count_nonzero(p) == 0 for p in model.first_order_arch.embedding_bag_collection.parameters())
+    assert all(torch.count_nonzero(p) > 0 for p in model.sparse_arch.parameters())

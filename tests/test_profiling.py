@@ -346,3 +346,14 @@ def test_stats_that_cannot_serve_a_run_say_to_profile_again(tmp_path) -> None:
     assert old.batch_size is None and old.num_batches == 1
     with pytest.raises(ValueError, match="do not record their batch size.*hotcache profile"):
         old.check_run(TABLES, 16)
+
+
+def test_a_feature_read_by_several_tables_counts_into_each() -> None:
+    # As TorchRec allows (e.g. a model's dim-D tables and its first-order tables over the same features).
+    tables = [*TABLES, table("t_item_linear", 3000, ["item", "item_hist"], dim=4)]
+    profiler = AccessProfiler(tables)
+    profiler.observe(kjt({"user": ([1, 1], [3, 4]), "item": ([1, 2], [7, 7, 9]), "item_hist": ([0, 1], [9])}))
+    stats = profiler.stats()
+    assert as_dict(stats, "t_item") == as_dict(stats, "t_item_linear") == {7: 2, 9: 2}
+    assert stats.unique_rows_per_batch("t_item_linear") == (2.0, 2)
+    assert as_dict(stats, "t_user") == {3: 1, 4: 1}

@@ -14,7 +14,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_hotcache
 from lightning_hotcache import AccessProfiler, HotColdPlanner, HotCacheStrategy, RowWiseOptimizerConfig
 from lightning_hotcache.embedding import hot_cold_modules
-from lightning_hotcache.cli import main
+from lightning_hotcache.cli import main, model_tables
 from models import MODEL_REGISTRY, CTRModel, create_model
 
 OPTIMIZER = {"name": "rowwise_adagrad", "lr": 0.05}
@@ -36,14 +36,23 @@ def fit(name: str, strategy, epochs: int = 1, **trainer_kwargs) -> tuple[CTRMode
 
 
 @pytest.fixture(scope="module")
-def stats_path(tmp_path_factory) -> Path:
+def stats_paths(tmp_path_factory) -> dict[str, Path]:
+    """Each zoo model's access stats, profiled on its own tables (first-order tables included)."""
     dm = data()
-    profiler = AccessProfiler(dm.tables)
-    for batch in dm.train_dataloader():
-        profiler.observe(batch.sparse_features)
-    path = tmp_path_factory.mktemp("stats") / "stats.npz"
-    profiler.stats().save(path)
-    return path
+    folder = tmp_path_factory.mktemp("stats")
+    paths = {}
+    for name in MODEL_REGISTRY:
+        profiler = AccessProfiler(model_tables(create_model(name, dm.tables, dm.num_dense_features)))
+        for batch in dm.train_dataloader():
+            profiler.observe(batch.sparse_features)
+        paths[name] = folder / f"{name}.npz"
+        profiler.stats().save(paths[name])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def stats_path(stats_paths) -> Path:
+    return stats_paths["dlrm"]
 
 
 @pytest.fixture(scope="module")
@@ -58,17 +67,18 @@ def baselines() -> dict[str, tuple[dict, dict]]:
 def minimum_budget(stats_path: Path, depth: int = 1) -> int:
     from lightning_hotcache.profiling import AccessStats
 
-    dm = data()
+    stats = AccessStats.load(stats_path)
     # The planner counts the batches in flight as the strategy does (on CPU: no prefetch thread).
     planner = HotColdPlanner(1.0, RowWiseOptimizerConfig(**OPTIMIZER), prefetch_depth=depth)
-    return planner.minimum_bytes(dm.tables, AccessStats.load(stats_path))
+    return planner.minimum_bytes(stats.tables, stats)
 
 
 CASES = list(itertools.product(sorted(MODEL_REGISTRY), [1.0, 0.05, "minimum"], ["lfu", "lru", "static"]))
 
 
 @pytest.mark.parametrize(("name", "budget", "policy"), CASES)
-def test_hotcache_matches_auto(name, budget, policy, stats_path, baselines) -> None:
+def test_hotcache_matches_auto(name, budget, policy, stats_paths, baselines) -> None:
+    stats_path = stats_paths[name]
     device_budget = minimum_budget(stats_path) if budget == "minimum" else budget
     strategy = HotCacheStrategy(device_budget=device_budget, stats_path=str(stats_path), cache_policy=policy)
     model, trainer, metrics = fit(name, strategy)

@@ -1,0 +1,63 @@
+"""The first-order (linear) term of a CTR model: a weight per sparse id and per dense feature.
+
+LR is this term alone; FM, DeepFM and Wide & Deep add it to their embedding tower's logit
+(`CTRModel.uses_first_order`). The per-id weights are a TorchRec EmbeddingBagCollection of
+their own, beside the model's dim-D tables, so every strategy places and trains them as it
+does any table: row-wise rule, sparse gradients, checkpoints, ``hotcache`` tiers and
+``torchrec`` sharding alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+from lightning_hotcache.guards import check_not_empty
+from lightning_hotcache.rowwise import use_sparse_gradients
+
+# A weight is the mean of a row of 4 columns, not a row of 1: FBGEMM's table-batched kernels
+# (TorchRec's sharded tables, hotcache's fused device tier) refuse rows that are not a multiple
+# of 4 floats. The columns start at zero and get the same gradient (a quarter of the weight's),
+# so they stay equal; the scale-invariant row-wise rules (row-wise Adagrad, Adam) then move the
+# mean as they would a single weight (up to their eps), and SGD moves it at a quarter of its lr.
+# The cost: 16 bytes a row, a quarter of what a dim-16 table takes.
+FIRST_ORDER_DIM = 4
+FIRST_ORDER_SUFFIX = "_linear"
+
+
+def first_order_table(table: EmbeddingBagConfig) -> EmbeddingBagConfig:
+    """The first-order table of ``table``: same rows and features, `FIRST_ORDER_DIM` zero columns,
+    named ``<table>_linear`` (table names are unique across a model's collections)."""
+    return dataclasses.replace(
+        table, name=f"{table.name}{FIRST_ORDER_SUFFIX}", embedding_dim=FIRST_ORDER_DIM, init_fn=nn.init.zeros_
+    )
+
+
+class FirstOrderArch(nn.Module):
+    """``w0 + <w_dense, x> + sum over sparse features of w[id]``: logits of shape (B,).
+
+    Args:
+        tables: the model's embedding tables; each gets a first-order table (`first_order_table`).
+        num_dense_features: width of the dense input.
+        device: where the per-id weights are declared (``meta`` to defer them, as the model's tables).
+    """
+
+    def __init__(
+        self, tables: Sequence[EmbeddingBagConfig], num_dense_features: int, device: torch.device | None = None
+    ) -> None:
+        super().__init__()
+        self.embedding_bag_collection = EmbeddingBagCollection(
+            tables=[first_order_table(t) for t in tables], device=device
+        )
+        use_sparse_gradients(self.embedding_bag_collection)
+        self.dense = nn.Linear(num_dense_features, 1)
+
+    def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
+        check_not_empty(sparse_features)
+        # (B, F * FIRST_ORDER_DIM): summing all columns and dividing sums each id's mean.
+        pooled = self.embedding_bag_collection(sparse_features).values()
+        return self.dense(dense_features).squeeze(-1) + pooled.sum(dim=1) / FIRST_ORDER_DIM
