@@ -7,7 +7,9 @@ pinned, others cached from a `HostStore`); a batch's ids become cache slots in `
 can (see `FusedTables`), all tables' slots live in one table-batched embedding: one kernel
 call per batch, and its backward applies the row-wise rule to the rows read, as TorchRec's
 fused tables do; the batch's slots unlock in a post-hook on that kernel's autograd node, once
-the rows are updated.
+the rows are updated. There, in one process and for tables of one width, the split tables
+share one stacked cache (`lightning_hotcache.cache.group`), so a step's bookkeeping does
+not grow with the number of tables.
 Otherwise the lookup is one ``embedding_bag`` per feature and, in backward, a hook on each
 table's slot tensor applies the row-wise optimizer to the rows the batch read (duplicate
 ids summed) and unlocks them.
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -38,10 +41,15 @@ from lightning_hotcache.cache import CachePolicy, DeviceCache, HostDirectory, Ho
 from lightning_hotcache.cache.device import acquire_all
 from lightning_hotcache.cache.exchange import RowSharding, all_gather_table_rows
 from lightning_hotcache.cache.fused import FusedTables, KernelChoice, check_kernel_choice, fused_unavailable
+from lightning_hotcache.cache.group import StackedHostStores, TableInGroup
+from lightning_hotcache.cache.slot_map import INT32_IDS_BELOW
 from lightning_hotcache.guards import check_not_empty
 from lightning_hotcache.planner import HotColdPlan
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 from lightning_hotcache.table_init import draw_seed, initial_rows, is_deferred
+
+
+_STACK = "<stacked split tables>"  # key of the stacked cache (see lightning_hotcache.cache.group)
 
 
 @dataclass
@@ -51,7 +59,8 @@ class _StagedBatch:
     features: KeyedJaggedTensor
     by_feature: dict[str, Any]  # feature -> JaggedTensor (features.to_dict(), computed once)
     slots: dict[str, Tensor]  # feature -> slot of every value
-    tickets: dict[str, list[int]]  # table -> cache tickets to release
+    tickets: dict[str, list[int]]  # cache key (table, or the stack) -> cache tickets to release
+    read: list[tuple[DeviceCache, Tensor]]  # each cache's slots the batch read (to mark updated)
     output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
 
 
@@ -186,65 +195,120 @@ class HotColdEmbeddingBagCollection(nn.Module):
             sharding = RowSharding(dist.get_rank(process_group), dist.get_world_size(process_group), process_group)
         self._features = [f for t in self._tables for f in t.feature_names]
         self._feature_table = {f: t for t in self._tables for f in t.feature_names}
-        self._fused = self._fused_tables(kernel, sharding.world)
-        self.caches: dict[str, DeviceCache] = {}
-        for index, table in enumerate(self._tables):
-            table_plan = plan.table(table.name)
-            static_ids = torch.as_tensor(table_plan.static_ids, dtype=torch.int64)
-            host = None
-            if len(static_ids) < table.num_embeddings:
+        slot_counts = {
+            t.name: DeviceCache.num_slots(t.num_embeddings, plan.table(t.name).static_ids, plan.table(t.name).cache_slots)
+            for t in self._tables
+        }
+        hosts = {}
+        for table in self._tables:
+            if not plan.table(table.name).on_device:
                 widths = self.optimizer.state_widths(table.embedding_dim)
                 rows = sharding.num_local(table.num_embeddings)
-                host = HostStore(table.name, rows, table.embedding_dim, widths, self.host_directory, pin)
+                hosts[table.name] = HostStore(table.name, rows, table.embedding_dim, widths, self.host_directory, pin)
+        reason = self._why_not_fused(kernel, sharding.world, min(slot_counts.values()))
+        # Where the fused kernel runs (one process) on tables of one width, the split tables are
+        # stacked into one cache (lightning_hotcache.cache.group), so that a step's bookkeeping
+        # is one set of ops, not one per table; the TBE then has one table holding the stack's
+        # slots and, after them, every whole table's rows ("regions"), read by every feature.
+        split = [t for t in self._tables if t.name in hosts]
+        stacked = (
+            reason is None
+            and len(split) > 0
+            and len({t.embedding_dim for t in self._tables}) == 1
+            and sum(t.num_embeddings for t in split) < INT32_IDS_BELOW
+        )
+        keys = ([_STACK] if stacked else []) + [t.name for t in self._tables if not (stacked and t.name in hosts)]
+        if stacked:
+            slot_counts[_STACK] = sum(slot_counts[t.name] for t in split)
+        # Where each cache's slots start in its TBE table (all 0 without a stack: a TBE table each).
+        self._region_start = dict(zip(keys, np.cumsum([0] + [slot_counts[k] for k in keys]).tolist() if stacked else [0] * len(keys)))
+        self._fused = None if reason is not None else self._fused_tables([slot_counts[k] for k in keys], stacked)
+        # Every cache that locks rows, by key: the stack, and each table not in it.
+        self._ticket_caches: dict[str, DeviceCache] = {}
+        self.caches: dict[str, DeviceCache | TableInGroup] = {}
+        if stacked:
+            assert self._fused is not None
+            starts = np.cumsum([0] + [t.num_embeddings for t in split]).tolist()
+            table_plans = [plan.table(t.name) for t in split]
+            stack = DeviceCache(
+                f"stack of {', '.join(t.name for t in split)}",
+                starts[-1],
+                split[0].embedding_dim,
+                self.optimizer,
+                torch.cat([torch.as_tensor(p.static_ids, dtype=torch.int64) + start for p, start in zip(table_plans, starts)]),
+                sum(p.cache_slots for p in table_plans),
+                cache_policy,
+                StackedHostStores([hosts[t.name] for t in split], starts),  # type: ignore[arg-type]
+                self.device,
+                storage=self._region(_STACK, slot_counts[_STACK]),
+                segment_starts=starts,
+            )
+            self._ticket_caches[_STACK] = stack
+            self.kernel_note += f", {len(split)} split table(s) stacked in one cache"
+            first_id = {f: start for t, start in zip(split, starts) for f in t.feature_names}
+            # The stack reads global ids: a table's id plus the rows of the tables before it.
+            self._stack_offsets = torch.tensor([first_id[f] for f in self._features if f in first_id])
+            for k, table in enumerate(split):
+                self.caches[table.name] = TableInGroup(stack, k, starts[k], hosts[table.name])
+        for table in self._tables:
+            if table.name in self.caches:
+                continue
+            table_plan = plan.table(table.name)
             cache = DeviceCache(
                 table.name,
                 table.num_embeddings,
                 table.embedding_dim,
                 self.optimizer,
-                static_ids,
+                torch.as_tensor(table_plan.static_ids, dtype=torch.int64),
                 table_plan.cache_slots,
                 cache_policy,
-                host,
+                hosts.get(table.name),
                 self.device,
                 sharding,
-                None if self._fused is None else self._fused.storage(index),
+                None if self._fused is None else self._region(table.name, slot_counts[table.name]),
             )
             if self._fused is None:
                 cache.weight.requires_grad_(True)
                 cache.weight.register_post_accumulate_grad_hook(_gradient_hook(self, table.name))
-            self.caches[table.name] = cache
+            self.caches[table.name] = self._ticket_caches[table.name] = cache
+        self.caches = {t.name: self.caches[t.name] for t in self._tables}  # in table order
+        # Features each cache reads, in the order the TBE reads them.
+        key_of = {f: _STACK if stacked and t.name in hosts else t.name for f, t in self._feature_table.items()}
+        self._cache_features = {key: [f for f in self._features if key_of[f] == key] for key in self._ticket_caches}
         # Across ranks, gradients wait here until every table's has arrived, so that the rows
         # of all tables travel in one exchange, not one per table.
         self._pending_gradients: dict[str, Tensor] = {}
-        self._table_features = [(self.caches[t.name], list(t.feature_names)) for t in self._tables]
         self._queue: deque[_StagedBatch] = deque()
         self._in_flight: list[_StagedBatch] = []
 
-    def _fused_tables(self, kernel: KernelChoice, world_size: int) -> FusedTables | None:
-        slot_counts = [
-            DeviceCache.num_slots(t.num_embeddings, self.plan.table(t.name).static_ids, self.plan.table(t.name).cache_slots)
-            for t in self._tables
-        ]
+    def _why_not_fused(self, kernel: KernelChoice, world_size: int, fewest_slots: int) -> str | None:
+        """Why the device tier cannot be FBGEMM's fused kernel here (None: it can); sets `kernel_note`."""
         if kernel == "pytorch":
             reason: str | None = "kernel='pytorch' was chosen"
-        elif min(slot_counts) == 0:
+        elif fewest_slots == 0:
             reason = "a table has no device rows"
         else:
             reason = fused_unavailable(self._tables, self.optimizer, self.device, world_size)
         if reason is not None and kernel == "fbgemm":
             raise ValueError(f"kernel='fbgemm' cannot train these tables exactly here: {reason}. Use kernel='auto'.")
         self.kernel_note = "fbgemm TBE, optimizer fused" if reason is None else f"pytorch embedding_bag ({reason})"
-        if reason is not None:
-            return None
-        table_index = {t.name: k for k, t in enumerate(self._tables)}
-        return FusedTables(
-            slot_counts,
-            [t.embedding_dim for t in self._tables],
-            [table_index[self._feature_table[f].name] for f in self._features],
-            self._tables[0].pooling,
-            self.optimizer,
-            self.device,
-        )
+        return reason
+
+    def _fused_tables(self, slot_counts: list[int], stacked: bool) -> FusedTables:
+        """One TBE: one table holding every cache's slots (with a stack), else a table per table."""
+        dims = [t.embedding_dim for t in self._tables]
+        if stacked:
+            return FusedTables([sum(slot_counts)], dims[:1], [0] * len(self._features), self._tables[0].pooling, self.optimizer, self.device)
+        index = {t.name: k for k, t in enumerate(self._tables)}
+        feature_map = [index[self._feature_table[f].name] for f in self._features]
+        return FusedTables(slot_counts, dims, feature_map, self._tables[0].pooling, self.optimizer, self.device)
+
+    def _region(self, key: str, num_slots: int) -> dict[str, Tensor]:
+        """Views of one cache's slots in the TBE's memory."""
+        assert self._fused is not None
+        table = 0 if _STACK in self._region_start else list(self._region_start).index(key)
+        start = self._region_start[key]
+        return {name: array[start : start + num_slots] for name, array in self._fused.storage(table).items()}
 
     @classmethod
     def from_ebc(
@@ -312,24 +376,33 @@ class HotColdEmbeddingBagCollection(nn.Module):
                         f"(it has {features.keys()})."
                     )
         _check_ids(features, self._feature_table)
+        # One acquire per cache (all its features' rows must be resident together), all caches
+        # at once (across ranks their misses travel in one exchange).
+        counts = {f: by_feature[f].values().numel() for f in self._features}
+        ids = {}
+        for key, names in self._cache_features.items():
+            values = [by_feature[f].values() for f in names]
+            ids[key] = torch.cat(values) if len(values) > 1 else values[0]
+        if _STACK in ids:  # global ids: a table's id plus the rows of the tables stacked before it
+            lengths = torch.tensor([counts[f] for f in self._cache_features[_STACK]])
+            ids[_STACK] = ids[_STACK].to(self.device, torch.int64) + self._stack_offsets.repeat_interleave(lengths).to(self.device)
+        keys = list(self._ticket_caches)
         slots: dict[str, Tensor] = {}
         tickets: dict[str, list[int]] = {}
-        # One acquire per table (all its features' rows must be resident together), all tables
-        # at once (across ranks their misses travel in one exchange).
-        values = [[by_feature[f].values() for f in table.feature_names] for table in self._tables]
-        acquired = acquire_all(
-            [self.caches[table.name] for table in self._tables], [torch.cat(v) if len(v) > 1 else v[0] for v in values]
-        )  # fmt: skip
-        for table, table_values, (table_slots, ticket) in zip(self._tables, values, acquired):
-            tickets[table.name] = [ticket]
-            for feature, part in zip(table.feature_names, table_slots.split([v.numel() for v in table_values])):
+        read = []
+        for key, (cache_slots, ticket) in zip(keys, acquire_all([self._ticket_caches[k] for k in keys], [ids[k] for k in keys])):
+            tickets[key] = [ticket]
+            read.append((self._ticket_caches[key], cache_slots))
+            start = self._region_start[key]  # the kernel reads slots at their place in its table
+            names = self._cache_features[key]
+            for feature, part in zip(names, (cache_slots + start if start else cache_slots).split([counts[f] for f in names])):
                 slots[feature] = part
-        return _StagedBatch(features, by_feature, slots, tickets)
+        return _StagedBatch(features, by_feature, slots, tickets, read)
 
     def _release(self, staged: _StagedBatch) -> None:
-        for name, tickets in staged.tickets.items():
+        for key, tickets in staged.tickets.items():
             for ticket in tickets:
-                self.caches[name].release(ticket)
+                self._ticket_caches[key].release(ticket)
 
     def _release_abandoned(self) -> None:
         # A training forward whose output is gone without its backward having come (e.g. a
@@ -361,9 +434,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
             staged.output = weakref.ref(values)
             self._in_flight.append(staged)
             if self._fused is not None:  # backward will update every row read: write them back on eviction
-                for cache, features in self._table_features:
-                    for feature in features:
-                        cache.mark_updated(staged.slots[feature])
+                for cache, slots in staged.read:
+                    cache.mark_updated(slots)
                 # FBGEMM's lookup node updates the rows in its backward; its post-hook runs
                 # once they are updated, and only then may they be evicted. Should another
                 # node (a view) ever come after it, the rows wait for the next forward instead,
@@ -374,7 +446,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self._release(staged)
         return KeyedTensor(
             keys=self._features,
-            length_per_key=[t.embedding_dim for t in self._tables for _ in t.feature_names],
+            length_per_key=[self._feature_table[f].embedding_dim for f in self._features],
             values=values,
         )
 
@@ -393,7 +465,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         by_feature = staged.by_feature
         pooled = []
         for table in self._tables:
-            weight = self.caches[table.name].weight
+            weight = self._ticket_caches[table.name].weight
             mode = "sum" if table.pooling == PoolingType.SUM else "mean"
             for feature in table.feature_names:
                 jagged = by_feature[feature]
@@ -423,7 +495,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         if grad is None:
             return
         if self.process_group is None or dist.get_world_size(self.process_group) == 1:
-            self.caches[table].apply_update(grad, self.optimizer)
+            self._ticket_caches[table].apply_update(grad, self.optimizer)
             self._release_tables([table])
             return
         # Every table's pooled output is part of the one tensor forward returns, so a backward
@@ -437,35 +509,35 @@ class HotColdEmbeddingBagCollection(nn.Module):
         as DDP does, applied to every copy of each row; then the rows are unlocked."""
         world = dist.get_world_size(self.process_group)
         local = []
-        for name, cache in self.caches.items():
+        for name, cache in self._ticket_caches.items():
             grad = self._pending_gradients[name].coalesce()
             local.append((cache.ids_of_slots(grad.indices()[0]), grad.values()))
         self._pending_gradients = {}
-        for cache, (ids, rows) in zip(self.caches.values(), all_gather_table_rows(local, self.process_group)):
+        for cache, (ids, rows) in zip(self._ticket_caches.values(), all_gather_table_rows(local, self.process_group)):
             if len(ids):
                 summed = torch.sparse_coo_tensor(ids[None], rows / world, (cache.num_embeddings, rows.shape[1]))
                 summed = summed.coalesce()
                 cache.apply_update_to_ids(summed.indices()[0], summed.values(), self.optimizer)
-        self._release_tables(list(self.caches))
+        self._release_tables(list(self._ticket_caches))
 
     def _release_tables(self, tables: list[str]) -> None:
         # Every in-flight batch's gradient for these tables has now been applied.
         for staged in self._in_flight:
             for name in tables:
                 for ticket in staged.tickets.pop(name, []):
-                    self.caches[name].release(ticket)
+                    self._ticket_caches[name].release(ticket)
         self._in_flight = [s for s in self._in_flight if s.tickets]
 
     # ---------------------------------------------------------- whole tables
     @_locked
     def flush(self) -> None:
         """Write every changed cached row back to its host store."""
-        for cache in self.caches.values():
+        for cache in self._ticket_caches.values():
             cache.flush()
 
     def device_bytes(self) -> int:
         """Bytes the tables hold on the device now (see `DeviceCache.device_bytes`)."""
-        return sum(cache.device_bytes() for cache in self.caches.values())
+        return sum(cache.device_bytes() for cache in self._ticket_caches.values())
 
     def lock_host_storage(self) -> None:
         """Own the host storage directory again (after `release_host_storage`), e.g. for another fit."""

@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchrec import EmbeddingBagConfig
 
 from lightning_hotcache.cache.device import check_cache_policy
-from lightning_hotcache.cache.slot_map import SORTED_BYTES_PER_RESIDENT, slot_map_bytes
+from lightning_hotcache.cache.slot_map import SORTED_BYTES_PER_RESIDENT, sorted_bytes_per_resident
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
 if TYPE_CHECKING:
@@ -610,7 +610,10 @@ class HotColdPlanner:
 
     def _split_bytes(self, table: EmbeddingBagConfig, static_rows: int, cache_slots: int) -> int:
         per_row = row_bytes(table, self.optimizer)
-        id_map = slot_map_bytes(table.num_embeddings, static_rows + cache_slots)
+        # As a sorted map, even where a dense one would cost less: a collection's split tables
+        # may be stacked into one cache (lightning_hotcache.cache.group), whose map is sorted
+        # unless dense costs less for all of them together.
+        id_map = (static_rows + cache_slots) * sorted_bytes_per_resident(table.num_embeddings)
         return id_map + static_rows * per_row + cache_slots * (per_row + SLOT_BOOKKEEPING_BYTES)
 
     def _spread_dynamic(

@@ -201,3 +201,52 @@ def test_fused_backward_unlocks_the_rows_it_updated() -> None:
     assert sum(c.num_locked() for c in module.caches.values()) > 0
     out.backward(UPSTREAM[0])
     assert sum(c.num_locked() for c in module.caches.values()) == 0
+
+
+# Tables of one width: where the fused kernel runs, their split tables are stacked in one
+# cache (lightning_hotcache.cache.group) and the TBE is one table of every cache's slots.
+ONE_WIDTH_TABLES = [EmbeddingBagConfig(**{**t.__dict__, "embedding_dim": 8}) for t in SUM_TABLES]
+ONE_WIDTH_UPSTREAM = [torch.randn(BATCH, 8 * 4, generator=torch.Generator().manual_seed(i)) for i in range(STEPS)]
+
+
+@pytest.mark.parametrize(
+    ("budget", "policy", "optimizer", "storage", "depth"),
+    list(itertools.product(BUDGETS, ["static", "lru", "lfu"], FUSED_OPTIMIZERS, ["memory", "mmap"], [0, 2])),
+)
+def test_stacked_split_tables_learn_what_torchrec_learns(budget, policy, optimizer, storage, depth, tmp_path) -> None:
+    config = RowWiseOptimizerConfig(name=optimizer, lr=0.05)
+    batches = zipf_batches()
+    plan = make_plan(batches, BUDGETS[budget], depth, policy, ONE_WIDTH_TABLES)
+    reference = train_reference(config, batches, ONE_WIDTH_UPSTREAM, ONE_WIDTH_TABLES)
+    module = train_hotcache(config, batches, ONE_WIDTH_UPSTREAM, plan, policy, "memory" if storage == "memory" else tmp_path,
+                            depth, ONE_WIDTH_TABLES)  # fmt: skip
+    split = [t.name for t in ONE_WIDTH_TABLES if not plan.table(t.name).on_device]
+    assert ("stacked in one cache" in module.kernel_note) == bool(split), module.kernel_note
+    assert_same(module, reference)
+    # Each table's counters are its own share of the stack's.
+    for name in split:
+        table = next(t for t in ONE_WIDTH_TABLES if t.name == name)
+        read = sum(b[f].values().numel() for b in batches for f in table.feature_names)
+        assert module.caches[name].counters.lookups == read
+    if split:
+        stack = module.caches[split[0]].group
+        totals = [sum(getattr(module.caches[n].counters, field) for n in split) for field in ("lookups", "hits", "fetched_rows", "evicted_rows")]
+        assert totals == [stack.counters.lookups, stack.counters.hits, stack.counters.fetched_rows, stack.counters.evicted_rows]
+
+
+def test_stacked_host_stores_route_rows_to_their_tables() -> None:
+    from lightning_hotcache.cache.group import StackedHostStores
+    from lightning_hotcache.cache.host import HostStore
+
+    stores = [HostStore(f"t{k}", rows, 2, {"momentum": 1}) for k, rows in enumerate([3, 5, 4])]
+    for k, store in enumerate(stores):
+        store.load("weight", torch.arange(store.num_embeddings * 2, dtype=torch.float32).view(-1, 2) + 100 * k)
+    stacked = StackedHostStores(stores, [0, 3, 8, 12])
+    rows = stacked.read(torch.tensor([1, 3, 7, 11]))
+    torch.testing.assert_close(rows["weight"][:, 0], torch.tensor([2.0, 100.0, 108.0, 206.0]))
+    stacked.write(torch.tensor([11, 0, 4]), {"weight": torch.full((3, 2), -1.0), "momentum": torch.tensor([[1.0], [2.0], [3.0]])})
+    assert stores[2].arrays["momentum"][3, 0] == 1.0 and stores[0].arrays["momentum"][0, 0] == 2.0 and stores[1].arrays["momentum"][1, 0] == 3.0
+    assert (stores[1].weight[1] == -1).all() and (stores[0].weight[1] != -1).all()
+    assert stacked.read(torch.tensor([], dtype=torch.int64))["weight"].shape == (0, 2)
+    with pytest.raises(ValueError, match="within one table"):
+        stacked.load("weight", torch.zeros(4, 2), start=2)

@@ -44,6 +44,9 @@ def check_cache_policy(policy: str) -> None:
         raise ValueError(f"Unknown cache policy {policy!r}; choose one of {', '.join(CACHE_POLICIES)}.")
 
 
+_LOOKUPS, _MISSES, _FETCHED, _EVICTED, _WRITTEN_BACK = range(5)  # rows of DeviceCache._segment_tally
+
+
 class CacheCapacityError(RuntimeError):
     """A batch (with the batches in flight) needs more rows than the cache has free slots."""
 
@@ -78,6 +81,10 @@ class DeviceCache:
         storage: the slot arrays (``weight`` and each optimizer state, `num_slots` rows) when
             they live elsewhere, e.g. in a fused kernel's memory (see `FusedTables`); the
             cache reads and writes them in place. Default: arrays of its own.
+        segment_starts: when this "table" is several tables end to end (see
+            `lightning_hotcache.cache.group`), the first row of each and the total; the cache
+            then also counts lookups, hits, fetches, evictions and write-backs per table
+            (`segment_counters`).
     """
 
     def __init__(
@@ -93,6 +100,7 @@ class DeviceCache:
         device: torch.device,
         sharding: RowSharding = RowSharding(),
         storage: dict[str, Tensor] | None = None,
+        segment_starts: Sequence[int] | None = None,
     ) -> None:
         check_cache_policy(policy)
         static_ids = torch.as_tensor(static_ids, dtype=torch.int64).unique()  # sorted, for memory locality
@@ -111,6 +119,11 @@ class DeviceCache:
         self.num_dynamic = 0 if self.identity else num_dynamic
         num_slots = self.num_static + self.num_dynamic
         self.counters = CacheCounters()
+        # Per-segment tallies (lookups, misses, fetched, evicted, written back) in one tensor,
+        # so that counting costs a few ops per step and no host sync; see `segment_counters`.
+        self._segment_bounds = None if segment_starts is None else torch.tensor(list(segment_starts)[1:-1], device=device)
+        num_segments = 0 if segment_starts is None else len(segment_starts) - 1
+        self._segment_tally = torch.zeros(5, num_segments, dtype=torch.int64, device=device)
         self._issued = 0
         # Dynamic slots never used yet are [num_static + _never_used_from, end): a cold cache
         # fills from there without scoring every slot.
@@ -145,6 +158,16 @@ class DeviceCache:
     def weight(self) -> Tensor:
         return self.slots["weight"]
 
+    def _tally(self, field: int, ids: Tensor) -> None:
+        if self._segment_bounds is not None:
+            segments = torch.searchsorted(self._segment_bounds, ids, right=True)
+            self._segment_tally[field] += torch.bincount(segments, minlength=self._segment_tally.shape[1])
+
+    def segment_counters(self, segment: int) -> CacheCounters:
+        """Counters of one segment (see ``segment_starts``) since the cache was built."""
+        lookups, misses, fetched, evicted, written_back = self._segment_tally[:, segment].tolist()
+        return CacheCounters(lookups, lookups - misses, fetched, evicted, written_back)
+
     def device_bytes(self) -> int:
         """Bytes this cache holds on its device: slot rows, their optimizer state, the id ->
         slot map and per-slot bookkeeping (what the planner's budget must cover)."""
@@ -163,6 +186,7 @@ class DeviceCache:
         """Lock the hits and free slots for the misses (their rows come next)."""
         ids = ids.to(self.device, torch.int64)
         self.counters.lookups += ids.numel()
+        self._tally(_LOOKUPS, ids)
         self._issued += 1
         if self.identity:
             self.counters.hits += ids.numel()
@@ -171,6 +195,8 @@ class DeviceCache:
         missing = slots < 0
         num_missing = int(missing.sum())
         self.counters.hits += ids.numel() - num_missing
+        if num_missing:
+            self._tally(_MISSES, ids[missing])
         # Lock the hits first, so that fetching the misses cannot evict them.
         self.last_used[slots[~missing]] = self._issued
         acquire = _Acquire(ids, slots, self._issued, missing)
@@ -193,6 +219,7 @@ class DeviceCache:
             self.id_of_slot[victims] = needed
             self.frequency[victims] = 0
             self.counters.fetched_rows += len(needed)
+            self._tally(_FETCHED, needed)
             slots = slots.clone()
             slots[acquire.missing] = victims[acquire.needed_index]
             self.last_used[victims] = acquire.ticket
@@ -259,9 +286,11 @@ class DeviceCache:
         if len(slots) == 0:
             return
         self._write_back(slots[self.dirty[slots]])
-        self.slot_map.remove(self.id_of_slot[slots])
+        ids = self.id_of_slot[slots]
+        self.slot_map.remove(ids)
         self.id_of_slot[slots] = -1
         self.counters.evicted_rows += len(slots)
+        self._tally(_EVICTED, ids)
 
     def _write_back(self, slots: Tensor) -> None:
         if len(slots) == 0:
@@ -271,6 +300,7 @@ class DeviceCache:
         self.host.write(self.sharding.local(ids), {key: tensor[slots] for key, tensor in self.slots.items()})
         self.dirty[slots] = False
         self.counters.written_back_rows += len(slots)
+        self._tally(_WRITTEN_BACK, ids)
 
     # -------------------------------------------------------------- updates
     def apply_update(self, grad: Tensor, optimizer: RowWiseOptimizerConfig) -> None:

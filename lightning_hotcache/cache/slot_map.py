@@ -3,8 +3,8 @@
 The dense map costs 4 bytes per row of the *whole* table, which at small budgets can cost
 more than the cached rows themselves (1.6% of a 64-wide float table); the sorted map costs
 10 bytes per *resident* row (15 for tables of 2**31 rows or more) but a binary search per
-lookup. `slot_map_kind` picks the cheaper one in bytes, and the planner counts the same
-bytes, so the budget is always honest.
+lookup. `slot_map_kind` picks the cheaper one in bytes; the planner counts the sorted
+map's bytes, never less than either, so the budget is always honest.
 
 The sorted map keeps the static ids (fixed for the whole run, int64, the slot being the
 position) apart from the dynamic ones (int32 id and int32 slot where ids fit). Dynamic ids
@@ -40,10 +40,6 @@ def sorted_bytes_per_resident(num_embeddings: int) -> int:
 def slot_map_kind(num_embeddings: int, num_resident: int) -> SlotMapKind:
     dense = num_embeddings * DENSE_BYTES_PER_ROW
     return "dense" if dense <= num_resident * sorted_bytes_per_resident(num_embeddings) else "sorted"
-
-
-def slot_map_bytes(num_embeddings: int, num_resident: int) -> int:
-    return min(num_embeddings * DENSE_BYTES_PER_ROW, num_resident * sorted_bytes_per_resident(num_embeddings))
 
 
 class DenseSlotMap:
