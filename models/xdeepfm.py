@@ -6,14 +6,13 @@ from typing import Any, Sequence
 
 from torch import nn
 from torchrec import EmbeddingBagConfig
-from torchrec.models.dlrm import DenseArch
 from typing_extensions import override
 
-from models.base import CTRModel
+from models.deepfm import DeepFM
 from models.interactions import CINInteraction
 
 
-class XDeepFM(CTRModel):
+class XDeepFM(DeepFM):
     """xDeepFM with the dense features projected into one extra field: explicit vector-wise
     crosses of bounded degree (the CIN, one degree per layer) beside implicit ones (the deep
     MLP), both over the same fields.
@@ -32,8 +31,6 @@ class XDeepFM(CTRModel):
         **kwargs: `CTRModel` options (embedding_optimizer, dense_lr).
     """
 
-    uses_first_order = True
-
     def __init__(
         self,
         tables: Sequence[EmbeddingBagConfig],
@@ -43,18 +40,14 @@ class XDeepFM(CTRModel):
         deep_layer_sizes: Sequence[int] = (128, 64),
         **kwargs: Any,
     ) -> None:
-        super().__init__(tables, num_dense_features, **kwargs)
+        super().__init__(
+            tables, num_dense_features, dense_arch_layer_sizes=dense_arch_layer_sizes, deep_layer_sizes=deep_layer_sizes, **kwargs
+        )
 
-    @override
-    def build_dense_arch(self) -> nn.Module:
-        return DenseArch(self.num_dense_features, [*self.hparams.dense_arch_layer_sizes, self.embedding_dim])
-
+    # The dense arch (one projected field), the first-order term and the bias-free over arch
+    # are DeepFM's; the FM term gives way to the CIN.
     @override
     def build_interaction(self) -> nn.Module:
         return CINInteraction(
             self.num_sparse_features + 1, self.embedding_dim, self.hparams.cin_layer_sizes, self.hparams.deep_layer_sizes
         )
-
-    @override
-    def build_over_arch(self, in_features: int) -> nn.Module:
-        return nn.Linear(in_features, 1, bias=False)  # the bias is the linear part's
