@@ -37,7 +37,7 @@ import tempfile
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -172,17 +172,24 @@ def quiet_lightning() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark (``argv`` as on the command line); returns the report written to ``--out``."""
     args = parse_args(argv)
-    with quiet_lightning():
-        results = run_all(args)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+    def save_partial(results: dict[str, dict[str, Any]]) -> None:  # a stopped run keeps what it measured
+        write_report("quality", args, results, echo=False, device=device, partial=True)
+
+    with quiet_lightning():
+        results = run_all(args, save_partial)
     report = write_report("quality", args, results, device=device)
     print()
     print_table(results)
     return report
 
 
-def run_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Every chosen model on every chosen dataset it has a config for, one run per seed."""
+def run_all(
+    args: argparse.Namespace, after_each: Callable[[dict[str, dict[str, Any]]], None] = lambda results: None
+) -> dict[str, dict[str, Any]]:
+    """Every chosen model on every chosen dataset it has a config for, one run per seed;
+    ``after_each`` gets the results so far after each (model, dataset)."""
     results: dict[str, dict[str, Any]] = {}
     for model in args.models:
         results[model] = {}
@@ -199,6 +206,7 @@ def run_all(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                 print(f"{model} on {dataset}, seed {seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in runs[-1].items()
                                                                        if isinstance(v, float)))  # fmt: skip
             results[model][dataset] = {"config": str(config.relative_to(CONFIGS.parent)), **summarize(runs)}
+            after_each(results)
     return results
 
 

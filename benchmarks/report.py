@@ -41,8 +41,9 @@ def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**middle, "rounds": [r["samples_per_s"] for r in runs]}
 
 
-def write_report(name: str, args: argparse.Namespace, results: Any, **settings: Any) -> dict[str, Any]:
-    """Write ``args.out`` as JSON (machine, settings from ``args`` and ``settings``, results) and print it."""
+def write_report(name: str, args: argparse.Namespace, results: Any, echo: bool = True, **settings: Any) -> dict[str, Any]:
+    """Write ``args.out`` as JSON (machine, settings from ``args`` and ``settings``, results) and print it
+    (unless ``echo`` is False, e.g. for a partial report written while a long benchmark runs)."""
     report = {
         "benchmark": name,
         "machine": machine(),
@@ -51,5 +52,6 @@ def write_report(name: str, args: argparse.Namespace, results: Any, **settings: 
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report))
+    if echo:
+        print(json.dumps(report))
     return report

@@ -22,10 +22,19 @@ def test_quality_report_from_shipped_configs(tmp_path: Path, monkeypatch: pytest
     configs.mkdir()
     shutil.copy(quality.config_path("dlrm", "synthetic"), configs)
     monkeypatch.setattr(quality, "CONFIGS", configs)
+    writes = []  # (partial?, models with results): a stopped run must keep what it measured
+
+    def spy(name, args, results, echo=True, **settings):
+        writes.append((settings.get("partial", False), sorted(results)))
+        return write_report(name, args, results, echo, **settings)
+
+    write_report = quality.write_report
+    monkeypatch.setattr(quality, "write_report", spy)
     out = tmp_path / "quality.json"
     quality.main(["--models", "dlrm", "deepfm", "--seeds", "0", "--datasets", "synthetic", "--max-epochs", "1",
                   "--set", *TINY, "--out", str(out)])  # fmt: skip
 
+    assert writes == [(True, ["dlrm"]), (False, ["deepfm", "dlrm"])]  # after dlrm, then the final report
     report = json.loads(out.read_text())
     assert report["benchmark"] == "quality" and {"commit", "torch"} <= set(report["machine"])
     assert report["settings"]["seeds"] == [0] and report["settings"]["set"] == TINY
