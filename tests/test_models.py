@@ -52,16 +52,23 @@ def test_validation_loss_goes_down(name: str) -> None:
 def test_only_looked_up_rows_move(optimizer: str) -> None:
     dm = tiny_synthetic(num_train_samples=256)
     model = _model("dlrm", dm, embedding_optimizer={"name": optimizer, "lr": 0.1})
+    _train_one_step_and_check_moved_rows(model, dm, "sparse_arch.embedding_bag_collection.embedding_bags.{}.weight")
+
+
+def _train_one_step_and_check_moved_rows(model: CTRModel, dm, key_format: str) -> dict[str, torch.Tensor]:
+    """One training step on the first 256 samples; exactly the rows that batch read have
+    moved in each table (its weight found at ``key_format.format(table name)``). Returns the
+    weights after the step."""
     before = _embedding_weights(model)
     batch = dm.source("train").batch(0, 256)
     cpu_trainer(max_steps=1).fit(model, dm)
     after = _embedding_weights(model)
     for config, feature in zip(dm.tables, batch.sparse_features.keys()):
-        key = f"sparse_arch.embedding_bag_collection.embedding_bags.{config.name}.weight"
+        key = key_format.format(config.name)
         looked_up = torch.zeros(config.num_embeddings, dtype=torch.bool)
         looked_up[batch.sparse_features[feature].values()] = True
-        moved = (after[key] != before[key]).any(dim=1)
-        assert torch.equal(moved, looked_up), config.name
+        assert torch.equal((after[key] != before[key]).any(dim=1), looked_up), config.name
+    return after
 
 
 def test_dense_optimizer_excludes_embeddings() -> None:
@@ -378,14 +385,10 @@ def test_first_order_rows_learn_by_the_row_wise_rule(name: str, optimizer: str) 
     assert all(id(p) not in {id(d) for d in model.dense_parameters()} for p in first_order)
     model.zero_grad()
 
-    before = _embedding_weights(model)
-    cpu_trainer(max_steps=1).fit(model, dm)
-    after = _embedding_weights(model)
-    for config, feature in zip(dm.tables, batch.sparse_features.keys()):
-        key = f"first_order_arch.embedding_bag_collection.embedding_bags.{config.name}_linear.weight"
-        looked_up = torch.zeros(config.num_embeddings, dtype=torch.bool)
-        looked_up[batch.sparse_features[feature].values()] = True
-        assert torch.equal((after[key] != before[key]).any(dim=1), looked_up), config.name
+    key_format = "first_order_arch.embedding_bag_collection.embedding_bags.{}_linear.weight"
+    after = _train_one_step_and_check_moved_rows(model, dm, key_format)
+    for config in dm.tables:
+        key = key_format.format(config.name)
         # Zero at first, the same gradient in every column: a row stays one weight.
         assert torch.equal(after[key], after[key][:, :1].expand(-1, FIRST_ORDER_DIM)), config.name
 
