@@ -341,12 +341,17 @@ class DeviceCache:
         return slots if self.identity else self.id_of_slot[slots]
 
     @torch.no_grad()
+    def write_back(self) -> None:
+        """Write every changed row (and its state) back to the host store."""
+        if not self.identity:
+            self._write_back(self.dirty.nonzero().squeeze(1))
+
+    @torch.no_grad()
     def flush(self) -> None:
-        """Write every changed row (and its state) back to the host store, and make
-        memory-mapped host files durable."""
+        """`write_back`, and make memory-mapped host files durable."""
         if not self.identity:
             assert self.host is not None
-            self._write_back(self.dirty.nonzero().squeeze(1))
+            self.write_back()
             self.host.flush_to_disk()
 
     # ---------------------------------------------------------- whole table
