@@ -38,8 +38,8 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.modules.embedding_configs import PoolingType
 
 from lightning_hotcache.cache import CachePolicy, DeviceCache, HostDirectory, HostStore
-from lightning_hotcache.cache.device import acquire_all
-from lightning_hotcache.cache.exchange import RowSharding, all_gather_table_rows
+from lightning_hotcache.cache.device import acquire_all, apply_updates_across_ranks, refresh_remote_rows
+from lightning_hotcache.cache.exchange import RowSharding
 from lightning_hotcache.cache.fused import FusedTables, KernelChoice, check_kernel_choice, fused_unavailable
 from lightning_hotcache.cache.group import StackedHostStores, TableInGroup
 from lightning_hotcache.cache.slot_map import INT32_IDS_BELOW
@@ -193,6 +193,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         sharding = RowSharding()
         if process_group is not None:
             sharding = RowSharding(dist.get_rank(process_group), dist.get_world_size(process_group), process_group)
+        self._sharding = sharding
         self._features = [f for t in self._tables for f in t.feature_names]
         self._feature_table = {f: t for t in self._tables for f in t.feature_names}
         slot_counts = {
@@ -429,6 +430,10 @@ class HotColdEmbeddingBagCollection(nn.Module):
             )
         else:  # not prefetched (or an evaluation batch between prefetched training batches)
             staged = self._stage(features)
+        if self._sharding.world > 1:
+            split = [(cache, slots) for cache, slots in staged.read if not cache.identity]  # the same tables on every rank
+            if split:
+                refresh_remote_rows(*zip(*split))
         values = self._lookup_fused(staged) if self._fused is not None else self._lookup(staged)
         if torch.is_grad_enabled() and values.requires_grad:
             staged.output = weakref.ref(values)
@@ -494,7 +499,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         grad, weight.grad = weight.grad, None
         if grad is None:
             return
-        if self.process_group is None or dist.get_world_size(self.process_group) == 1:
+        if self._sharding.world == 1:
             self._ticket_caches[table].apply_update(grad, self.optimizer)
             self._release_tables([table])
             return
@@ -505,19 +510,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self._apply_gathered_gradients()
 
     def _apply_gathered_gradients(self) -> None:
-        """Across ranks: every table's gradient rows from every rank, in one exchange, averaged
-        as DDP does, applied to every copy of each row; then the rows are unlocked."""
-        world = dist.get_world_size(self.process_group)
-        local = []
-        for name, cache in self._ticket_caches.items():
-            grad = self._pending_gradients[name].coalesce()
-            local.append((cache.ids_of_slots(grad.indices()[0]), grad.values()))
+        """Across ranks: every table's step with the ranks' mean gradient, as DDP averages,
+        each row updated by its owner (static rows by every rank); then the rows are unlocked."""
+        grads = [self._pending_gradients[name] for name in self._ticket_caches]
         self._pending_gradients = {}
-        for cache, (ids, rows) in zip(self._ticket_caches.values(), all_gather_table_rows(local, self.process_group)):
-            if len(ids):
-                summed = torch.sparse_coo_tensor(ids[None], rows / world, (cache.num_embeddings, rows.shape[1]))
-                summed = summed.coalesce()
-                cache.apply_update_to_ids(summed.indices()[0], summed.values(), self.optimizer)
+        apply_updates_across_ranks(list(self._ticket_caches.values()), grads, self.optimizer)
         self._release_tables(list(self._ticket_caches))
 
     def _release_tables(self, tables: list[str]) -> None:

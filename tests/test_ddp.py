@@ -52,23 +52,25 @@ def test_torchrec_two_processes_match_one_with_double_batch(tmp_path: Path) -> N
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_hotcache_two_processes_match_one_with_double_batch(tmp_path: Path, optimizer: str) -> None:
-    """Host stores sharded across the 2 ranks, each caching the rows its batches read, and
-    the all-gathered mean update reaching every copy: the same tables as 1 process x 2B."""
+@pytest.mark.parametrize(("procs", "optimizer"), [(2, "sgd"), (2, "rowwise_adagrad"), (2, "adam"), (4, "sgd")])
+def test_hotcache_processes_match_one_with_their_batches_together(tmp_path: Path, procs: int, optimizer: str) -> None:
+    """Host stores sharded across the ranks, each row updated by its owner from every rank's
+    gradient (static rows by every rank alike), other ranks' rows fetched in the forward that
+    reads them: the same tables as 1 process with all the ranks' batches."""
     split = ["--big-tables", "--device-budget=0.05"]
     sharded = tmp_path / "sharded.ckpt"
-    two = _train(tmp_path, 2, 128, optimizer, "hotcache", *split, f"--sharded-checkpoint={sharded}")
+    many = _train(tmp_path, procs, 256 // procs, optimizer, "hotcache", *split, f"--sharded-checkpoint={sharded}")
     one = _train(tmp_path, 1, 256, optimizer, "auto", *split)
-    assert two["world_size"] == 2
-    assert two["fetched_rows"] > 0  # the caches really fetched rows from the ranks' stores
-    assert two["host_rows"] * 2 - two["table_rows"] in range(0, 27)  # rank 0 holds half of every split table
+    assert many["world_size"] == procs
+    assert many["fetched_rows"] > 0  # the caches really fetched rows from the ranks' stores
+    # rank 0 holds every procs-th row of each of the 26 split tables, rounded up
+    assert many["host_rows"] * procs - many["table_rows"] in range(0, 26 * (procs - 1) + 1)
     # Each rank wrote its shard; consolidating them gives the gathered tables.
     consolidated = consolidate_checkpoint(sharded)
-    save_id = torch.load(sharded, weights_only=True)[SHARDS_KEY]["id"]  # drawn by rank 0, used by both
-    assert set(tmp_path.glob("sharded.ckpt.*")) == {shard_path(sharded, save_id, rank, 2) for rank in range(2)}
-    torch.testing.assert_close(consolidated["state_dict"], two["state_dict"])
-    torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
+    save_id = torch.load(sharded, weights_only=True)[SHARDS_KEY]["id"]  # drawn by rank 0, used by every rank
+    assert set(tmp_path.glob("sharded.ckpt.*")) == {shard_path(sharded, save_id, rank, procs) for rank in range(procs)}
+    torch.testing.assert_close(consolidated["state_dict"], many["state_dict"])
+    torch.testing.assert_close(many["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("strategy", ["hotcache"])

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_hotcache.cache.exchange import RowSharding, all_gather_table_rows, exchange_table_rows
+from lightning_hotcache.cache.exchange import RowSharding, all_gather_table_rows, exchange_table_rows, send_rows_to_owners
 
 
 def _parts(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -38,6 +38,13 @@ def _collectives(rank: int) -> None:
     rows = exchange_table_rows(asked, serves, [2, 3], sharding)
     for t in range(2):
         assert torch.equal(rows[t], _answer(t, asked[t], owner=None)), t
+    # Gradient rows go to their owners: each rank gets exactly the rows of its ids, from rank 0's first.
+    got = send_rows_to_owners(_parts(rank), sharding)
+    for t, (ids, rows) in enumerate(got):
+        every = [_parts(r)[t] for r in range(2)]
+        mine = [(i[i % 2 == rank], x[i % 2 == rank]) for i, x in every]
+        assert bool((ids % 2 == rank).all()), t
+        assert torch.equal(ids, torch.cat([i for i, _ in mine])) and torch.equal(rows, torch.cat([x for _, x in mine])), t
 
 
 def _worker(rank: int, check, init_file: str, failures) -> None:

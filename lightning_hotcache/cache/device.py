@@ -13,9 +13,14 @@ When the static region covers the whole table, slot == id and there is no host c
 no bookkeeping at all: the table simply lives on the device.
 
 Across data-parallel ranks (`RowSharding`), each rank's host store holds its round-robin
-shard of the rows; misses are fetched from their owners (from the owner's cache when the
-owner has the row cached, since its host copy may be stale), every copy of a row receives
-every update, and only the owner writes a row back, so evicting another rank's row is free.
+shard of the rows, and only a row's owner updates it and writes it back (HugeCTR's hybrid
+embedding: frequent rows data-parallel, the rest model-parallel). Staging fetches only this
+rank's own rows; a slot may hold another rank's row, but its value is fetched from the
+owner's current copy in the forward that reads it (`refresh_remote_rows`), after every
+earlier step's update. Backward sends every gradient row to its row's owner, which sums the
+ranks' rows; static rows, which every rank holds, then get the sum from their owner
+(`apply_updates_across_ranks`). So what a rank sends per step follows the rows its own
+batch reads, not the number of ranks, and evicting another rank's row is free.
 
 Written by hand because neither TorchRec nor FBGEMM offers this on CPU: FBGEMM's LRU/LFU
 caches are CUDA kernels of its UVM table-batched embedding, with no CPU build and no
@@ -30,7 +35,13 @@ from typing import Literal, Sequence
 import torch
 from torch import Tensor
 
-from lightning_hotcache.cache.exchange import RowSharding, exchange_table_rows, gather_table
+from lightning_hotcache.cache.exchange import (
+    RowSharding,
+    all_gather_table_rows,
+    exchange_table_rows,
+    gather_table,
+    send_rows_to_owners,
+)
 from lightning_hotcache.cache.host import HostStore
 from lightning_hotcache.cache.slot_map import make_slot_map
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig, apply_sparse_update
@@ -200,8 +211,7 @@ class DeviceCache:
         # Lock the hits first, so that fetching the misses cannot evict them.
         self.last_used[slots[~missing]] = self._issued
         acquire = _Acquire(ids, slots, self._issued, missing)
-        # With several ranks every rank joins the row exchange, misses or not.
-        if num_missing or self.sharding.world > 1:
+        if num_missing:
             acquire.needed, acquire.needed_index = ids[missing].unique(return_inverse=True)
             acquire.victims = self._choose_victims(len(acquire.needed))
             self._evict(acquire.victims[self.id_of_slot[acquire.victims] >= 0])
@@ -218,8 +228,9 @@ class DeviceCache:
             self.slot_map.assign(needed, victims)
             self.id_of_slot[victims] = needed
             self.frequency[victims] = 0
-            self.counters.fetched_rows += len(needed)
-            self._tally(_FETCHED, needed)
+            fetched = needed if self.sharding.world == 1 else needed[self.sharding.owned(needed)]
+            self.counters.fetched_rows += len(fetched)
+            self._tally(_FETCHED, fetched)
             slots = slots.clone()
             slots[acquire.missing] = victims[acquire.needed_index]
             self.last_used[victims] = acquire.ticket
@@ -248,16 +259,41 @@ class DeviceCache:
     def _row_widths(self) -> dict[str, int]:
         return {key: tensor.shape[1] for key, tensor in self.slots.items()}
 
-    def _serve(self, ids: Tensor) -> Tensor:
-        """Packed current rows of ``ids`` (all owned here): cached copy if any, else host."""
+    def _read_own(self, ids: Tensor) -> dict[str, Tensor]:
+        """Host rows (and state) of ``ids`` for staging: across ranks only this rank's own
+        rows are read; other ranks' rows are zeros until `refresh_remote_rows` fills them."""
         assert self.host is not None
-        rows = self.host.read(self.sharding.local(ids))
-        packed = torch.cat([rows[key].to(self.device) for key in self.slots], dim=1)
+        if self.sharding.world == 1:
+            return self.host.read(ids)
+        owned = self.sharding.owned(ids)
+        rows = {key: torch.zeros(len(ids), width, dtype=torch.float32) for key, width in self._row_widths.items()}
+        for key, values in self.host.read(self.sharding.local(ids[owned])).items():
+            rows[key][owned.cpu()] = values
+        return rows
+
+    def _serve_weights(self, ids: Tensor) -> Tensor:
+        """Current weights of ``ids`` (all owned here, none static): the cached copy if any, else the host's."""
+        assert self.host is not None
+        weights = self.host.weight.index_select(0, self.sharding.local(ids).cpu()).to(self.device)
         slots = self.slot_map.lookup(ids.to(self.device))
         cached = slots >= 0
-        if bool(cached.any()):
-            packed[cached] = torch.cat([tensor[slots[cached]] for tensor in self.slots.values()], dim=1)
-        return packed
+        weights[cached] = self.weight[slots[cached]]
+        return weights
+
+    def _remote_slots(self, slots: Tensor) -> Tensor:
+        """The distinct dynamic slots among ``slots`` that hold another rank's row."""
+        if self.identity or self.sharding.world == 1:
+            return slots[:0]
+        dynamic = slots.unique()
+        dynamic = dynamic[dynamic >= self.num_static]
+        return dynamic[~self.sharding.owned(self.id_of_slot[dynamic])]
+
+    def is_static(self, ids: Tensor) -> Tensor:
+        """Which of ``ids`` are in the static region (held by every rank)."""
+        if self.identity:
+            return torch.ones_like(ids, dtype=torch.bool)
+        slots = self.slot_map.lookup(ids)
+        return (slots >= 0) & (slots < self.num_static)
 
     def _choose_victims(self, count: int) -> Tensor:
         start = self.num_static
@@ -408,22 +444,54 @@ class _Acquire:
 
 @torch.no_grad()
 def acquire_all(caches: Sequence[DeviceCache], ids: Sequence[Tensor]) -> list[tuple[Tensor, int]]:
-    """`DeviceCache.acquire` for several tables at once: across ranks the missing rows of all
-    of them come in one exchange (every rank must pass the same tables, in the same order)."""
+    """`DeviceCache.acquire` for several tables at once (misses of every table first, then
+    every install: a prefetch thread sees no table half-staged)."""
     started = [cache._begin_acquire(i) for cache, i in zip(caches, ids)]
-    fetching = [k for k, a in enumerate(started) if a.needed is not None]
-    rows: list[dict[str, Tensor] | None] = [None] * len(caches)
-    if fetching and caches[fetching[0]].sharding.world == 1:
-        for k in fetching:
-            host, needed = caches[k].host, started[k].needed
-            assert host is not None and needed is not None
-            rows[k] = host.read(needed)
-    elif fetching:
-        widths = [caches[k]._row_widths for k in fetching]
-        packed = exchange_table_rows(
-            [started[k].needed for k in fetching], [caches[k]._serve for k in fetching],  # type: ignore[misc]
-            [sum(w.values()) for w in widths], caches[fetching[0]].sharding,
-        )  # fmt: skip
-        for k, w, p in zip(fetching, widths, packed):
-            rows[k] = dict(zip(w, p.split(list(w.values()), dim=1)))
+    rows = [None if a.needed is None else cache._read_own(a.needed) for cache, a in zip(caches, started)]
     return [cache._finish_acquire(a, r) for cache, a, r in zip(caches, started, rows)]
+
+
+@torch.no_grad()
+def refresh_remote_rows(caches: Sequence[DeviceCache], slots: Sequence[Tensor]) -> None:
+    """Across ranks, before a forward reads ``slots[k]`` of ``caches[k]``: fetch the current
+    weights of the other ranks' rows among them from their owners, in one exchange for all
+    tables (a collective: every rank calls it once per forward, with the same tables).
+
+    Owners update their rows in every step's backward, so a copy taken at staging (or left
+    in a slot by an earlier batch) may be stale; the fetch comes after every earlier step's
+    update because every rank runs that backward before this forward."""
+    remote = [cache._remote_slots(s) for cache, s in zip(caches, slots)]
+    ids = [cache.id_of_slot[r] if len(r) else r for cache, r in zip(caches, remote)]
+    rows = exchange_table_rows(
+        ids, [cache._serve_weights for cache in caches], [cache.weight.shape[1] for cache in caches], caches[0].sharding
+    )
+    for cache, r, i, w in zip(caches, remote, ids, rows):
+        cache.weight[r] = w
+        cache.counters.fetched_rows += len(r)
+        cache._tally(_FETCHED, i)
+
+
+@torch.no_grad()
+def apply_updates_across_ranks(caches: Sequence[DeviceCache], grads: Sequence[Tensor], optimizer: RowWiseOptimizerConfig) -> None:
+    """One row-wise step with the ranks' mean gradient (DDP's average), ``grads[k]`` being
+    this rank's sparse gradient over the slots of ``caches[k]`` (a collective for every rank).
+
+    Each gradient row goes to its row's owner (one all-to-all for all tables), which sums
+    the ranks' rows and updates its rows; the sums for static rows, which every rank holds,
+    are gathered to every rank (one all-gather), and every rank updates its copy alike."""
+    sharding = caches[0].sharding
+    parts = []
+    for cache, grad in zip(caches, grads):
+        grad = grad.coalesce()
+        parts.append((cache.ids_of_slots(grad.indices()[0]), grad.values().to(torch.float32) / sharding.world))
+    summed = []
+    for cache, (ids, rows) in zip(caches, send_rows_to_owners(parts, sharding)):
+        total = torch.sparse_coo_tensor(ids[None], rows, (cache.num_embeddings, rows.shape[1])).coalesce()
+        summed.append((total.indices()[0], total.values()))
+    static = [cache.is_static(ids) for cache, (ids, _) in zip(caches, summed)]
+    for cache, (ids, rows), hot in zip(caches, summed, static):
+        cache.apply_update_to_ids(ids[~hot], rows[~hot], optimizer)
+    if any(cache.num_static for cache in caches):  # the same on every rank: one plan
+        gathered = all_gather_table_rows([(ids[hot], rows[hot]) for (ids, rows), hot in zip(summed, static)], sharding.group)
+        for cache, (ids, rows) in zip(caches, gathered):
+            cache.apply_update_to_ids(ids, rows, optimizer)

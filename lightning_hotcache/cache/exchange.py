@@ -1,14 +1,18 @@
 """Rows across data-parallel ranks: who owns which row, and the collectives that move rows.
 
 Host stores are sharded round-robin: row ``i`` lives in the host store of rank
-``i % world`` at local index ``i // world``. Every rank runs the same sequence of
-collectives (one exchange of missing rows per staged batch, one gather of gradient rows per
-backward, each covering all tables, so their cost does not grow with the number of tables),
-which holds because ranks stage and train the same number of batches.
+``i % world`` at local index ``i // world``, and that rank (its owner) is the only one
+that updates it, except for the plan's static rows, which every rank holds and updates.
+Every rank runs the same sequence of collectives, each covering all tables so that its
+cost does not grow with the number of tables: one fetch of the current rows of other
+ranks' rows per forward (`exchange_table_rows`), and per backward one all-to-all of
+gradient rows to their owners (`send_rows_to_owners`) plus one all-gather of the reduced
+gradients of static rows (`all_gather_table_rows`). That holds because ranks forward and
+train the same number of batches.
 
 Written on torch.distributed directly (all_to_all_single, all_gather): TorchRec's
-collectives move pooled embeddings between table shards, not raw rows and optimizer state
-between caches and host stores.
+collectives move pooled embeddings between table shards, not raw rows and gradient rows
+between caches and their owners.
 """
 
 from __future__ import annotations
@@ -39,6 +43,51 @@ class RowSharding:
         return len(range(self.rank, num_embeddings, self.world))
 
 
+@dataclass(frozen=True)
+class _Routed:
+    """Ids of several tables after one all-to-all to their owners (see `_route_to_owners`)."""
+
+    orders: list[Tensor]  # per table: the permutation that groups its ids by owner
+    sent: list[list[int]]  # [dst][table]: ids this rank sent
+    received: list[list[int]]  # [src][table]: ids this rank got
+    ids: list[Tensor]  # per table: the ids this rank got, in source-rank order
+
+
+def _route_to_owners(ids_of: Sequence[Tensor], sharding: RowSharding) -> _Routed:
+    """Send each table's ids to their owners: two all-to-alls (counts, then ids)."""
+    world, group, tables = sharding.world, sharding.group, range(len(ids_of))
+    device = ids_of[0].device
+    orders = [torch.argsort(ids % world, stable=True) for ids in ids_of]
+    counts = torch.stack([torch.bincount(ids % world, minlength=world) for ids in ids_of], dim=1)  # (dst, table)
+    recv_counts = torch.empty_like(counts)  # (src, table)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    sent, received = counts.tolist(), recv_counts.tolist()
+    # Ids travel grouped by destination rank, then by table.
+    by_owner = [ids[order].split(counts[:, t].tolist()) for t, (ids, order) in enumerate(zip(ids_of, orders))]
+    send_ids = torch.cat([by_owner[t][dst] for dst in range(world) for t in tables])
+    got = torch.empty(int(recv_counts.sum()), dtype=send_ids.dtype, device=device)
+    dist.all_to_all_single(got, send_ids, list(map(sum, received)), list(map(sum, sent)), group=group)
+    parts = got.split([received[src][t] for src in range(world) for t in tables])
+    return _Routed(orders, sent, received, [torch.cat(parts[t :: len(tables)]) for t in tables])
+
+
+def _all_to_all_floats(
+    rows: Sequence[Tensor], send_counts: list[list[int]], recv_counts: list[list[int]], widths: Sequence[int], group: Any
+) -> list[Tensor]:
+    """One all-to-all of float rows: ``rows[t]`` holds, grouped by destination rank,
+    ``send_counts[dst][t]`` rows of width ``widths[t]``; returns per table the rows got,
+    grouped by source rank (``recv_counts[src][t]`` each)."""
+    world, tables = len(send_counts), range(len(rows))
+    by_dst = [r.reshape(-1).split([send_counts[dst][t] * widths[t] for dst in range(world)]) for t, r in enumerate(rows)]
+    send = torch.cat([by_dst[t][dst] for dst in range(world) for t in tables])
+    floats_out = [sum(send_counts[dst][t] * widths[t] for t in tables) for dst in range(world)]
+    floats_in = [sum(recv_counts[src][t] * widths[t] for t in tables) for src in range(world)]
+    got = torch.empty(sum(floats_in), dtype=torch.float32, device=send.device)
+    dist.all_to_all_single(got, send, floats_in, floats_out, group=group)
+    pieces = got.split([recv_counts[src][t] * widths[t] for src in range(world) for t in tables])
+    return [torch.cat(pieces[t :: len(widths)]).view(-1, widths[t]) for t in tables]
+
+
 def exchange_table_rows(
     requests: Sequence[Tensor], serves: Sequence[Callable[[Tensor], Tensor]], widths: Sequence[int], sharding: RowSharding
 ) -> list[Tensor]:
@@ -48,37 +97,27 @@ def exchange_table_rows(
     rows of table ``t`` this rank owns with ``(n, widths[t])`` floats. Returns the rows of
     ``requests[t]`` in request order. Every rank must call it with the same tables, with or
     without ids."""
-    world, group, tables = sharding.world, sharding.group, range(len(requests))
-    device = requests[0].device
-    orders = [torch.argsort(ids % world, stable=True) for ids in requests]
-    counts = torch.stack([torch.bincount(ids % world, minlength=world) for ids in requests], dim=1)  # (dst, table)
-    recv_counts = torch.empty_like(counts)  # (src, table)
-    dist.all_to_all_single(recv_counts, counts, group=group)
-    sent, received = counts.tolist(), recv_counts.tolist()
-    # Requests travel grouped by destination rank, then by table.
-    by_owner = [ids[order].split(counts[:, t].tolist()) for t, (ids, order) in enumerate(zip(requests, orders))]
-    send_ids = torch.cat([by_owner[t][dst] for dst in range(world) for t in tables])
-    asked = torch.empty(int(recv_counts.sum()), dtype=send_ids.dtype, device=device)
-    dist.all_to_all_single(asked, send_ids, list(map(sum, received)), list(map(sum, sent)), group=group)
-    asked_parts = asked.split([received[src][t] for src in range(world) for t in tables])
-    answers = []
-    for t in tables:
-        asked_t = torch.cat([asked_parts[src * len(tables) + t] for src in range(world)])
-        answered = serves[t](asked_t).to(device, torch.float32)
-        answers.append(answered.split([received[src][t] for src in range(world)]))
-    send_rows = torch.cat([answers[t][src].reshape(-1) for src in range(world) for t in tables])
-    floats_back = [sum(received[src][t] * widths[t] for t in tables) for src in range(world)]
-    floats_in = [sum(sent[dst][t] * widths[t] for t in tables) for dst in range(world)]
-    got = torch.empty(sum(floats_in), dtype=torch.float32, device=device)
-    dist.all_to_all_single(got, send_rows, floats_in, floats_back, group=group)
-    pieces = got.split([sent[dst][t] * widths[t] for dst in range(world) for t in tables])
+    routed = _route_to_owners(requests, sharding)
+    answers = [serves[t](asked).to(asked.device, torch.float32) for t, asked in enumerate(routed.ids)]
+    # The answers go back the way the requests came: the counts swap roles.
+    rows = _all_to_all_floats(answers, routed.received, routed.sent, widths, sharding.group)
     out = []
-    for t, order in enumerate(orders):
-        rows = torch.cat([pieces[dst * len(tables) + t].view(-1, widths[t]) for dst in range(world)])
-        unsorted = torch.empty_like(rows)
-        unsorted[order] = rows
+    for got, order in zip(rows, routed.orders):
+        unsorted = torch.empty_like(got)
+        unsorted[order] = got
         out.append(unsorted)
     return out
+
+
+def send_rows_to_owners(parts: Sequence[tuple[Tensor, Tensor]], sharding: RowSharding) -> list[tuple[Tensor, Tensor]]:
+    """Each table's ``(ids, float32 rows)`` to the owners of the ids, in three collectives
+    however many tables. Returns per table the ``(ids, rows)`` this rank got (all owned here),
+    from rank 0's first; every rank passes the same tables, with or without ids."""
+    routed = _route_to_owners([ids for ids, _ in parts], sharding)
+    rows = [r[order] for (_, r), order in zip(parts, routed.orders)]
+    widths = [r.shape[1] for _, r in parts]
+    got = _all_to_all_floats(rows, routed.sent, routed.received, widths, sharding.group)
+    return list(zip(routed.ids, got))
 
 
 def all_gather_table_rows(parts: Sequence[tuple[Tensor, Tensor]], group: Any) -> list[tuple[Tensor, Tensor]]:
