@@ -13,14 +13,15 @@ When the static region covers the whole table, slot == id and there is no host c
 no bookkeeping at all: the table simply lives on the device.
 
 Across data-parallel ranks (`RowSharding`), each rank's host store holds its round-robin
-shard of the rows, and only a row's owner updates it and writes it back (HugeCTR's hybrid
-embedding: frequent rows data-parallel, the rest model-parallel). Staging fetches only this
-rank's own rows; a slot may hold another rank's row, but its value is fetched from the
-owner's current copy in the forward that reads it (`refresh_remote_rows`), after every
-earlier step's update. Backward sends every gradient row to its row's owner, which sums the
-ranks' rows; static rows, which every rank holds, then get the sum from their owner
-(`apply_updates_across_ranks`). So what a rank sends per step follows the rows its own
-batch reads, not the number of ranks, and evicting another rank's row is free.
+shard of the rows, and only a row's owner updates it and writes it back (owner-computes, as
+in HugeCTR's hybrid embedding and TorchRec's row-wise sharding). Staging reads only this
+rank's own rows; a slot (static or dynamic) may hold another rank's row, but its value is
+fetched from the owner's current copy in the forward that reads it (`refresh_remote_rows`),
+after every earlier step's update. Backward sends every gradient row to its row's owner,
+which sums the ranks' rows and updates the row (`apply_updates_across_ranks`). So what a
+rank sends per step follows the rows its own batch reads, not the number of ranks, and
+evicting another rank's row is free. Tables wholly on the device have no owner: every rank
+holds and updates them, with the sums gathered from the rows' reducers.
 
 Written by hand because neither TorchRec nor FBGEMM offers this on CPU: FBGEMM's LRU/LFU
 caches are CUDA kernels of its UVM table-batched embedding, with no CPU build and no
@@ -281,19 +282,11 @@ class DeviceCache:
         return weights
 
     def _remote_slots(self, slots: Tensor) -> Tensor:
-        """The distinct dynamic slots among ``slots`` that hold another rank's row."""
+        """The distinct slots among ``slots`` that hold another rank's row."""
         if self.identity or self.sharding.world == 1:
             return slots[:0]
-        dynamic = slots.unique()
-        dynamic = dynamic[dynamic >= self.num_static]
-        return dynamic[~self.sharding.owned(self.id_of_slot[dynamic])]
-
-    def is_static(self, ids: Tensor) -> Tensor:
-        """Which of ``ids`` are in the static region (held by every rank)."""
-        if self.identity:
-            return torch.ones_like(ids, dtype=torch.bool)
-        slots = self.slot_map.lookup(ids)
-        return (slots >= 0) & (slots < self.num_static)
+        distinct = slots.unique()
+        return distinct[~self.sharding.owned(self.id_of_slot[distinct])]
 
     def _choose_victims(self, count: int) -> Tensor:
         start = self.num_static
@@ -477,8 +470,9 @@ def apply_updates_across_ranks(caches: Sequence[DeviceCache], grads: Sequence[Te
     this rank's sparse gradient over the slots of ``caches[k]`` (a collective for every rank).
 
     Each gradient row goes to its row's owner (one all-to-all for all tables), which sums
-    the ranks' rows and updates its rows; the sums for static rows, which every rank holds,
-    are gathered to every rank (one all-gather), and every rank updates its copy alike."""
+    the ranks' rows and updates the row. Tables wholly on the device are held by every rank:
+    their sums are gathered to every rank (one all-gather), which updates its copy alike;
+    they are the plan's small tables, so what is gathered is bounded by their rows."""
     sharding = caches[0].sharding
     parts = []
     for cache, grad in zip(caches, grads):
@@ -488,10 +482,10 @@ def apply_updates_across_ranks(caches: Sequence[DeviceCache], grads: Sequence[Te
     for cache, (ids, rows) in zip(caches, send_rows_to_owners(parts, sharding)):
         total = torch.sparse_coo_tensor(ids[None], rows, (cache.num_embeddings, rows.shape[1])).coalesce()
         summed.append((total.indices()[0], total.values()))
-    static = [cache.is_static(ids) for cache, (ids, _) in zip(caches, summed)]
-    for cache, (ids, rows), hot in zip(caches, summed, static):
-        cache.apply_update_to_ids(ids[~hot], rows[~hot], optimizer)
-    if any(cache.num_static for cache in caches):  # the same on every rank: one plan
-        gathered = all_gather_table_rows([(ids[hot], rows[hot]) for (ids, rows), hot in zip(summed, static)], sharding.group)
-        for cache, (ids, rows) in zip(caches, gathered):
+    for cache, (ids, rows) in zip(caches, summed):
+        if not cache.identity:
             cache.apply_update_to_ids(ids, rows, optimizer)
+    whole = [k for k, cache in enumerate(caches) if cache.identity]  # the same on every rank: one plan
+    if whole:
+        for k, (ids, rows) in zip(whole, all_gather_table_rows([summed[k] for k in whole], sharding.group)):
+            caches[k].apply_update_to_ids(ids, rows, optimizer)
