@@ -431,9 +431,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         else:  # not prefetched (or an evaluation batch between prefetched training batches)
             staged = self._stage(features)
         if self._sharding.world > 1:
-            split = [(cache, slots) for cache, slots in staged.read if not cache.identity]  # the same tables on every rank
-            if split:
-                refresh_remote_rows(*zip(*split))
+            refresh_remote_rows(*zip(*staged.read))
         values = self._lookup_fused(staged) if self._fused is not None else self._lookup(staged)
         if torch.is_grad_enabled() and values.requires_grad:
             staged.output = weakref.ref(values)

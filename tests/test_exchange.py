@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_hotcache.cache.exchange import RowSharding, all_gather_table_rows, exchange_table_rows, send_rows_to_owners
+from lightning_hotcache.cache.exchange import RowSharding, exchange_table_rows, send_rows_to_owners
 
 
 def _parts(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -26,11 +26,6 @@ def _answer(table: int, ids: torch.Tensor, owner: int | None) -> torch.Tensor:
 
 
 def _collectives(rank: int) -> None:
-    got = all_gather_table_rows(_parts(rank), None)
-    for t, (ids, rows) in enumerate(got):
-        want_ids = torch.cat([_parts(r)[t][0] for r in range(2)])
-        want_rows = torch.cat([_parts(r)[t][1] for r in range(2)])
-        assert torch.equal(ids, want_ids) and torch.equal(rows, want_rows), t
     # Rows come from their owners (id % 2), whoever asks; each table answers with its own width.
     sharding = RowSharding(rank, 2, None)
     asked = [torch.tensor([5, 2, 7, 4, 4][rank * 2 :]), torch.tensor([[], [3, 8]][rank], dtype=torch.int64)]

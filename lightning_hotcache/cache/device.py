@@ -20,8 +20,8 @@ fetched from the owner's current copy in the forward that reads it (`refresh_rem
 after every earlier step's update. Backward sends every gradient row to its row's owner,
 which sums the ranks' rows and updates the row (`apply_updates_across_ranks`). So what a
 rank sends per step follows the rows its own batch reads, not the number of ranks, and
-evicting another rank's row is free. Tables wholly on the device have no owner: every rank
-holds and updates them, with the sums gathered from the rows' reducers.
+evicting another rank's row is free. Tables wholly on the device work alike: every rank
+holds all their rows, but only the owner's copy of a row is current.
 
 Written by hand because neither TorchRec nor FBGEMM offers this on CPU: FBGEMM's LRU/LFU
 caches are CUDA kernels of its UVM table-batched embedding, with no CPU build and no
@@ -38,7 +38,6 @@ from torch import Tensor
 
 from lightning_hotcache.cache.exchange import (
     RowSharding,
-    all_gather_table_rows,
     exchange_table_rows,
     gather_table,
     send_rows_to_owners,
@@ -273,7 +272,9 @@ class DeviceCache:
         return rows
 
     def _serve_weights(self, ids: Tensor) -> Tensor:
-        """Current weights of ``ids`` (all owned here, none static): the cached copy if any, else the host's."""
+        """Current weights of ``ids`` (all owned here): the cached copy if any, else the host's."""
+        if self.identity:
+            return self.weight[ids.to(self.device)]
         assert self.host is not None
         weights = self.host.weight.index_select(0, self.sharding.local(ids).cpu()).to(self.device)
         slots = self.slot_map.lookup(ids.to(self.device))
@@ -283,10 +284,10 @@ class DeviceCache:
 
     def _remote_slots(self, slots: Tensor) -> Tensor:
         """The distinct slots among ``slots`` that hold another rank's row."""
-        if self.identity or self.sharding.world == 1:
+        if self.sharding.world == 1:
             return slots[:0]
         distinct = slots.unique()
-        return distinct[~self.sharding.owned(self.id_of_slot[distinct])]
+        return distinct[~self.sharding.owned(self.ids_of_slots(distinct))]
 
     def _choose_victims(self, count: int) -> Tensor:
         start = self.num_static
@@ -386,9 +387,12 @@ class DeviceCache:
     # ---------------------------------------------------------- whole table
     def full(self, key: str = "weight") -> Tensor:
         """The current whole table (``weight``) or optimizer state array, on the CPU (across
-        ranks a collective: every rank must ask)."""
+        ranks a collective, also for tables wholly on the device: every rank must ask)."""
         if self.identity:
-            return self.slots[key].detach().cpu()
+            if self.sharding.world == 1:
+                return self.slots[key].detach().cpu()
+            owned = self.slots[key][self.sharding.rank :: self.sharding.world]  # the current copies
+            return gather_table(owned.detach().cpu(), self.num_embeddings, self.sharding)
         self.flush()
         assert self.host is not None
         if self.sharding.world == 1:
@@ -454,7 +458,7 @@ def refresh_remote_rows(caches: Sequence[DeviceCache], slots: Sequence[Tensor]) 
     in a slot by an earlier batch) may be stale; the fetch comes after every earlier step's
     update because every rank runs that backward before this forward."""
     remote = [cache._remote_slots(s) for cache, s in zip(caches, slots)]
-    ids = [cache.id_of_slot[r] if len(r) else r for cache, r in zip(caches, remote)]
+    ids = [cache.ids_of_slots(r) for cache, r in zip(caches, remote)]
     rows = exchange_table_rows(
         ids, [cache._serve_weights for cache in caches], [cache.weight.shape[1] for cache in caches], caches[0].sharding
     )
@@ -470,9 +474,7 @@ def apply_updates_across_ranks(caches: Sequence[DeviceCache], grads: Sequence[Te
     this rank's sparse gradient over the slots of ``caches[k]`` (a collective for every rank).
 
     Each gradient row goes to its row's owner (one all-to-all for all tables), which sums
-    the ranks' rows and updates the row. Tables wholly on the device are held by every rank:
-    their sums are gathered to every rank (one all-gather), which updates its copy alike;
-    they are the plan's small tables, so what is gathered is bounded by their rows."""
+    the ranks' rows and updates the row."""
     sharding = caches[0].sharding
     parts = []
     for cache, grad in zip(caches, grads):
@@ -483,9 +485,4 @@ def apply_updates_across_ranks(caches: Sequence[DeviceCache], grads: Sequence[Te
         total = torch.sparse_coo_tensor(ids[None], rows, (cache.num_embeddings, rows.shape[1])).coalesce()
         summed.append((total.indices()[0], total.values()))
     for cache, (ids, rows) in zip(caches, summed):
-        if not cache.identity:
-            cache.apply_update_to_ids(ids, rows, optimizer)
-    whole = [k for k, cache in enumerate(caches) if cache.identity]  # the same on every rank: one plan
-    if whole:
-        for k, (ids, rows) in zip(whole, all_gather_table_rows([summed[k] for k in whole], sharding.group)):
-            caches[k].apply_update_to_ids(ids, rows, optimizer)
+        cache.apply_update_to_ids(ids, rows, optimizer)

@@ -1,14 +1,12 @@
 """Rows across data-parallel ranks: who owns which row, and the collectives that move rows.
 
 Host stores are sharded round-robin: row ``i`` lives in the host store of rank
-``i % world`` at local index ``i // world``, and that rank (its owner) is the only one
-that updates it, except for the plan's static rows, which every rank holds and updates.
-Every rank runs the same sequence of collectives, each covering all tables so that its
-cost does not grow with the number of tables: one fetch of the current rows of other
-ranks' rows per forward (`exchange_table_rows`), and per backward one all-to-all of
-gradient rows to their owners (`send_rows_to_owners`) plus one all-gather of the reduced
-gradients of static rows (`all_gather_table_rows`). That holds because ranks forward and
-train the same number of batches.
+``i % world`` at local index ``i // world``, and that rank (its owner) is the only one that
+updates it. Every rank runs the same sequence of collectives, each covering all tables so
+that its cost does not grow with the number of tables: per forward one fetch of the current
+rows of other ranks' rows (`exchange_table_rows`), per backward one all-to-all of gradient
+rows to their owners (`send_rows_to_owners`). That holds because ranks forward and train
+the same number of batches.
 
 Written on torch.distributed directly (all_to_all_single, all_gather): TorchRec's
 collectives move pooled embeddings between table shards, not raw rows and gradient rows
@@ -118,42 +116,6 @@ def send_rows_to_owners(parts: Sequence[tuple[Tensor, Tensor]], sharding: RowSha
     widths = [r.shape[1] for _, r in parts]
     got = _all_to_all_floats(rows, routed.sent, routed.received, widths, sharding.group)
     return list(zip(routed.ids, got))
-
-
-def all_gather_table_rows(parts: Sequence[tuple[Tensor, Tensor]], group: Any) -> list[tuple[Tensor, Tensor]]:
-    """Every rank's ``(ids, rows)`` of each table, concatenated in rank order (sizes differ by
-    rank), in three collectives however many tables there are. ``parts[t]`` is this rank's
-    ids and float32 rows ``(n_t, width_t)`` of table ``t``; every rank passes the same tables
-    in the same order."""
-    world = dist.get_world_size(group)
-    device = parts[0][0].device
-    widths = [rows.shape[1] for _, rows in parts]
-    counts = torch.tensor([len(ids) for ids, _ in parts], device=device)
-    gathered_counts = [torch.empty_like(counts) for _ in range(world)]
-    dist.all_gather(gathered_counts, counts, group=group)
-    counts_of = [c.tolist() for c in gathered_counts]
-    floats_of = [[n * w for n, w in zip(c, widths)] for c in counts_of]
-    ids = torch.cat([ids for ids, _ in parts]).to(torch.int64)
-    floats = torch.cat([rows.reshape(-1).to(torch.float32) for _, rows in parts])
-    gathered_ids = _all_gather_padded(ids, max(map(sum, counts_of)), group)
-    gathered_floats = _all_gather_padded(floats, max(map(sum, floats_of)), group)
-    out_ids: list[list[Tensor]] = [[] for _ in parts]
-    out_rows: list[list[Tensor]] = [[] for _ in parts]
-    for rank in range(world):
-        rank_ids = gathered_ids[rank][: sum(counts_of[rank])].split(counts_of[rank])
-        rank_floats = gathered_floats[rank][: sum(floats_of[rank])].split(floats_of[rank])
-        for t, width in enumerate(widths):
-            out_ids[t].append(rank_ids[t])
-            out_rows[t].append(rank_floats[t].view(-1, width))
-    return [(torch.cat(i), torch.cat(r)) for i, r in zip(out_ids, out_rows)]
-
-
-def _all_gather_padded(values: Tensor, longest: int, group: Any) -> list[Tensor]:
-    padded = torch.zeros(longest, dtype=values.dtype, device=values.device)
-    padded[: len(values)] = values
-    gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, padded, group=group)
-    return gathered
 
 
 def gather_table(local: Tensor, num_embeddings: int, sharding: RowSharding) -> Tensor:
