@@ -3,7 +3,7 @@
     hotcache fit -c configs/dlrm_synthetic.yaml
     hotcache fit --model models.DeepFM --data datamodules.SyntheticCTRDataModule --trainer.max_epochs 1
     hotcache profile -c configs/dlrm_synthetic.yaml --out stats.npz --plot coverage.png
-    hotcache plan -c configs/dlrm_synthetic.yaml --budget 2GB [--stats stats.npz] [--out plan.json]
+    hotcache plan -c configs/dlrm_synthetic.yaml --budget 2GB [--stats stats.npz] [--out plan.json] [--world-size 8]
     hotcache consolidate checkpoints/run/last.ckpt --out plain.ckpt   # from checkpoint_shards=True
 
 Model and data are given by class path (subclass mode), so user subclasses work too. The
@@ -158,7 +158,9 @@ def _tool_parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--out", help="save the plan as JSON; train with it: --trainer.strategy.init_args.plan_path")
         parser.add_argument("--prefetch-depth", type=int)
         parser.add_argument("--prefetch-thread", action=argparse.BooleanOptionalAction)
-        parser.add_argument("--world-size", type=int)
+        parser.add_argument(
+            "--world-size", type=int, help="processes of the run; above 1 also prints each rank's bytes and modelled traffic"
+        )
         parser.add_argument("--policy", choices=["lfu", "lru", "static"])
         parser.add_argument("--device")
     return parser
@@ -176,6 +178,14 @@ def _run_batch_size(cli: HotCacheCLI) -> int | None:
 
     cli.datamodule.setup("fit")
     return first_batch_size(cli.datamodule.train_dataloader())
+
+
+def _dense_parameter_count(model: Any) -> int:
+    """Parameters outside the embedding tables (what DDP all-reduces)."""
+    from torchrec import EmbeddingBagCollection
+
+    tables = {id(p) for m in model.modules() if isinstance(m, EmbeddingBagCollection) for p in m.parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in tables and p.requires_grad)
 
 
 def _given(option: Any, default: Any) -> Any:
@@ -233,10 +243,17 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
     try:
         plan = planner.plan(tables, stats, _run_batch_size(cli) if stats is not None else None)
     except StatsNeededError:
-        plan = planner.plan(tables, _profile(cli, tables, options.batches))
+        stats = _profile(cli, tables, options.batches)
+        plan = planner.plan(tables, stats)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     print(plan)
+    if plan.world_size > 1:  # what each rank holds and sends needs the access law: profile if the plan did not
+        from lightning_hotcache.traffic import per_rank_report
+
+        stats = stats if stats is not None else _profile(cli, tables, options.batches)
+        batch_size = _run_batch_size(cli) or stats.batch_size
+        print(per_rank_report(plan, stats, tables, optimizer, batch_size, _dense_parameter_count(cli.model))[0])
     if options.out:
         plan.save(options.out)
         print(f"saved {options.out}")

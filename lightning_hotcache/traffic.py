@@ -55,8 +55,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
+    from torchrec import EmbeddingBagConfig
+
     from lightning_hotcache.planner import HotColdPlan
     from lightning_hotcache.profiling import AccessStats
+    from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
 FLOAT_BYTES = 4  # float32 rows, gradients and optimizer state
 ID_BYTES = 8  # int64 ids and counts
@@ -401,3 +404,38 @@ def workload_from_stats(
             )  # fmt: skip
         )
     return Workload(tuple(tables), batch_size, state_width, dense_params)
+
+
+def per_rank_report(
+    plan: HotColdPlan,
+    stats: AccessStats,
+    tables: Sequence[EmbeddingBagConfig],
+    optimizer: RowWiseOptimizerConfig,
+    batch_size: int,
+    dense_params: int,
+) -> tuple[str, dict[str, Any]]:
+    """What each of ``plan.world_size`` ranks holds and sends per step (modelled from the
+    profile, ``batch_size`` samples per rank): a readable table and its JSON form."""
+    from lightning_hotcache.planner import format_bytes, row_bytes
+
+    ranks = plan.world_size
+    host = sum(-(-t.num_embeddings // ranks) * row_bytes(t, optimizer) for t in tables if not plan.table(t.name).on_device)
+    state_width = max(sum(optimizer.state_widths(t.embedding_dim).values()) for t in tables)
+    workload = workload_from_stats(stats, plan, batch_size, state_width, dense_params)
+    traffic = {name: design(workload, ranks) for name, design in DESIGNS.items()}
+    lines = [
+        f"per rank of {ranks}: device {format_bytes(plan.device_bytes)}, host {format_bytes(host)} (its shard of the split tables)",
+        f"modelled bytes sent (= received) per rank per step, {batch_size} samples per rank (lightning_hotcache.traffic):",
+    ]
+    for name, t in traffic.items():
+        busiest = f" (busiest rank {format_bytes(round(t.max_send_bytes_per_rank))})" if t.max_send_bytes_per_rank > 1.01 * t.send_bytes_per_rank else ""
+        label = {"hotcache": "hotcache (this plan)", "all_gather": "all_gather (hotcache before owner updates)"}.get(name, name)
+        lines.append(f"  {label:<44} {format_bytes(round(t.send_bytes_per_rank)):>10}{busiest}, {t.collectives} collectives")
+    report = {
+        "world_size": ranks,
+        "device_bytes_per_rank": plan.device_bytes,
+        "host_bytes_per_rank": host,
+        "batch_size_per_rank": batch_size,
+        "designs": {name: t.to_json() for name, t in traffic.items()},
+    }
+    return "\n".join(lines), report

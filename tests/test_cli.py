@@ -155,6 +155,26 @@ PLAN_DATA = [*SMALL_SYNTHETIC, "--data.init_args.num_embeddings_cap=null", "--da
 DEMO_CONFIG = str(REPO / "configs" / "dlrm_synthetic.yaml")
 
 
+def test_plan_for_several_ranks_prints_what_each_rank_holds_and_sends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from lightning_hotcache.planner import format_bytes
+
+    monkeypatch.chdir(tmp_path)
+    main(["profile", "-c", DEMO_CONFIG, "--out", "stats.npz", "--batches", "4", *PLAN_DATA])
+    capsys.readouterr()
+    plan = main(["plan", "-c", DEMO_CONFIG, "--budget", "0.5", "--stats", "stats.npz", *PLAN_DATA])
+    assert "per rank" not in capsys.readouterr().out  # one process: nothing to exchange
+    plan = main(["plan", "-c", DEMO_CONFIG, "--budget", "0.5", "--stats", "stats.npz", "--world-size", "4", *PLAN_DATA])
+    out = capsys.readouterr().out
+    assert plan.world_size == 4
+    # each rank's round-robin shard of every split table, rows with row-wise Adagrad's one state float (the demo's)
+    host = sum(-(-t.num_embeddings // 4) * 4 * (t.embedding_dim + 1) for t in plan.tables if not t.on_device)
+    assert f"per rank of 4: device {format_bytes(plan.device_bytes)}, host {format_bytes(host)}" in out
+    sent = {line.split()[0]: line for line in out.splitlines() if "collectives" in line}
+    assert set(sent) == {"hotcache", "all_gather", "torchrec_table_wise", "torchrec_row_wise"}
+
+
 def test_plan_file_trains_with_exactly_that_plan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
