@@ -1,8 +1,8 @@
-"""Data-parallel scaling on this CPU: 1 vs 2 processes (gloo), hotcache vs torchrec.
+"""Data-parallel scaling on this CPU: 1, 2 and 4 processes (gloo), hotcache vs torchrec.
 
 DLRM (row-wise Adagrad on the tables, Adam on the dense layers) on SyntheticCTRDataModule at
 ``--scale`` times the Criteo Kaggle cardinalities, ``--batch-size`` samples per process per
-step (weak scaling: 2 processes train a global batch twice as large). Every (strategy,
+step (weak scaling: N processes train a global batch N times as large). Every (strategy,
 processes) pair runs in its own job, launched by Lightning as ``Trainer(devices=N)`` would be
 by a user, with the cores split evenly between the processes. Reported: global samples/s
 over the steps after ``--warmup`` (median of ``--rounds`` rounds over all jobs), and the
@@ -11,7 +11,7 @@ bytes the processes sent each other per step, read from the loopback interface's
 measure, the same for both strategies.
 Writes benchmarks/results/scaling.json.
 
-    python benchmarks/scaling.py [--scale 0.1] [--dim 16] [--batch-size 2048] [--steps 60] [--rounds 3]
+    python benchmarks/scaling.py [--scale 0.1] [--dim 16] [--batch-size 2048] [--steps 60] [--rounds 3] [--world-sizes 1 2 4]
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of every job; the median is reported")
     parser.add_argument("--strategy", choices=STRATEGIES, help="run one job (used by the driver)")
     parser.add_argument("--procs", type=int, default=1, help="processes of that job")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4], help="processes of the jobs (1 first)")
     parser.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
     args = parser.parse_args()
 
@@ -104,7 +105,7 @@ def main() -> None:
     rounds: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.rounds):
         for strategy in STRATEGIES:
-            for procs in (1, 2):
+            for procs in args.world_sizes:
                 command = [sys.executable, __file__, *sys.argv[1:], "--strategy", strategy, "--procs", str(procs)]
                 lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout.splitlines()
                 result = json.loads(next(line for line in lines if line.startswith("RESULT "))[len("RESULT "):])
@@ -112,8 +113,10 @@ def main() -> None:
                 print(f"{strategy} x{procs}: {result}", flush=True)
     results = {name: median_round(runs) for name, runs in rounds.items()}
     for strategy in STRATEGIES:
-        one, two = results[f"{strategy} x1"], results[f"{strategy} x2"]
-        two["x_one_process"] = two["samples_per_s"] / one["samples_per_s"]
+        for procs in args.world_sizes:
+            results[f"{strategy} x{procs}"]["x_one_process"] = (
+                results[f"{strategy} x{procs}"]["samples_per_s"] / results[f"{strategy} x{args.world_sizes[0]}"]["samples_per_s"]
+            )
     print(f"{'strategy':<14}{'procs':>6}{'samples/s':>11}{'x 1 proc':>10}{'sent KiB/step':>15}  rounds")
     for name, r in results.items():
         strategy, procs = name.rsplit(" x", 1)

@@ -66,11 +66,11 @@ def format_bytes(num: float) -> str:
     return f"{num:.1f} TiB"
 
 
-def prefetch_thread_used(prefetch_thread: bool | None, device: torch.device | str, world_size: int) -> bool:
-    """Whether the hotcache strategy stages on a background thread: as asked (by default on
-    CUDA devices), and only in one process."""
-    wanted = torch.device(device).type == "cuda" if prefetch_thread is None else prefetch_thread
-    return wanted and world_size == 1
+def prefetch_thread_used(prefetch_thread: bool | None, device: torch.device | str) -> bool:
+    """Whether the hotcache strategy stages on a background thread: as asked, by default on
+    CUDA devices. Staging runs no collective (across ranks it reads only the rank's own
+    rows), so the thread works across processes too."""
+    return torch.device(device).type == "cuda" if prefetch_thread is None else prefetch_thread
 
 
 class StatsNeededError(ValueError):
@@ -387,7 +387,7 @@ class HotColdPlanner:
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}.")
-        self.batches_in_flight = batches_in_flight(prefetch_depth, prefetch_thread_used(prefetch_thread, device, world_size))
+        self.batches_in_flight = batches_in_flight(prefetch_depth, prefetch_thread_used(prefetch_thread, device))
         check_cache_policy(cache_policy)
         self.device_budget = device_budget
         self.optimizer = optimizer or RowWiseOptimizerConfig()

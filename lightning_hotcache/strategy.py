@@ -73,10 +73,10 @@ class _PrefetchingLoader:
     Batches are moved to the device here (the loop's own transfer then finds them there),
     so the rows a step reads are resident before the step starts. A model whose
     ``on_before_batch_transfer`` rewrites the sparse features would not match what was
-    staged; forward then says so. In one process the
-    staging runs on a background thread, overlapping the model's dense compute (torch ops
-    release the GIL); across processes it stays on the training thread, because the row
-    exchanges of staging and of backward must reach every rank in the same order. Outside
+    staged; forward then says so. With ``prefetch_thread`` the staging runs on a background
+    thread, overlapping the model's dense compute (torch ops release the GIL); staging runs
+    no collective (across processes it reads only the rank's own rows; other ranks' rows
+    come in forward), so this holds across processes too. Outside
     training mode (sanity checks, validation) batches pass through untouched.
     """
 
@@ -192,8 +192,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         cache_policy: ``lfu``, ``lru`` or ``static`` (FAE: hot rows only, misses staged per batch).
         host_storage: ``"memory"`` or a directory for memory-mapped host tables.
         prefetch_depth: training batches whose rows are staged ahead of the current one.
-        prefetch_thread: stage on a background thread (one process only; across processes
-            staging stays on the training thread). Default: on CUDA devices, where the host
+        prefetch_thread: stage on a background thread. Default: on CUDA devices, where the host
             bookkeeping then overlaps GPU compute; not on CPU, where the thread competes with
             the model for the same cores (measured slower on 2 cores: 32.1 s vs 26.7 s for the
             demo epoch).
@@ -265,7 +264,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
 
     @property
     def uses_prefetch_thread(self) -> bool:
-        return prefetch_thread_used(self.prefetch_thread, self.root_device, self.world_size)
+        return prefetch_thread_used(self.prefetch_thread, self.root_device)
 
     # ------------------------------------------------------------------ setup
     @override

@@ -38,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device-budget", type=float, default=None, help="hotcache budget (fraction)")
     parser.add_argument("--big-tables", action="store_true", help="tables up to 100k rows, so budgets split them")
     parser.add_argument("--sharded-checkpoint", type=Path, help="hotcache: also save a checkpoint with per-rank shards")
+    parser.add_argument("--prefetch-thread", action="store_true", help="hotcache: stage on a background thread")
     parser.add_argument(
         "--resume-from", type=int, nargs="+", help="checkpoint every 2 steps, then resume from these steps' checkpoints"
     )
@@ -96,7 +97,8 @@ def fit(
     strategy = args.strategy if processes > 1 or args.strategy == "hotcache" else "auto"
     if strategy == "hotcache" and args.device_budget is not None:
         strategy = HotCacheStrategy(
-            device_budget=args.device_budget, profile_batches=2, checkpoint_shards=args.sharded_checkpoint is not None
+            device_budget=args.device_budget, profile_batches=2, checkpoint_shards=args.sharded_checkpoint is not None,
+            prefetch_thread=args.prefetch_thread,
         )
     trainer = cpu_trainer(
         strategy=strategy,

@@ -52,12 +52,18 @@ def test_torchrec_two_processes_match_one_with_double_batch(tmp_path: Path) -> N
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("procs", "optimizer"), [(2, "sgd"), (2, "rowwise_adagrad"), (2, "adam"), (4, "sgd")])
-def test_hotcache_processes_match_one_with_their_batches_together(tmp_path: Path, procs: int, optimizer: str) -> None:
+@pytest.mark.parametrize(
+    ("procs", "optimizer", "thread"),
+    [(2, "sgd", False), (2, "rowwise_adagrad", True), (2, "adam", False), (4, "sgd", False)],
+    ids=["2-sgd", "2-rowwise_adagrad-prefetch_thread", "2-adam", "4-sgd"],
+)
+def test_hotcache_processes_match_one_with_their_batches_together(
+    tmp_path: Path, procs: int, optimizer: str, thread: bool
+) -> None:
     """Host stores sharded across the ranks, each row updated by its owner from every rank's
-    gradient (static rows by every rank alike), other ranks' rows fetched in the forward that
-    reads them: the same tables as 1 process with all the ranks' batches."""
-    split = ["--big-tables", "--device-budget=0.05"]
+    gradient, other ranks' rows fetched in the forward that reads them (with staging on a
+    background thread, too): the same tables as 1 process with all the ranks' batches."""
+    split = ["--big-tables", "--device-budget=0.05", *(["--prefetch-thread"] if thread else [])]
     sharded = tmp_path / "sharded.ckpt"
     many = _train(tmp_path, procs, 256 // procs, optimizer, "hotcache", *split, f"--sharded-checkpoint={sharded}")
     one = _train(tmp_path, 1, 256, optimizer, "auto", *split)

@@ -164,9 +164,9 @@ def test_batches_in_flight_are_the_strategys() -> None:
     plan = planner.plan(TABLES, stats())
     assert (plan.prefetch_depth, plan.batches_in_flight) == (1, 4)
     assert "prefetch depth 1 (4 batches in flight)" in str(plan)
-    # The thread counts on CUDA by default and never across processes, as in the strategy.
+    # The thread counts on CUDA by default, in one process or several, as in the strategy.
     assert HotColdPlanner(prefetch_depth=1, device="cuda").batches_in_flight == 5
-    assert HotColdPlanner(prefetch_depth=1, device="cuda", world_size=2).batches_in_flight == 4
+    assert HotColdPlanner(prefetch_depth=1, device="cuda", world_size=2).batches_in_flight == 5
     assert HotColdPlanner(prefetch_depth=1, prefetch_thread=True).batches_in_flight == 5
     with pytest.raises(ValueError, match="the minimum is .* for 4 batches in flight"):
         HotColdPlanner(1000, SGD, prefetch_depth=1).plan(TABLES, stats())
