@@ -54,8 +54,8 @@ def test_torchrec_two_processes_match_one_with_double_batch(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(
     ("procs", "optimizer", "thread"),
-    [(2, "sgd", False), (2, "rowwise_adagrad", True), (2, "adam", False), (4, "sgd", False)],
-    ids=["2-sgd", "2-rowwise_adagrad-prefetch_thread", "2-adam", "4-sgd"],
+    [(2, "sgd", False), (2, "rowwise_adagrad", True), (2, "adam", False), (4, "sgd", False), (4, "adam", False)],
+    ids=["2-sgd", "2-rowwise_adagrad-prefetch_thread", "2-adam", "4-sgd", "4-adam"],  # 4 x row-wise Adagrad: the torchrun test
 )
 def test_hotcache_processes_match_one_with_their_batches_together(
     tmp_path: Path, procs: int, optimizer: str, thread: bool
