@@ -169,10 +169,11 @@ class DeviceCache:
     def weight(self) -> Tensor:
         return self.slots["weight"]
 
-    def _tally(self, field: int, ids: Tensor) -> None:
+    def _tally(self, field: int, ids: Tensor, counts: Tensor | None = None) -> None:
+        """Add ``ids`` (each ``counts`` times, default once) to their segments' ``field``."""
         if self._segment_bounds is not None:
             segments = torch.searchsorted(self._segment_bounds, ids, right=True)
-            self._segment_tally[field] += torch.bincount(segments, minlength=self._segment_tally.shape[1])
+            self._segment_tally[field].index_add_(0, segments, torch.ones_like(segments) if counts is None else counts)
 
     def segment_counters(self, segment: int) -> CacheCounters:
         """Counters of one segment (see ``segment_starts``) since the cache was built."""
@@ -201,12 +202,13 @@ class DeviceCache:
         (2.6x faster than the batch's raw ids for Criteo-like skew in a micro-benchmark)."""
         ids = ids.to(self.device, torch.int64)
         self.counters.lookups += ids.numel()
-        self._tally(_LOOKUPS, ids)
         self._issued += 1
         if self.identity:
+            self._tally(_LOOKUPS, ids)
             self.counters.hits += ids.numel()
             return _Acquire(ids, ids, self._issued)
         distinct, inverse, counts = ids.unique(return_inverse=True, return_counts=True)
+        self._tally(_LOOKUPS, distinct, counts)
         slots = self.slot_map.lookup(distinct)
         missing = slots < 0
         num_missing = int(missing.sum())
@@ -215,9 +217,9 @@ class DeviceCache:
             self.counters.hits += ids.numel()
             self.last_used[slots] = self._issued
             return acquire
-        missed_lookups = missing[inverse]
+        missed_lookups = counts[missing]
         self.counters.hits += ids.numel() - int(missed_lookups.sum())
-        self._tally(_MISSES, ids[missed_lookups])
+        self._tally(_MISSES, distinct[missing], missed_lookups)
         # Lock the hits first, so that fetching the misses cannot evict them.
         self.last_used[slots[~missing]] = self._issued
         acquire.missing, acquire.needed = missing, distinct[missing]
