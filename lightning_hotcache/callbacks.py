@@ -57,7 +57,8 @@ class CacheMetrics(Callback):
     ``cache/hit_rate`` (all tables, on the progress bar), ``cache/<table>/hit_rate``, rows
     fetched into and evicted from the device per step, and host->device / device->host bytes
     per sample. Across ranks a hit is a row already in a slot, and the rows fetched include
-    the other ranks' rows a step reads, which come from their owners whether cached or not. Each figure covers the steps since it was last logged: it is logged on the
+    the other ranks' rows a step reads, which come from their owners whether cached or not.
+    Each figure covers the steps since it was last logged: it is logged on the
     first batch of an epoch and then every ``trainer.log_every_n_steps`` batches, as often as
     Lightning writes to loggers (logging 30 figures every step cost 8% of a CPU training
     step). The strategy's plan is logged once: as a W&B table under ``hotcache/plan`` when a

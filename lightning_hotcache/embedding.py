@@ -60,7 +60,7 @@ class _StagedBatch:
     by_feature: dict[str, Any]  # feature -> JaggedTensor (features.to_dict(), computed once)
     slots: dict[str, Tensor]  # feature -> slot of every value
     tickets: dict[str, list[int]]  # cache key (table, or the stack) -> cache tickets to release
-    read: list[tuple[DeviceCache, Tensor]]  # each cache's slots the batch read (to mark updated)
+    read: list[tuple[DeviceCache, Tensor]]  # each cache's distinct slots the batch read (to mark updated, to refresh)
     output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
 
 
@@ -391,9 +391,10 @@ class HotColdEmbeddingBagCollection(nn.Module):
         slots: dict[str, Tensor] = {}
         tickets: dict[str, list[int]] = {}
         read = []
-        for key, (cache_slots, ticket) in zip(keys, acquire_all([self._ticket_caches[k] for k in keys], [ids[k] for k in keys])):
+        acquired = acquire_all([self._ticket_caches[k] for k in keys], [ids[k] for k in keys])
+        for key, (cache_slots, ticket, distinct) in zip(keys, acquired):
             tickets[key] = [ticket]
-            read.append((self._ticket_caches[key], cache_slots))
+            read.append((self._ticket_caches[key], distinct))
             start = self._region_start[key]  # the kernel reads slots at their place in its table
             names = self._cache_features[key]
             for feature, part in zip(names, (cache_slots + start if start else cache_slots).split([counts[f] for f in names])):

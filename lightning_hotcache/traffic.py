@@ -334,7 +334,9 @@ DESIGNS: dict[str, Callable[[Workload, int], Traffic]] = {
 }
 
 
-def model_table(w: Workload, world_sizes: Sequence[int], designs: dict[str, Callable[[Workload, int], Traffic]] = DESIGNS) -> dict[str, dict[str, dict[str, Any]]]:
+def model_table(
+    w: Workload, world_sizes: Sequence[int], designs: dict[str, Callable[[Workload, int], Traffic]] = DESIGNS
+) -> dict[str, dict[str, dict[str, Any]]]:
     """design -> str(N) -> `Traffic.to_json` (what the JSON report holds)."""
     return {name: {str(n): design(w, n).to_json() for n in world_sizes} for name, design in designs.items()}
 
@@ -419,7 +421,8 @@ def per_rank_report(
     from lightning_hotcache.planner import format_bytes, row_bytes
 
     ranks = plan.world_size
-    host = sum(-(-t.num_embeddings // ranks) * row_bytes(t, optimizer) for t in tables if not plan.table(t.name).on_device)
+    split = [t for t in tables if not plan.table(t.name).on_device]
+    host = sum(-(-t.num_embeddings // ranks) * row_bytes(t, optimizer) for t in split)  # rank 0's shard, the largest
     state_width = max(sum(optimizer.state_widths(t.embedding_dim).values()) for t in tables)
     workload = workload_from_stats(stats, plan, batch_size, state_width, dense_params)
     traffic = {name: design(workload, ranks) for name, design in DESIGNS.items()}
@@ -428,7 +431,9 @@ def per_rank_report(
         f"modelled bytes sent (= received) per rank per step, {batch_size} samples per rank (lightning_hotcache.traffic):",
     ]
     for name, t in traffic.items():
-        busiest = f" (busiest rank {format_bytes(round(t.max_send_bytes_per_rank))})" if t.max_send_bytes_per_rank > 1.01 * t.send_bytes_per_rank else ""
+        busiest = ""
+        if t.max_send_bytes_per_rank > 1.01 * t.send_bytes_per_rank:
+            busiest = f" (busiest rank {format_bytes(round(t.max_send_bytes_per_rank))})"
         label = {"hotcache": "hotcache (this plan)", "all_gather": "all_gather (hotcache before owner updates)"}.get(name, name)
         lines.append(f"  {label:<44} {format_bytes(round(t.send_bytes_per_rank)):>10}{busiest}, {t.collectives} collectives")
     report = {

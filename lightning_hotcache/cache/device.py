@@ -192,7 +192,8 @@ class DeviceCache:
     def acquire(self, ids: Tensor) -> tuple[Tensor, int]:
         """Slots of ``ids`` (any order, duplicates allowed), fetching missing rows, and the
         ticket that keeps them locked until `release`."""
-        return acquire_all([self], [ids])[0]
+        slots, ticket, _ = acquire_all([self], [ids])[0]
+        return slots, ticket
 
     def _begin_acquire(self, ids: Tensor) -> _Acquire:
         """Lock the hits and free slots for the misses (their rows come next).
@@ -227,9 +228,9 @@ class DeviceCache:
         self._evict(acquire.victims[self.id_of_slot[acquire.victims] >= 0])
         return acquire
 
-    def _finish_acquire(self, acquire: _Acquire, rows: dict[str, Tensor] | None) -> tuple[Tensor, int]:
+    def _finish_acquire(self, acquire: _Acquire, rows: dict[str, Tensor] | None) -> tuple[Tensor, int, Tensor]:
         """Install the fetched ``rows`` (of ``acquire.needed``) and lock them; the slot of
-        every id of the batch, in its order."""
+        every id of the batch (in its order), the ticket, and the distinct slots read."""
         slots = acquire.slots
         if acquire.needed is not None:
             assert rows is not None and acquire.victims is not None and acquire.missing is not None
@@ -245,11 +246,11 @@ class DeviceCache:
             slots[acquire.missing] = victims
             self.last_used[victims] = acquire.ticket
         if acquire.inverse is None:  # identity: slots are the ids
-            return slots, acquire.ticket
+            return slots, acquire.ticket, slots
         if self.policy == "lfu":
             assert acquire.counts is not None
             self.frequency.index_add_(0, slots, acquire.counts)
-        return slots[acquire.inverse], acquire.ticket
+        return slots[acquire.inverse], acquire.ticket, slots
 
     def num_locked(self) -> int:
         return 0 if self.identity else int((self.last_used > self._released_upto).sum())
@@ -296,10 +297,11 @@ class DeviceCache:
         return weights
 
     def _remote_slots(self, slots: Tensor) -> Tensor:
-        """The distinct slots among ``slots`` that hold another rank's row."""
+        """The distinct slots among ``slots`` (distinct already unless the table is wholly on the
+        device) that hold another rank's row."""
         if self.sharding.world == 1:
             return slots[:0]
-        distinct = slots.unique()
+        distinct = slots.unique() if self.identity else slots
         return distinct[~self.sharding.owned(self.ids_of_slots(distinct))]
 
     def _choose_victims(self, count: int) -> Tensor:
@@ -454,9 +456,10 @@ class _Acquire:
 
 
 @torch.no_grad()
-def acquire_all(caches: Sequence[DeviceCache], ids: Sequence[Tensor]) -> list[tuple[Tensor, int]]:
+def acquire_all(caches: Sequence[DeviceCache], ids: Sequence[Tensor]) -> list[tuple[Tensor, int, Tensor]]:
     """`DeviceCache.acquire` for several tables at once (misses of every table first, then
-    every install: a prefetch thread sees no table half-staged)."""
+    every install: a prefetch thread sees no table half-staged); per table also the distinct
+    slots read (all of them where the table is wholly on the device, repeats included)."""
     started = [cache._begin_acquire(i) for cache, i in zip(caches, ids)]
     rows = [None if a.needed is None else cache._read_own(a.needed) for cache, a in zip(caches, started)]
     return [cache._finish_acquire(a, r) for cache, a, r in zip(caches, started, rows)]
