@@ -43,7 +43,10 @@ def fused_unavailable(
             "each row's own"
         )
     if world_size > 1:
-        return "several processes: the fused update would apply each rank's own gradient, not the ranks' mean"
+        return (
+            "several processes: the fused update would apply each rank's own gradient where the row is read, "
+            "but the ranks' mean gradient must be applied by the row's owner"
+        )
     if len({t.pooling for t in tables}) > 1:
         return "tables mix SUM and MEAN pooling (one TBE has one pooling mode)"
     if device.type not in ("cpu", "cuda"):
