@@ -92,6 +92,9 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         num_dense_features: width of the dense input (the datamodule's ``.num_dense_features``).
         embedding_optimizer: the row-wise rule for embedding rows.
         dense_lr: learning rate of the default dense optimizer (Adam).
+        dense_weight_decay: L2 penalty of the default dense optimizer (Adam's ``weight_decay``,
+            the gradient of ``dense_weight_decay / 2 * ||w||^2`` over every dense parameter);
+            the embedding rows are not affected. 0 turns it off.
         defer_table_init: declare the tables on the meta device, with no memory, as TorchRec
             does for tables to be sharded. ``hotcache`` then writes each table's initial rows
             straight into its tiers (with ``host_storage=<dir>``, tables larger than RAM
@@ -119,6 +122,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         num_dense_features: int,
         embedding_optimizer: RowWiseOptimizerConfig = RowWiseOptimizerConfig(),
         dense_lr: float = 1e-3,
+        dense_weight_decay: float = 0.0,
         defer_table_init: bool = False,
         non_finite_loss: NonFiniteLossAction = "raise",
     ) -> None:
@@ -141,6 +145,8 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             )
         if not dense_lr > 0:
             raise ValueError(f"dense_lr must be > 0, got {dense_lr}.")
+        if not dense_weight_decay >= 0:
+            raise ValueError(f"dense_weight_decay must be >= 0 (0 turns it off), got {dense_weight_decay}.")
         if isinstance(embedding_optimizer, Mapping):
             embedding_optimizer = RowWiseOptimizerConfig(**embedding_optimizer)
 
@@ -305,7 +311,9 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.dense_parameters(), lr=self.hparams.dense_lr)
+        return torch.optim.Adam(
+            self.dense_parameters(), lr=self.hparams.dense_lr, weight_decay=self.hparams.dense_weight_decay
+        )
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

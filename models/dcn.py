@@ -25,7 +25,9 @@ class DCN(CTRModel):
             ``low_rank`` (``mixture``).
         num_experts: low-rank experts per cross layer when ``cross_version="mixture"``.
         deep_layer_sizes: sizes of the deep tower.
-        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr).
+        dropout: probability of zeroing each unit after every layer of the deep tower while
+            training (`models.interactions.deep_mlp`); 0 turns it off.
+        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay).
     """
 
     def __init__(
@@ -37,6 +39,7 @@ class DCN(CTRModel):
         low_rank: int = 32,
         num_experts: int = 4,
         deep_layer_sizes: Sequence[int] = (128, 64),
+        dropout: float = 0.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(tables, num_dense_features, **kwargs)
@@ -54,6 +57,7 @@ class DCN(CTRModel):
             version=self.hparams.cross_version,
             low_rank=self.hparams.low_rank,
             num_experts=self.hparams.num_experts,
+            dropout=self.hparams.dropout,
         )
 
     @override

@@ -26,7 +26,9 @@ class DeepFM(CTRModel):
         dense_arch_layer_sizes: hidden sizes of the MLP projecting dense features to one
             ``embedding_dim`` field (a last layer of embedding_dim is added).
         deep_layer_sizes: sizes of the deep tower over all fields.
-        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr).
+        dropout: probability of zeroing each unit after every layer of the deep tower while
+            training (`models.interactions.deep_mlp`); 0 turns it off.
+        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay).
     """
 
     uses_first_order = True
@@ -37,6 +39,7 @@ class DeepFM(CTRModel):
         num_dense_features: int,
         dense_arch_layer_sizes: Sequence[int] = (64,),
         deep_layer_sizes: Sequence[int] = (128, 64),
+        dropout: float = 0.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(tables, num_dense_features, **kwargs)
@@ -47,7 +50,9 @@ class DeepFM(CTRModel):
 
     @override
     def build_interaction(self) -> nn.Module:
-        return FMInteraction(self.num_sparse_features + 1, self.embedding_dim, self.hparams.deep_layer_sizes)
+        return FMInteraction(
+            self.num_sparse_features + 1, self.embedding_dim, self.hparams.deep_layer_sizes, self.hparams.dropout
+        )
 
     @override
     def build_over_arch(self, in_features: int) -> nn.Module:

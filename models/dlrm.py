@@ -15,6 +15,7 @@ from torchrec.modules.crossnet import LowRankCrossNet
 from typing_extensions import override
 
 from models.base import CTRModel
+from models.interactions import deep_mlp
 
 
 class DLRM(CTRModel):
@@ -26,7 +27,9 @@ class DLRM(CTRModel):
         dense_arch_layer_sizes: hidden sizes of the bottom MLP; a last layer of
             ``embedding_dim`` is added so dense output meets the embeddings.
         over_arch_layer_sizes: hidden sizes of the top MLP; a last layer of 1 (the logit) is added.
-        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr).
+        dropout: probability of zeroing each unit after every hidden layer of the top MLP while
+            training (`models.interactions.deep_mlp`; the bottom MLP has none); 0 turns it off.
+        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay).
     """
 
     def __init__(
@@ -35,6 +38,7 @@ class DLRM(CTRModel):
         num_dense_features: int,
         dense_arch_layer_sizes: Sequence[int] = (64,),
         over_arch_layer_sizes: Sequence[int] = (128, 64),
+        dropout: float = 0.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(tables, num_dense_features, **kwargs)
@@ -50,7 +54,12 @@ class DLRM(CTRModel):
 
     @override
     def build_over_arch(self, in_features: int) -> nn.Module:
-        return OverArch(in_features, [*self.hparams.over_arch_layer_sizes, 1])
+        over_arch = OverArch(in_features, [*self.hparams.over_arch_layer_sizes, 1])
+        if self.hparams.dropout:
+            # TorchRec's OverArch is Sequential(MLP, Linear) and takes no dropout: swap in the
+            # zoo's MLP, under the same name (the parameters and checkpoint keys do not change).
+            over_arch.model[0] = deep_mlp(in_features, self.hparams.over_arch_layer_sizes, self.hparams.dropout)
+        return over_arch
 
 
 class DLRM_DCN(DLRM):

@@ -33,7 +33,9 @@ class FinalMLP(CTRModel):
             samples.
         stream2_gate_features: the same for the second stream, e.g. the item features.
         num_heads: heads of the bilinear fusion; must divide both streams' last sizes.
-        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr).
+        dropout: probability of zeroing each unit after every layer of both streams while
+            training (`models.interactions.deep_mlp`; the gates have none); 0 turns it off.
+        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay).
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class FinalMLP(CTRModel):
         stream1_gate_features: Sequence[str] = (),
         stream2_gate_features: Sequence[str] = (),
         num_heads: int = 1,
+        dropout: float = 0.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(tables, num_dense_features, **kwargs)
@@ -73,6 +76,7 @@ class FinalMLP(CTRModel):
             self.hparams.gate_layer_sizes,
             self._field_indices(self.hparams.stream1_gate_features),
             self._field_indices(self.hparams.stream2_gate_features),
+            dropout=self.hparams.dropout,
         )
 
     @override

@@ -37,7 +37,7 @@ class FM(CTRModel):
     Args:
         tables: the datamodule's embedding tables (one shared embedding_dim).
         num_dense_features: width of the dense input.
-        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr).
+        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay).
     """
 
     uses_first_order = True

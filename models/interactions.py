@@ -20,15 +20,32 @@ from torchrec.modules.mlp import MLP
 CrossNetVersion = Literal["v2", "low_rank", "mixture", "v1"]
 
 
+def deep_mlp(in_features: int, layer_sizes: Sequence[int], dropout: float = 0.0) -> MLP:
+    """TorchRec's MLP (a ReLU after every layer), with ``nn.Dropout(dropout)`` after each ReLU
+    when ``dropout`` > 0: the deep towers' one regularization knob, shared by every zoo model.
+
+    With ``dropout=0`` it is exactly ``MLP(in_features, layer_sizes)``, and with any value the
+    same parameters (dropout has none), so checkpoints load either way.
+    """
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1) (the probability of zeroing a unit), got {dropout}.")
+    if not dropout:
+        return MLP(in_features, list(layer_sizes))
+    # A factory: MLP calls it once per layer, so each layer gets modules of its own.
+    return MLP(in_features, list(layer_sizes), activation=lambda: nn.Sequential(nn.ReLU(), nn.Dropout(dropout)))
+
+
 class FMInteraction(nn.Module):
     """DeepFM's two towers over the fields (dense projection as one field, plus the F
     embeddings): a factorization machine for second-order terms (`FactorizationMachineTerm`)
-    and a deep MLP. Output: (B, deep_layer_sizes[-1] + 1)."""
+    and a deep MLP (`deep_mlp`, with ``dropout``). Output: (B, deep_layer_sizes[-1] + 1)."""
 
-    def __init__(self, num_fields: int, embedding_dim: int, deep_layer_sizes: Sequence[int]) -> None:
+    def __init__(
+        self, num_fields: int, embedding_dim: int, deep_layer_sizes: Sequence[int], dropout: float = 0.0
+    ) -> None:
         super().__init__()
         self.fm = FactorizationMachineTerm()
-        self.deep = DeepFM(dense_module=MLP(num_fields * embedding_dim, list(deep_layer_sizes)))
+        self.deep = DeepFM(dense_module=deep_mlp(num_fields * embedding_dim, deep_layer_sizes, dropout))
 
     def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
         fields = torch.cat([dense.unsqueeze(1), sparse], dim=1)
@@ -38,7 +55,7 @@ class FMInteraction(nn.Module):
 class CrossDeepInteraction(nn.Module):
     """DCN's parallel towers over x0 = [flattened embeddings, dense features]: a cross
     network (v2 full-rank, v2 low-rank, v2 mixture of ``num_experts`` low-rank experts, or
-    v1 vector) beside a deep MLP.
+    v1 vector) beside a deep MLP (`deep_mlp`, with ``dropout``).
     Output: (B, in_features + deep_layer_sizes[-1])."""
 
     def __init__(
@@ -49,6 +66,7 @@ class CrossDeepInteraction(nn.Module):
         version: CrossNetVersion = "v2",
         low_rank: int = 32,
         num_experts: int = 4,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         if version == "v2":
@@ -65,7 +83,7 @@ class CrossDeepInteraction(nn.Module):
             raise ValueError(
                 f"Unknown cross network version {version!r}; choose 'v2', 'low_rank', 'mixture' or 'v1'."
             )
-        self.deep = MLP(in_features, list(deep_layer_sizes))
+        self.deep = deep_mlp(in_features, deep_layer_sizes, dropout)
 
     def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
         x0 = torch.cat([sparse.flatten(1), dense], dim=1)
@@ -106,14 +124,20 @@ class CompressedInteractionNetwork(nn.Module):
 class CINInteraction(nn.Module):
     """xDeepFM's two towers over the fields (dense projection as one field, plus the F
     embeddings): a CIN for explicit vector-wise crosses and a deep MLP over the flattened
-    fields for implicit ones. Output: (B, sum(cin_layer_sizes) + deep_layer_sizes[-1])."""
+    fields for implicit ones (`deep_mlp`, with ``dropout``).
+    Output: (B, sum(cin_layer_sizes) + deep_layer_sizes[-1])."""
 
     def __init__(
-        self, num_fields: int, embedding_dim: int, cin_layer_sizes: Sequence[int], deep_layer_sizes: Sequence[int]
+        self,
+        num_fields: int,
+        embedding_dim: int,
+        cin_layer_sizes: Sequence[int],
+        deep_layer_sizes: Sequence[int],
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         self.cin = CompressedInteractionNetwork(num_fields, cin_layer_sizes)
-        self.deep = MLP(num_fields * embedding_dim, list(deep_layer_sizes))
+        self.deep = deep_mlp(num_fields * embedding_dim, deep_layer_sizes, dropout)
 
     def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
         fields = torch.cat([dense.unsqueeze(1), sparse], dim=1)
@@ -153,8 +177,9 @@ class FeatureGate(nn.Module):
 class DualStreamInteraction(nn.Module):
     """FinalMLP's two MLP streams over the fields (dense projection as one field, plus the F
     embeddings), each behind its own `FeatureGate`, so the two learn to look at different
-    features. Output: (B, stream1_layer_sizes[-1] + stream2_layer_sizes[-1]), the two
-    streams side by side (what `MultiHeadBilinearFusion` takes)."""
+    features. The streams are `deep_mlp` (with ``dropout``); the gates have no dropout.
+    Output: (B, stream1_layer_sizes[-1] + stream2_layer_sizes[-1]), the two streams side by
+    side (what `MultiHeadBilinearFusion` takes)."""
 
     def __init__(
         self,
@@ -165,6 +190,7 @@ class DualStreamInteraction(nn.Module):
         gate_layer_sizes: Sequence[int],
         stream1_context_fields: Sequence[int] = (),
         stream2_context_fields: Sequence[int] = (),
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         if not stream1_layer_sizes or not stream2_layer_sizes:
@@ -174,8 +200,8 @@ class DualStreamInteraction(nn.Module):
         width = num_fields * embedding_dim
         self.gate1 = FeatureGate(num_fields, embedding_dim, stream1_context_fields, gate_layer_sizes)
         self.gate2 = FeatureGate(num_fields, embedding_dim, stream2_context_fields, gate_layer_sizes)
-        self.stream1 = MLP(width, list(stream1_layer_sizes))
-        self.stream2 = MLP(width, list(stream2_layer_sizes))
+        self.stream1 = deep_mlp(width, stream1_layer_sizes, dropout)
+        self.stream2 = deep_mlp(width, stream2_layer_sizes, dropout)
 
     def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
         fields = torch.cat([dense.unsqueeze(1), sparse], dim=1)
@@ -237,12 +263,12 @@ class PairwiseInteraction(nn.Module):
 
 
 class DeepInteraction(nn.Module):
-    """Wide & Deep's deep tower: an MLP over [flattened embeddings, dense features].
-    Output: (B, deep_layer_sizes[-1])."""
+    """Wide & Deep's deep tower: an MLP (`deep_mlp`, with ``dropout``) over [flattened
+    embeddings, dense features]. Output: (B, deep_layer_sizes[-1])."""
 
-    def __init__(self, in_features: int, deep_layer_sizes: Sequence[int]) -> None:
+    def __init__(self, in_features: int, deep_layer_sizes: Sequence[int], dropout: float = 0.0) -> None:
         super().__init__()
-        self.deep = DeepFM(dense_module=MLP(in_features, list(deep_layer_sizes)))
+        self.deep = DeepFM(dense_module=deep_mlp(in_features, deep_layer_sizes, dropout))
 
     def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
         return self.deep([sparse, dense])

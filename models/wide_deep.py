@@ -24,7 +24,9 @@ class WideAndDeep(CTRModel):
         tables: the datamodule's embedding tables (one shared embedding_dim).
         num_dense_features: width of the dense input.
         deep_layer_sizes: sizes of the deep tower's hidden layers.
-        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr).
+        dropout: probability of zeroing each unit after every layer of the deep tower while
+            training (`models.interactions.deep_mlp`); 0 turns it off.
+        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay).
     """
 
     uses_first_order = True
@@ -34,6 +36,7 @@ class WideAndDeep(CTRModel):
         tables: Sequence[EmbeddingBagConfig],
         num_dense_features: int,
         deep_layer_sizes: Sequence[int] = (256, 128),
+        dropout: float = 0.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(tables, num_dense_features, **kwargs)
@@ -45,7 +48,7 @@ class WideAndDeep(CTRModel):
     @override
     def build_interaction(self) -> nn.Module:
         in_features = self.num_sparse_features * self.embedding_dim + self.num_dense_features
-        return DeepInteraction(in_features, self.hparams.deep_layer_sizes)
+        return DeepInteraction(in_features, self.hparams.deep_layer_sizes, self.hparams.dropout)
 
     @override
     def build_over_arch(self, in_features: int) -> nn.Module:

@@ -28,7 +28,7 @@ class XDeepFM(DeepFM):
             ``embedding_dim`` field (a last layer of embedding_dim is added).
         cin_layer_sizes: feature maps of each CIN layer (k layers cross up to k + 1 fields).
         deep_layer_sizes: sizes of the deep tower over all fields.
-        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr).
+        **kwargs: `DeepFM`'s ``dropout`` (of the deep tower) and `CTRModel` options.
     """
 
     def __init__(
@@ -49,5 +49,9 @@ class XDeepFM(DeepFM):
     @override
     def build_interaction(self) -> nn.Module:
         return CINInteraction(
-            self.num_sparse_features + 1, self.embedding_dim, self.hparams.cin_layer_sizes, self.hparams.deep_layer_sizes
+            self.num_sparse_features + 1,
+            self.embedding_dim,
+            self.hparams.cin_layer_sizes,
+            self.hparams.deep_layer_sizes,
+            self.hparams.dropout,
         )

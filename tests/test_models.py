@@ -80,6 +80,59 @@ def test_dense_optimizer_excludes_embeddings() -> None:
     assert len(in_dense) == len(model.dense_parameters()) > 0
 
 
+# The models with an MLP tower; LR and FM have none, so they take no `dropout`.
+DEEP_MODEL_NAMES = [name for name in MODEL_NAMES if name not in ("lr", "fm")]
+
+
+@pytest.mark.parametrize("name", DEEP_MODEL_NAMES)
+def test_dropout_acts_in_training_only(name: str) -> None:
+    dm = tiny_synthetic()
+    batch = dm.source("train").batch(0, 64)
+    plain = _model(name, dm)
+    dropped = _model(name, dm, dropout=0.5)
+    # Dropout has no parameters: same state, same keys, so checkpoints load either way.
+    dropped.load_state_dict(plain.state_dict())
+
+    def logits(model: CTRModel, seed: int) -> torch.Tensor:
+        torch.manual_seed(seed)
+        return model(batch.dense_features, batch.sparse_features).detach()
+
+    plain.train(), dropped.train()
+    assert torch.equal(logits(plain, 0), logits(plain, 1))
+    assert not torch.allclose(logits(dropped, 0), logits(plain, 0))
+    assert not torch.allclose(logits(dropped, 0), logits(dropped, 1))  # a fresh mask per step
+    plain.eval(), dropped.eval()
+    assert torch.equal(logits(dropped, 0), logits(plain, 0))
+
+
+def test_dropout_out_of_range_is_a_clear_error() -> None:
+    dm = tiny_synthetic()
+    for bad in (-0.1, 1.0):
+        for name in ("deepfm", "dlrm"):
+            with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+                _model(name, dm, dropout=bad)
+
+
+@pytest.mark.parametrize("name", ["dlrm", "fm"])
+def test_dense_weight_decay_pulls_dense_weights_to_zero(name: str) -> None:
+    """With zero gradients Adam does not move a weight; with weight decay the gradient is
+    ``decay * w``, and Adam's first step ``lr * g / (|g| + eps)`` moves every weight to zero."""
+    dm = tiny_synthetic()
+    for decay in (0.0, 0.1):
+        model = _model(name, dm, dense_lr=0.01, dense_weight_decay=decay)
+        optimizer = model.configure_optimizers()
+        before = [p.detach().clone() for p in model.dense_parameters()]
+        for p in model.dense_parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        for old, new in zip(before, model.dense_parameters()):
+            gradient = decay * old
+            expected = old - 0.01 * gradient / (gradient.abs() + 1e-8)
+            torch.testing.assert_close(new.detach(), expected)
+    with pytest.raises(ValueError, match=r"dense_weight_decay must be >= 0"):
+        _model(name, dm, dense_weight_decay=-1e-4)
+
+
 def test_checkpoint_resume_matches_straight_through(tmp_path) -> None:
     """Plain path exactness: 2 epochs straight == 1 epoch, checkpoint, resume for 1 more
     (dense Adam state and row-wise Adagrad state both restored)."""
