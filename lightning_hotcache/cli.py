@@ -240,8 +240,11 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
         grow_budget_to_minimum=run.grow_budget_to_minimum,
         prefetch_thread=_given(options.prefetch_thread, run.prefetch_thread),
     )
+    run_batch_size = None
     try:
-        plan = planner.plan(tables, stats, _run_batch_size(cli) if stats is not None else None)
+        if stats is not None:
+            run_batch_size = _run_batch_size(cli)
+        plan = planner.plan(tables, stats, run_batch_size)
     except StatsNeededError:
         stats = _profile(cli, tables, options.batches)
         plan = planner.plan(tables, stats)
@@ -252,8 +255,8 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
         from lightning_hotcache.traffic import per_rank_report
 
         stats = stats if stats is not None else _profile(cli, tables, options.batches)
-        batch_size = _run_batch_size(cli) or stats.batch_size
-        print(per_rank_report(plan, stats, tables, optimizer, batch_size, _dense_parameter_count(cli.model))[0])
+        batch_size = run_batch_size or _run_batch_size(cli) or stats.batch_size
+        print(per_rank_report(plan, stats, tables, optimizer, batch_size, _dense_parameter_count(cli.model)))
     if options.out:
         plan.save(options.out)
         print(f"saved {options.out}")

@@ -378,7 +378,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
                     )
         _check_ids(features, self._feature_table)
         # One acquire per cache (all its features' rows must be resident together), all caches
-        # at once (across ranks their misses travel in one exchange).
+        # at once (their misses read before any is installed: see `acquire_all`).
         counts = {f: by_feature[f].values().numel() for f in self._features}
         ids = {}
         for key, names in self._cache_features.items():
@@ -510,7 +510,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
 
     def _apply_gathered_gradients(self) -> None:
         """Across ranks: every table's step with the ranks' mean gradient, as DDP averages,
-        each row updated by its owner (static rows by every rank); then the rows are unlocked."""
+        each row updated by its owner; then the rows are unlocked."""
         grads = [self._pending_gradients[name] for name in self._ticket_caches]
         self._pending_gradients = {}
         apply_updates_across_ranks(list(self._ticket_caches.values()), grads, self.optimizer)

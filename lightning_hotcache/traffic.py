@@ -415,9 +415,9 @@ def per_rank_report(
     optimizer: RowWiseOptimizerConfig,
     batch_size: int,
     dense_params: int,
-) -> tuple[str, dict[str, Any]]:
+) -> str:
     """What each of ``plan.world_size`` ranks holds and sends per step (modelled from the
-    profile, ``batch_size`` samples per rank): a readable table and its JSON form."""
+    profile, ``batch_size`` samples per rank), as a readable table."""
     from lightning_hotcache.planner import format_bytes, row_bytes
 
     ranks = plan.world_size
@@ -436,11 +436,4 @@ def per_rank_report(
             busiest = f" (busiest rank {format_bytes(round(t.max_send_bytes_per_rank))})"
         label = {"hotcache": "hotcache (this plan)", "all_gather": "all_gather (hotcache before owner updates)"}.get(name, name)
         lines.append(f"  {label:<44} {format_bytes(round(t.send_bytes_per_rank)):>10}{busiest}, {t.collectives} collectives")
-    report = {
-        "world_size": ranks,
-        "device_bytes_per_rank": plan.device_bytes,
-        "host_bytes_per_rank": host,
-        "batch_size_per_rank": batch_size,
-        "designs": {name: t.to_json() for name, t in traffic.items()},
-    }
-    return "\n".join(lines), report
+    return "\n".join(lines)

@@ -497,9 +497,6 @@ def apply_updates_across_ranks(caches: Sequence[DeviceCache], grads: Sequence[Te
     for cache, grad in zip(caches, grads):
         grad = grad.coalesce()
         parts.append((cache.ids_of_slots(grad.indices()[0]), grad.values().to(torch.float32) / sharding.world))
-    summed = []
     for cache, (ids, rows) in zip(caches, send_rows_to_owners(parts, sharding)):
         total = torch.sparse_coo_tensor(ids[None], rows, (cache.num_embeddings, rows.shape[1])).coalesce()
-        summed.append((total.indices()[0], total.values()))
-    for cache, (ids, rows) in zip(caches, summed):
-        cache.apply_update_to_ids(ids, rows, optimizer)
+        cache.apply_update_to_ids(total.indices()[0], total.values(), optimizer)

@@ -55,8 +55,9 @@ def _route_to_owners(ids_of: Sequence[Tensor], sharding: RowSharding) -> _Routed
     """Send each table's ids to their owners: two all-to-alls (counts, then ids)."""
     world, group, tables = sharding.world, sharding.group, range(len(ids_of))
     device = ids_of[0].device
-    orders = [torch.argsort(ids % world, stable=True) for ids in ids_of]
-    counts = torch.stack([torch.bincount(ids % world, minlength=world) for ids in ids_of], dim=1)  # (dst, table)
+    owners = [ids % world for ids in ids_of]
+    orders = [torch.argsort(owner, stable=True) for owner in owners]
+    counts = torch.stack([torch.bincount(owner, minlength=world) for owner in owners], dim=1)  # (dst, table)
     recv_counts = torch.empty_like(counts)  # (src, table)
     dist.all_to_all_single(recv_counts, counts, group=group)
     sent, received = counts.tolist(), recv_counts.tolist()
