@@ -298,11 +298,13 @@ class HotColdEmbeddingBagCollection(nn.Module):
     def _fused_tables(self, slot_counts: list[int], stacked: bool) -> FusedTables:
         """One TBE: one table holding every cache's slots (with a stack), else a table per table."""
         dims = [t.embedding_dim for t in self._tables]
-        if stacked:
-            return FusedTables([sum(slot_counts)], dims[:1], [0] * len(self._features), self._tables[0].pooling, self.optimizer, self.device)
         index = {t.name: k for k, t in enumerate(self._tables)}
-        feature_map = [index[self._feature_table[f].name] for f in self._features]
-        return FusedTables(slot_counts, dims, feature_map, self._tables[0].pooling, self.optimizer, self.device)
+        table_of_feature = [index[self._feature_table[f].name] for f in self._features]
+        pooling = self._tables[0].pooling
+        if stacked:
+            stack_map = [0] * len(self._features)
+            return FusedTables([sum(slot_counts)], dims[:1], stack_map, pooling, self.optimizer, self.device, table_of_feature)
+        return FusedTables(slot_counts, dims, table_of_feature, pooling, self.optimizer, self.device)
 
     def _region(self, key: str, num_slots: int) -> dict[str, Tensor]:
         """Views of one cache's slots in the TBE's memory."""

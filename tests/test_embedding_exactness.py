@@ -234,6 +234,24 @@ def test_stacked_split_tables_learn_what_torchrec_learns(budget, policy, optimiz
         assert totals == [stack.counters.lookups, stack.counters.hits, stack.counters.fetched_rows, stack.counters.evicted_rows]
 
 
+def test_stacked_tables_stay_separate_tables_to_fbgemm() -> None:
+    # FBGEMM's CPU backward runs its parallel kernel only on tables that one feature reads; a
+    # stack read by every feature must still look like one table per model table to it.
+    batches = zipf_batches(steps=2)
+    plan = make_plan(batches, BUDGETS["10%"], 0, "lfu", ONE_WIDTH_TABLES)
+    module = HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(tables=ONE_WIDTH_TABLES), plan, RowWiseOptimizerConfig("sgd"))
+    assert "stacked in one cache" in module.kernel_note
+    tbe = module._fused.tbe
+    starts = tbe.hash_size_cumsum.tolist()
+    rows = tbe.split_embedding_weights()[0].shape[0]
+    table_of = {f: t.name for t in ONE_WIDTH_TABLES for f in t.feature_names}
+    features = [f for t in ONE_WIDTH_TABLES for f in t.feature_names]
+    for k in range(1, len(features)):
+        same_table = table_of[features[k]] == table_of[features[k - 1]]
+        assert starts[k] - starts[k - 1] == (0 if same_table else rows), (features[k], starts)
+    assert starts[-1] - starts[-2] == rows
+
+
 def test_stacked_host_stores_route_rows_to_their_tables() -> None:
     from lightning_hotcache.cache.group import StackedHostStores
     from lightning_hotcache.cache.host import HostStore

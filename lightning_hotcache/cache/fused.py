@@ -88,10 +88,13 @@ class FusedTables:
     Args:
         slot_counts: rows of each table's device tier.
         dims: each table's row width.
-        feature_table_map: table of each feature, in the order features are passed.
+        feature_table_map: TBE table of each feature, in the order features are passed.
         pooling: SUM or MEAN for all tables.
         optimizer: SGD or row-wise Adagrad (see `fused_unavailable`).
         device: CPU (host memory, FBGEMM's CPU kernels) or CUDA (HBM).
+        feature_groups: the model's table of each feature, when several of the model's tables
+            share one TBE table (a stack): on CPU each group then gets a hash segment of its
+            own (see `_split_hash_space`). Features of one group must be consecutive.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class FusedTables:
         pooling: PoolingType,
         optimizer: RowWiseOptimizerConfig,
         device: torch.device,
+        feature_groups: Sequence[int] | None = None,
     ) -> None:
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
@@ -121,6 +125,8 @@ class FusedTables:
             output_dtype=SparseType.FP32,
             device=device,
         )
+        if feature_groups is not None and not on_cuda:
+            self._split_hash_space(feature_groups, slot_counts, feature_table_map)
         weights = self.tbe.split_embedding_weights()
         states = self.tbe.split_optimizer_states() if optimizer.name == "rowwise_adagrad" else [[] for _ in weights]
         # Views of the TBE's memory through which the caches write rows. ``.data``, not
@@ -134,6 +140,31 @@ class FusedTables:
             if state:
                 arrays["momentum"] = state[0].data.view(-1, 1)
             self._storage.append(arrays)
+
+    def _split_hash_space(self, groups: Sequence[int], slot_counts: Sequence[int], feature_table_map: Sequence[int]) -> None:
+        """Make FBGEMM's CPU backward see each group of features as a table of its own.
+
+        That backward finds tables as runs of features with equal ``hash_size_cumsum``. All
+        features of a stack read one TBE table, so it sees one table shared by every feature
+        and takes its serial loop, where a table read by one feature takes FBGEMM's parallel
+        JIT kernel (row-wise Adagrad: 1.3x faster steps at budget 0.1 in cache_micro's
+        setting). Giving each group a segment of the hash space of the size of the TBE table it
+        reads keeps every feature's rows and optimizer state where they are (``weights_offsets``
+        and ``momentum1_offsets`` are per feature and unchanged), and the groups' rows are
+        disjoint, so each row still gets one update with all its gradient. CPU only: CUDA
+        kernels linearize ids by ``hash_size_cumsum`` and would need its bit width too.
+        """
+        if len(groups) != len(feature_table_map) or any(a > b for a, b in zip(groups, groups[1:])):
+            raise ValueError(f"feature_groups must give each of the {len(feature_table_map)} features a group, in order.")
+        starts, total, previous = [], 0, None
+        for group, table in zip(groups, feature_table_map):
+            if previous is not None and group != previous[0]:
+                total += slot_counts[previous[1]]
+            starts.append(total)
+            previous = (group, table)
+        assert previous is not None
+        starts.append(total + slot_counts[previous[1]])
+        self.tbe.hash_size_cumsum.copy_(torch.tensor(starts))
 
     def storage(self, table: int) -> dict[str, Tensor]:
         """Views of one table's slots: ``weight`` (rows, dim) and its optimizer state (rows, width)."""
