@@ -54,11 +54,12 @@ _STACK = "<stacked split tables>"  # key of the stacked cache (see lightning_hot
 
 @dataclass
 class _StagedBatch:
-    """A batch whose rows are resident and locked: slots per feature, in KJT value order."""
+    """A batch whose rows are resident and locked: the slot of every value, feature-major in
+    the module's feature order (what FBGEMM's TBE reads)."""
 
-    features: KeyedJaggedTensor
-    by_feature: dict[str, Any]  # feature -> JaggedTensor (features.to_dict(), computed once)
-    slots: dict[str, Tensor]  # feature -> slot of every value
+    features: KeyedJaggedTensor  # as given (to recognize the batch in forward)
+    ours: KeyedJaggedTensor  # its features of this module, in this module's order
+    indices: Tensor  # slot of every value of `ours` (plus its cache's region start in a stacked TBE)
     tickets: dict[str, list[int]]  # cache key (table, or the stack) -> cache tickets to release
     read: list[tuple[DeviceCache, Tensor]]  # each cache's distinct slots the batch read (to mark updated, to refresh)
     output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
@@ -224,6 +225,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         # Where each cache's slots start in its TBE table (all 0 without a stack: a TBE table each).
         self._region_start = dict(zip(keys, np.cumsum([0] + [slot_counts[k] for k in keys]).tolist() if stacked else [0] * len(keys)))
         self._fused = None if reason is not None else self._fused_tables([slot_counts[k] for k in keys], stacked)
+        self._value_base: Tensor | None = None  # see the stack below
         # Every cache that locks rows, by key: the stack, and each table not in it.
         self._ticket_caches: dict[str, DeviceCache] = {}
         self.caches: dict[str, DeviceCache | TableInGroup] = {}
@@ -247,8 +249,10 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self._ticket_caches[_STACK] = stack
             self.kernel_note += f", {len(split)} split table(s) stacked in one cache"
             first_id = {f: start for t, start in zip(split, starts) for f in t.feature_names}
-            # The stack reads global ids: a table's id plus the rows of the tables before it.
-            self._stack_offsets = torch.tensor([first_id[f] for f in self._features if f in first_id])
+            # Added to every value of a feature: the stack reads global ids (a table's id plus
+            # the rows of the tables before it); a whole table's slots sit at its region's start.
+            region = {t.name: self._region_start[t.name] for t in self._tables if t.name not in hosts}
+            self._value_base = torch.tensor([first_id.get(f, region.get(self._feature_table[f].name, 0)) for f in self._features])
             for k, table in enumerate(split):
                 self.caches[table.name] = TableInGroup(stack, k, starts[k], hosts[table.name])
         for table in self._tables:
@@ -275,7 +279,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
         self.caches = {t.name: self.caches[t.name] for t in self._tables}  # in table order
         # Features each cache reads, in the order the TBE reads them.
         key_of = {f: _STACK if stacked and t.name in hosts else t.name for f, t in self._feature_table.items()}
-        self._cache_features = {key: [f for f in self._features if key_of[f] == key] for key in self._ticket_caches}
+        # Positions in this module's feature order of the features each cache reads (the TBE's order).
+        self._cache_positions = {key: [k for k, f in enumerate(self._features) if key_of[f] == key] for key in self._ticket_caches}
         # Across ranks, gradients wait here until every table's has arrived, so that the rows
         # of all tables travel in one exchange, not one per table.
         self._pending_gradients: dict[str, Tensor] = {}
@@ -370,38 +375,47 @@ class HotColdEmbeddingBagCollection(nn.Module):
 
     def _stage(self, features: KeyedJaggedTensor) -> _StagedBatch:
         check_not_empty(features)
-        by_feature = features.to_dict()
-        for table in self._tables:  # validate everything before touching any row
-            for feature in table.feature_names:
-                if feature not in by_feature:
-                    raise KeyError(
-                        f"Feature {feature!r} of table {table.name!r} is missing from the batch "
-                        f"(it has {features.keys()})."
-                    )
-        _check_ids(features, self._feature_table)
+        ours = self._our_features(features)
+        _check_ids(ours, self._feature_table)  # everything validated before any row is touched
+        values = ours.values().to(self.device, torch.int64)
+        bounds = ours.offset_per_key()
+        if self._value_base is None:
+            indices = values.clone()  # the caches' slots are written into it
+        else:
+            base = torch.repeat_interleave(self._value_base, torch.tensor(ours.length_per_key()), output_size=len(values))
+            indices = values + base.to(self.device)
         # One acquire per cache (all its features' rows must be resident together), all caches
         # at once (their misses read before any is installed: see `acquire_all`).
-        counts = {f: by_feature[f].values().numel() for f in self._features}
-        ids = {}
-        for key, names in self._cache_features.items():
-            values = [by_feature[f].values() for f in names]
-            ids[key] = torch.cat(values) if len(values) > 1 else values[0]
-        if _STACK in ids:  # global ids: a table's id plus the rows of the tables stacked before it
-            lengths = torch.tensor([counts[f] for f in self._cache_features[_STACK]])
-            ids[_STACK] = ids[_STACK].to(self.device, torch.int64) + self._stack_offsets.repeat_interleave(lengths).to(self.device)
         keys = list(self._ticket_caches)
-        slots: dict[str, Tensor] = {}
+        spans = {key: [(bounds[k], bounds[k + 1]) for k in self._cache_positions[key]] for key in keys}
+        source = {key: indices if key == _STACK else values for key in keys}  # the stack reads global ids
+        ids = [torch.cat([source[key][a:b] for a, b in spans[key]]) if len(spans[key]) > 1 else source[key][slice(*spans[key][0])] for key in keys]
+        acquired = acquire_all([self._ticket_caches[k] for k in keys], ids)
         tickets: dict[str, list[int]] = {}
         read = []
-        acquired = acquire_all([self._ticket_caches[k] for k in keys], [ids[k] for k in keys])
         for key, (cache_slots, ticket, distinct) in zip(keys, acquired):
+            cache = self._ticket_caches[key]
             tickets[key] = [ticket]
-            read.append((self._ticket_caches[key], distinct))
+            read.append((cache, distinct))
+            if cache.identity:  # slot == id: `indices` holds it (at the region's start) already
+                continue
             start = self._region_start[key]  # the kernel reads slots at their place in its table
-            names = self._cache_features[key]
-            for feature, part in zip(names, (cache_slots + start if start else cache_slots).split([counts[f] for f in names])):
-                slots[feature] = part
-        return _StagedBatch(features, by_feature, slots, tickets, read)
+            parts = (cache_slots + start if start else cache_slots).split([b - a for a, b in spans[key]])
+            for (a, b), part in zip(spans[key], parts):
+                indices[a:b] = part
+        return _StagedBatch(features, ours, indices, tickets, read)
+
+    def _our_features(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``features`` restricted to this module's features, in its order (as given when it is)."""
+        keys = features.keys()
+        if keys == self._features:
+            return features
+        position = {f: k for k, f in enumerate(keys)}
+        for feature in self._features:
+            if feature not in position:
+                table = self._feature_table[feature]
+                raise KeyError(f"Feature {feature!r} of table {table.name!r} is missing from the batch (it has {keys}).")
+        return features.permute([position[f] for f in self._features])
 
     def _release(self, staged: _StagedBatch) -> None:
         for key, tickets in staged.tickets.items():
@@ -457,35 +471,31 @@ class HotColdEmbeddingBagCollection(nn.Module):
         )
 
     def _lookup_fused(self, staged: _StagedBatch) -> Tensor:
-        """All features in one FBGEMM call on slot ids (offsets of feature-major bags, as TBE wants)."""
+        """All features in one FBGEMM call on slot ids (a KJT's offsets are feature-major bags, as TBE wants)."""
         assert self._fused is not None
-        jagged = [staged.by_feature[f] for f in self._features]
-        indices = torch.cat([staged.slots[f] for f in self._features])
-        lengths = torch.cat([j.lengths() for j in jagged]).to(self.device, torch.int64)
-        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        weights = torch.cat([j.weights() for j in jagged]).to(self.device, torch.float32) if self._is_weighted else None
-        return self._fused(indices, offsets, weights)
+        ours = staged.ours
+        weights = ours.weights().to(self.device, torch.float32) if self._is_weighted else None
+        return self._fused(staged.indices, ours.offsets().to(self.device, torch.int64), weights)
 
     def _lookup(self, staged: _StagedBatch) -> Tensor:
         """One embedding_bag per feature on slot ids; the update comes in the gradient hooks."""
-        by_feature = staged.by_feature
+        ours = staged.ours
+        offsets, bounds, batch = ours.offsets().to(self.device, torch.int64), ours.offset_per_key(), ours.stride()
         pooled = []
-        for table in self._tables:
-            weight = self._ticket_caches[table.name].weight
-            mode = "sum" if table.pooling == PoolingType.SUM else "mean"
-            for feature in table.feature_names:
-                jagged = by_feature[feature]
-                pooled.append(
-                    nn.functional.embedding_bag(
-                        staged.slots[feature],
-                        weight,
-                        jagged.offsets().to(self.device, torch.int64),
-                        mode=mode,
-                        sparse=True,
-                        per_sample_weights=jagged.weights() if self._is_weighted else None,
-                        include_last_offset=True,
-                    )
+        for k, feature in enumerate(self._features):
+            table = self._feature_table[feature]
+            a, b = bounds[k], bounds[k + 1]
+            pooled.append(
+                nn.functional.embedding_bag(
+                    staged.indices[a:b],
+                    self._ticket_caches[table.name].weight,
+                    offsets[k * batch : (k + 1) * batch + 1] - a,
+                    mode="sum" if table.pooling == PoolingType.SUM else "mean",
+                    sparse=True,
+                    per_sample_weights=ours.weights()[a:b] if self._is_weighted else None,
+                    include_last_offset=True,
                 )
+            )
         return torch.cat(pooled, dim=1)
 
     @_locked

@@ -169,11 +169,21 @@ class DeviceCache:
     def weight(self) -> Tensor:
         return self.slots["weight"]
 
-    def _tally(self, field: int, ids: Tensor, counts: Tensor | None = None) -> None:
-        """Add ``ids`` (each ``counts`` times, default once) to their segments' ``field``."""
-        if self._segment_bounds is not None:
+    def _tally(self, field: int, ids: Tensor, counts: Tensor | None = None, ascending: bool = False) -> None:
+        """Add ``ids`` (each ``counts`` times, default once) to their segments' ``field``.
+        Ascending ids are cut at the segment starts instead: a binary search per segment,
+        not one per id."""
+        if self._segment_bounds is None:
+            return
+        if not ascending:
             segments = torch.searchsorted(self._segment_bounds, ids, right=True)
             self._segment_tally[field].index_add_(0, segments, torch.ones_like(segments) if counts is None else counts)
+            return
+        cuts = torch.searchsorted(ids, self._segment_bounds)
+        ends = torch.cat([cuts, cuts.new_tensor([len(ids)])])
+        if counts is not None:  # lookups up to each cut
+            ends = torch.cat([counts.new_zeros(1), counts.cumsum(0)])[ends]
+        self._segment_tally[field] += torch.diff(ends, prepend=ends.new_zeros(1))
 
     def segment_counters(self, segment: int) -> CacheCounters:
         """Counters of one segment (see ``segment_starts``) since the cache was built."""
@@ -209,7 +219,7 @@ class DeviceCache:
             self.counters.hits += ids.numel()
             return _Acquire(ids, ids, self._issued)
         distinct, inverse, counts = ids.unique(return_inverse=True, return_counts=True)
-        self._tally(_LOOKUPS, distinct, counts)
+        self._tally(_LOOKUPS, distinct, counts, ascending=True)
         slots = self.slot_map.lookup(distinct)
         missing = slots < 0
         num_missing = int(missing.sum())
@@ -220,7 +230,7 @@ class DeviceCache:
             return acquire
         missed_lookups = counts[missing]
         self.counters.hits += ids.numel() - int(missed_lookups.sum())
-        self._tally(_MISSES, distinct[missing], missed_lookups)
+        self._tally(_MISSES, distinct[missing], missed_lookups, ascending=True)
         # Lock the hits first, so that fetching the misses cannot evict them.
         self.last_used[slots[~missing]] = self._issued
         acquire.missing, acquire.needed = missing, distinct[missing]
@@ -236,13 +246,13 @@ class DeviceCache:
             assert rows is not None and acquire.victims is not None and acquire.missing is not None
             victims, needed = acquire.victims, acquire.needed
             for key, tensor in self.slots.items():
-                tensor[victims] = rows[key].to(self.device, non_blocking=True)
+                tensor.index_copy_(0, victims, rows[key].to(self.device, non_blocking=True))
             self.slot_map.assign(needed, victims)
             self.id_of_slot[victims] = needed
             self.frequency[victims] = 0
             fetched = needed if self.sharding.world == 1 else needed[self.sharding.owned(needed)]
             self.counters.fetched_rows += len(fetched)
-            self._tally(_FETCHED, fetched)
+            self._tally(_FETCHED, fetched, ascending=True)
             slots[acquire.missing] = victims
             self.last_used[victims] = acquire.ticket
         if acquire.inverse is None:  # identity: slots are the ids
@@ -341,11 +351,15 @@ class DeviceCache:
         if len(slots) == 0:
             return
         assert self.host is not None
-        ids = self.id_of_slot[slots]
-        self.host.write(self.sharding.local(ids), {key: tensor[slots] for key, tensor in self.slots.items()})
+        # In id order: the host store's writes then go through memory in one direction, and a
+        # stack of stores takes each table's rows as one slice. `index_select`, not
+        # ``tensor[slots]``: 3x faster for rows on CPU.
+        ids, order = self.id_of_slot[slots].sort()
+        slots = slots[order]
+        self.host.write(self.sharding.local(ids), {key: tensor.index_select(0, slots) for key, tensor in self.slots.items()})
         self.dirty[slots] = False
         self.counters.written_back_rows += len(slots)
-        self._tally(_WRITTEN_BACK, ids)
+        self._tally(_WRITTEN_BACK, ids, ascending=True)
 
     # -------------------------------------------------------------- updates
     def apply_update(self, grad: Tensor, optimizer: RowWiseOptimizerConfig) -> None:

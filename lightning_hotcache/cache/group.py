@@ -49,16 +49,23 @@ class StackedHostStores:
     def read(self, ids: Tensor) -> dict[str, Tensor]:
         """Copies of rows ``ids`` (ascending, as the cache fetches them) of every array."""
         ids = ids.cpu()
-        parts = [store.read(ids[where] - start) for store, start, where in self._segments(ids)]
-        if not parts:
-            return self.stores[0].read(ids)  # no rows: empty arrays of the right widths
-        return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+        widths = {key: array.shape[1] for key, array in self.stores[0].arrays.items()}
+        rows = {key: torch.empty(len(ids), width, dtype=torch.float32) for key, width in widths.items()}
+        for store, start, where in self._segments(ids):
+            local = ids[where] - start
+            for key, array in store.arrays.items():  # straight into place: no concatenation
+                torch.index_select(array, 0, local, out=rows[key][where])
+        return rows
 
     def write(self, ids: Tensor, rows: dict[str, Tensor]) -> None:
-        """Overwrite rows ``ids`` (any order) of every array with ``rows``."""
-        ids, order = ids.cpu().sort()
+        """Overwrite rows ``ids`` of every array with ``rows`` (ascending ids, as the cache
+        writes them back, take one slice per table; other orders are sorted first)."""
+        ids = ids.cpu()
+        if len(ids) > 1 and bool((ids[1:] < ids[:-1]).any()):
+            ids, order = ids.sort()
+            rows = {key: values.index_select(0, order.to(values.device)) for key, values in rows.items()}
         for store, start, where in self._segments(ids):
-            store.write(ids[where] - start, {key: values[order[where]] for key, values in rows.items()})
+            store.write(ids[where] - start, {key: values[where] for key, values in rows.items()})
 
     def load(self, key: str, values: Tensor, start: int = 0) -> None:
         """Replace rows ``[start, start + len(values))`` of one table's array."""
