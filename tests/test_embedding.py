@@ -181,6 +181,24 @@ def test_slot_maps_agree_under_random_edits() -> None:
     assert merges > 1  # the runs were merged into one more than once
 
 
+def test_recent_run_is_merged_at_the_size_that_keeps_merging_cheapest() -> None:
+    # Merging into a recent run costs its size every step, merging the whole run costs the
+    # whole run every time the recent one fills: the room that minimizes the sum is
+    # sqrt(2 x whole room x ids added per step), far below a quarter of the room here.
+    from lightning_hotcache.cache.slot_map import SortedSlotMap
+
+    m = SortedSlotMap(10**7, torch.empty(0, dtype=torch.int64), 100_000, torch.device("cpu"))
+    room = int((2 * m.max_entries * 100) ** 0.5)
+    assert room < m.max_entries // 4
+    longest = 0
+    for step in range(200):
+        ids = torch.arange(step * 100, (step + 1) * 100) * 7
+        m.assign(ids, torch.arange(step * 100, (step + 1) * 100), ascending=True)
+        longest = max(longest, len(m.runs[1][0]))
+    assert room - 100 < longest <= room
+    assert m.lookup(torch.tensor([0, 7 * 19_999, 5])).tolist() == [0, 19_999, -1]
+
+
 def test_mmap_host_files_hold_the_current_tables_after_flush(tmp_path) -> None:
     import numpy as np
 

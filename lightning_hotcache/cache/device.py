@@ -247,7 +247,7 @@ class DeviceCache:
             victims, needed = acquire.victims, acquire.needed
             for key, tensor in self.slots.items():
                 tensor.index_copy_(0, victims, rows[key].to(self.device, non_blocking=True))
-            self.slot_map.assign(needed, victims)
+            self.slot_map.assign(needed, victims, ascending=True)  # distinct ids come sorted
             self.id_of_slot[victims] = needed
             self.frequency[victims] = 0
             fetched = needed if self.sharding.world == 1 else needed[self.sharding.owned(needed)]
