@@ -108,6 +108,11 @@ def _same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
     return a is b or (va.data_ptr() == vb.data_ptr() and va.shape == vb.shape and a.keys() == b.keys())
 
 
+def _concat_spans(values: Tensor, spans: list[tuple[int, int]]) -> Tensor:
+    """``values[a:b]`` for each span, end to end (a view when there is one span)."""
+    return values[spans[0][0] : spans[0][1]] if len(spans) == 1 else torch.cat([values[a:b] for a, b in spans])
+
+
 def _check_ids(features: KeyedJaggedTensor, tables: dict[str, EmbeddingBagConfig]) -> None:
     """Every id of every feature of ``tables`` (feature -> table) within its table, checked
     in one pass over the batch's values (a check per feature costs a few small ops each,
@@ -388,8 +393,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         # at once (their misses read before any is installed: see `acquire_all`).
         keys = list(self._ticket_caches)
         spans = {key: [(bounds[k], bounds[k + 1]) for k in self._cache_positions[key]] for key in keys}
-        source = {key: indices if key == _STACK else values for key in keys}  # the stack reads global ids
-        ids = [torch.cat([source[key][a:b] for a, b in spans[key]]) if len(spans[key]) > 1 else source[key][slice(*spans[key][0])] for key in keys]
+        ids = [_concat_spans(indices if key == _STACK else values, spans[key]) for key in keys]  # the stack reads global ids
         acquired = acquire_all([self._ticket_caches[k] for k in keys], ids)
         tickets: dict[str, list[int]] = {}
         read = []
