@@ -108,6 +108,17 @@ def _same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
     return a is b or (va.data_ptr() == vb.data_ptr() and va.shape == vb.shape and a.keys() == b.keys())
 
 
+def _bag_offsets(features: KeyedJaggedTensor) -> Tensor:
+    """Offsets of every bag, feature-major (what TBE reads). A batch built from lengths
+    alone gets them from a torch ``cumsum``: KeyedJaggedTensor.offsets() would use an
+    FBGEMM op that FBGEMM's CPU build lacks for CUDA tensors."""
+    offsets = features.offsets_or_none()
+    if offsets is not None:
+        return offsets
+    lengths = features.lengths()
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+
+
 def _concat_spans(values: Tensor, spans: list[tuple[int, int]]) -> Tensor:
     """``values[a:b]`` for each span, end to end (a view when there is one span)."""
     return values[spans[0][0] : spans[0][1]] if len(spans) == 1 else torch.cat([values[a:b] for a, b in spans])
@@ -419,7 +430,20 @@ class HotColdEmbeddingBagCollection(nn.Module):
             if feature not in position:
                 table = self._feature_table[feature]
                 raise KeyError(f"Feature {feature!r} of table {table.name!r} is missing from the batch (it has {keys}).")
-        return features.permute([position[f] for f in self._features])
+        # By hand with torch ops, not KeyedJaggedTensor.permute: that is an FBGEMM op, which
+        # the CPU build of FBGEMM (what a CUDA machine without FBGEMM's CUDA build has) lacks for CUDA tensors.
+        order = [position[f] for f in self._features]
+        batch = features.stride()
+        values = features.values().split(features.length_per_key())
+        lengths = features.lengths().split(batch)
+        weights = features.weights_or_none()
+        return KeyedJaggedTensor(
+            keys=list(self._features),
+            values=torch.cat([values[k] for k in order]),
+            lengths=torch.cat([lengths[k] for k in order]),
+            weights=None if weights is None else torch.cat([weights.split(features.length_per_key())[k] for k in order]),
+            stride=batch,
+        )
 
     def _release(self, staged: _StagedBatch) -> None:
         for key, tickets in staged.tickets.items():
@@ -479,12 +503,12 @@ class HotColdEmbeddingBagCollection(nn.Module):
         assert self._fused is not None
         ours = staged.ours
         weights = ours.weights().to(self.device, torch.float32) if self._is_weighted else None
-        return self._fused(staged.indices, ours.offsets().to(self.device, torch.int64), weights)
+        return self._fused(staged.indices, _bag_offsets(ours).to(self.device, torch.int64), weights)
 
     def _lookup(self, staged: _StagedBatch) -> Tensor:
         """One embedding_bag per feature on slot ids; the update comes in the gradient hooks."""
         ours = staged.ours
-        offsets, bounds, batch = ours.offsets().to(self.device, torch.int64), ours.offset_per_key(), ours.stride()
+        offsets, bounds, batch = _bag_offsets(ours).to(self.device, torch.int64), ours.offset_per_key(), ours.stride()
         pooled = []
         for k, feature in enumerate(self._features):
             table = self._feature_table[feature]

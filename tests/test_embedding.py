@@ -252,3 +252,33 @@ def test_sorted_slot_map_holds_the_bytes_the_planner_counts(num_embeddings) -> N
     resident = len(static) + 300
     assert held <= resident * sorted_bytes_per_resident(num_embeddings)
     assert m.lookup(torch.tensor([0, 1, 101, 3001, 5])).tolist() == [0, -1, 1050, 1300, -1]
+
+
+@pytest.mark.parametrize("kernel", ["fbgemm", "pytorch"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_batches_with_other_features_or_order_read_the_same_rows(kernel, weighted) -> None:
+    # A batch may carry features of other modules and list them in any order: the module
+    # takes its own, in its order, and pools exactly what it pools from a batch of only those.
+    from test_embedding_exactness import SUM_TABLES
+
+    from lightning_hotcache import RowWiseOptimizerConfig
+
+    batch = zipf_batches(steps=1, weighted=weighted)[0]
+    by_feature = batch.to_dict()
+    keys = ["tag", "extra", "item_hist", "user", "item"]
+    extra = KeyedJaggedTensor.from_lengths_sync(["extra"], torch.arange(batch.stride()), torch.ones(batch.stride(), dtype=torch.int32),
+                                                torch.ones(batch.stride()) if weighted else None)  # fmt: skip
+    parts = {**by_feature, "extra": extra.to_dict()["extra"]}
+    shuffled = KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=torch.cat([parts[k].values() for k in keys]),
+        lengths=torch.cat([parts[k].lengths() for k in keys]).int(),
+        weights=torch.cat([parts[k].weights() for k in keys]) if weighted else None,
+    )
+    plan = make_plan([batch], 0.1, 0, "lfu", tables=SUM_TABLES)
+    module = HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(tables=SUM_TABLES, is_weighted=weighted), plan,
+                                                    RowWiseOptimizerConfig("sgd"), kernel=kernel)  # fmt: skip
+    with torch.no_grad():
+        expected = module(batch).values()
+        got = module(shuffled).values()
+    torch.testing.assert_close(got, expected)
