@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export WANDB_MODE ?= offline
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -27,4 +27,22 @@ test: setup
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) wandb lightning_logs checkpoints .pytest_cache
+	rm -rf $(VENV) wandb lightning_logs checkpoints .pytest_cache .gpu_site
+
+# ---- The lent GPU machine (benchmarks/requirements-gpu.txt says what it has and lacks). Here,
+# `make gpu-wheels` downloads the wheels it lacks into $(GPU_WHEELS) (git-ignored: carry it
+# with the working tree); there, `make gpu-check` installs them offline and runs the CUDA
+# tests and benchmarks/gpu.py (benchmarks/gpu_check.sh: how, and what it writes).
+GPU_WHEELS := gpu_wheels
+GPU_PYTHON ?= python3
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	$(PYTHON) -m pip download --quiet --dest $(GPU_WHEELS) --no-deps --only-binary=:all: \
+		--python-version 3.12 --implementation cp --abi cp312 --abi none \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+		-r benchmarks/requirements-gpu.txt
+	@du -sh $(GPU_WHEELS) | awk '{print "$(GPU_WHEELS): " $$1 " (the device machine takes 64 MiB with the repo)"}'
+
+gpu-check:
+	GPU_PYTHON="$(GPU_PYTHON)" GPU_BENCH_ARGS="$(GPU_BENCH_ARGS)" bash benchmarks/gpu_check.sh

@@ -41,14 +41,13 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from clock import StepClock
+from clock import StepClock, cache_counters
 from report import write_report
 from torch import nn
 
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotCacheStrategy
 from lightning_hotcache.cache.host import map_rows
-from lightning_hotcache.embedding import hot_cold_modules
 from lightning_hotcache.table_init import initial_rows
 from models import DLRM
 
@@ -96,12 +95,6 @@ def disk_io() -> dict[str, int]:
     """Bytes this process made the storage layer read and write (``/proc/self/io``)."""
     fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
     return {"read_bytes": int(fields["read_bytes"]), "write_bytes": int(fields["write_bytes"])}
-
-
-def cache_counters(model: nn.Module) -> dict[str, int]:
-    """Lookups, hits and rows fetched so far, summed over every hotcache table of ``model``."""
-    caches = [c for m in hot_cold_modules(model).values() for c in m.caches.values()]
-    return {key: sum(getattr(c.counters, key) for c in caches) for key in ("lookups", "hits", "fetched_rows")}
 
 
 class DropPageCache(pl.Callback):

@@ -1,4 +1,5 @@
-"""StepClock: training throughput between a warm-up batch and the last batch of a fit."""
+"""StepClock: training throughput between a warm-up batch and the last batch of a fit; the
+cache counters and the bare Trainer the throughput benchmarks share."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import time
 from typing import Any, Callable
 
 import lightning.pytorch as pl
+import torch
+from torch import nn
 
 
 class StepClock(pl.Callback):
@@ -27,6 +30,8 @@ class StepClock(pl.Callback):
         self.at_end: Any = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.device.type == "cuda":  # the step's kernels are queued, not done, when the hook runs
+            torch.cuda.synchronize(pl_module.device)
         if batch_idx == self.warmup - 1:
             self.at_start = self.probe() if self.probe else None
             self.start = time.perf_counter()
@@ -48,3 +53,31 @@ def rss_bytes() -> int:
     except OSError:
         return 0
 
+
+def timed_trainer(strategy: Any, max_steps: int, clock: StepClock, accelerator: str = "cpu") -> pl.Trainer:
+    """A Trainer that only trains on one device: no validation, logger, checkpoints, progress bar or summary."""
+    return pl.Trainer(
+        accelerator=accelerator, devices=1, strategy=strategy, max_steps=max_steps, limit_val_batches=0,
+        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[clock],
+    )  # fmt: skip
+
+
+def cache_counters(model: nn.Module) -> dict[str, int]:
+    """Running totals summed over every hotcache table of ``model`` (zeros without one): lookups,
+    hits, rows fetched and written back, and the bytes those rows (with their optimizer state)
+    moved host -> device and device -> host."""
+    from lightning_hotcache.embedding import hot_cold_modules
+
+    out = dict.fromkeys(("lookups", "hits", "fetched_rows", "written_back_rows", "h2d_bytes", "d2h_bytes"), 0)
+    for module in hot_cold_modules(model).values():
+        for cache in module.caches.values():
+            c = cache.counters
+            row_bytes = sum(t.shape[1] * t.element_size() for t in cache.slots.values())
+            out["lookups"] += c.lookups
+            out["hits"] += c.hits
+            out["fetched_rows"] += c.fetched_rows
+            out["written_back_rows"] += c.written_back_rows
+            out["h2d_bytes"] += c.fetched_rows * row_bytes
+            out["d2h_bytes"] += c.written_back_rows * row_bytes
+    return out

@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from clock import StepClock
-from report import median_round, write_report
+from clock import StepClock, timed_trainer
+from report import add_ratios, rounds_of_jobs, write_report
 
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotCacheStrategy  # importing the package registers "torchrec" too
@@ -39,11 +37,7 @@ def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
                                 num_train_samples=args.batch_size * (args.steps + 200), shuffle=False)  # fmt: skip
     model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
     clock = StepClock(args.warmup)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, limit_val_batches=0,
-        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[clock],
-    )  # fmt: skip
+    trainer = timed_trainer(strategy, args.steps, clock)
     trainer.fit(model, dm)
     # ru_maxrss is in KiB on Linux: the whole process' peak, i.e. this run's.
     out = {"samples_per_s": clock.samples_per_s, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}
@@ -79,20 +73,8 @@ def main() -> None:
         return
     chosen = [name for name in runs if not args.strategies or name in args.strategies]
     settings = ["--dim", str(args.dim), "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-
-    def job(name: str) -> dict[str, Any]:
-        done = subprocess.run([sys.executable, __file__, *settings, "--job", name], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    # Rounds over all strategies, so slow drift of this shared machine hits them alike; the
-    # median round counts.
-    rounds = [{name: job(name) for name in chosen} for _ in range(args.rounds)]
-    results = {name: median_round([r[name] for r in rounds]) for name in chosen}
-    for r in results.values():
-        for baseline in ("auto", "torchrec"):
-            r[f"x_{baseline}"] = r["samples_per_s"] / results[baseline]["samples_per_s"] if baseline in results else float("nan")
+    results = rounds_of_jobs(__file__, settings, chosen, args.rounds)
+    add_ratios(results, ("auto", "torchrec"))
     print(f"{'strategy':<16}{'samples/s':>12}{'x auto':>9}{'x torchrec':>12}{'peak RSS MiB':>14}  rounds")
     for name, r in results.items():
         print(

@@ -6,9 +6,10 @@ import argparse
 import json
 import platform
 import subprocess
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -39,6 +40,34 @@ def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
     shared machine drifts between runs."""
     middle = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
     return {**middle, "rounds": [r["samples_per_s"] for r in runs]}
+
+
+def job_in_process(script: str | Path, settings: Sequence[str], name: str) -> dict[str, Any]:
+    """Run ``script settings --job name`` in a process of its own and return the JSON line it
+    printed last (also echoed, so a long run's log keeps every finished job)."""
+    done = subprocess.run([sys.executable, str(script), *settings, "--job", name], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    line = done.stdout.strip().splitlines()[-1]
+    print(f"{name}: {line}", flush=True)
+    return json.loads(line)
+
+
+def rounds_of_jobs(script: str | Path, settings: Sequence[str], names: Sequence[str], rounds: int) -> dict[str, Any]:
+    """The median round (`median_round`) of each job of ``names``, run ``rounds`` times over
+    all of them, every run a process of its own (`job_in_process`): a run's peak memory is then
+    its own, memory one fit leaves behind cannot starve the next, and slow drift of the machine
+    hits every job alike."""
+    runs = [{name: job_in_process(script, settings, name) for name in names} for _ in range(rounds)]
+    return {name: median_round([r[name] for r in runs]) for name in names}
+
+
+def add_ratios(results: dict[str, dict[str, Any]], baselines: Sequence[str]) -> None:
+    """``x_<baseline>``: each result's samples/s over the baseline's (NaN where it did not run)."""
+    for r in results.values():
+        for baseline in baselines:
+            base = results.get(baseline)
+            r[f"x_{baseline}"] = r["samples_per_s"] / base["samples_per_s"] if base else float("nan")
 
 
 def write_report(name: str, args: argparse.Namespace, results: Any, echo: bool = True, **settings: Any) -> dict[str, Any]:

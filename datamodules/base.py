@@ -37,6 +37,8 @@ def make_batch(keys: Sequence[str], dense: np.ndarray, labels: np.ndarray, spars
     """Build a ``Batch`` from numpy arrays: ``dense`` (B, D), ``labels`` (B,), one ``SparseColumn`` per key.
 
     KJT values are laid out key by key, then sample by sample, as torchrec's own Criteo loader does.
+    The KJT's offsets are computed here, on the host, and travel with it: from lengths on a CUDA
+    device torchrec computes them with an FBGEMM op that FBGEMM's CPU build cannot run there.
     """
     batch_size = len(labels)
     values, lengths = [], []
@@ -47,13 +49,17 @@ def make_batch(keys: Sequence[str], dense: np.ndarray, labels: np.ndarray, spars
         else:
             values.append(column)
             lengths.append(np.ones(batch_size, dtype=np.int32))
+    all_lengths = np.concatenate(lengths).astype(np.int32, copy=False)
+    offsets = np.zeros(len(all_lengths) + 1, dtype=np.int32)
+    np.cumsum(all_lengths, out=offsets[1:])
     return Batch(
         dense_features=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
-        sparse_features=KeyedJaggedTensor.from_lengths_sync(
+        sparse_features=KeyedJaggedTensor(
             keys=list(keys),
             values=torch.from_numpy(np.concatenate(values).astype(np.int64, copy=False)),
-            lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int32, copy=False)),
-        ),
+            lengths=torch.from_numpy(all_lengths),
+            offsets=torch.from_numpy(offsets),
+        ).sync(),
         labels=torch.from_numpy(np.ascontiguousarray(labels, dtype=np.float32)),
     )
 

@@ -26,6 +26,10 @@ def arrays(batch: Batch) -> dict[str, np.ndarray]:
     assert batch.dense_features.dtype == torch.float32 and batch.labels.dtype == torch.float32
     assert kjt.values().dtype == torch.int64 and kjt.lengths().dtype in (torch.int32, torch.int64)
     assert batch.dense_features.shape[0] == batch.labels.shape[0] == kjt.stride()
+    # Offsets made on the host travel with the batch: on a CUDA device torchrec would compute
+    # them with an FBGEMM op that FBGEMM's CPU build (all the lent GPU machine has) cannot run there.
+    offsets = kjt.offsets_or_none()
+    assert offsets is not None and offsets.tolist() == [0, *kjt.lengths().cumsum(0).tolist()]
     out = {"dense": batch.dense_features.numpy(), "labels": batch.labels.numpy()}
     for key, jt in kjt.to_dict().items():
         out[f"{key}.values"], out[f"{key}.lengths"] = jt.values().numpy(), jt.lengths().numpy()

@@ -64,12 +64,13 @@ def baselines() -> dict[str, tuple[dict, dict]]:
     return out
 
 
-def minimum_budget(stats_path: Path, depth: int = 1) -> int:
+def minimum_budget(stats_path: Path, depth: int = 1, device: str = "cpu") -> int:
     from lightning_hotcache.profiling import AccessStats
 
     stats = AccessStats.load(stats_path)
-    # The planner counts the batches in flight as the strategy does (on CPU: no prefetch thread).
-    planner = HotColdPlanner(1.0, RowWiseOptimizerConfig(**OPTIMIZER), prefetch_depth=depth)
+    # The planner counts the batches in flight as the strategy does on ``device`` (a prefetch
+    # thread on CUDA, none on CPU).
+    planner = HotColdPlanner(1.0, RowWiseOptimizerConfig(**OPTIMIZER), prefetch_depth=depth, device=device)
     return planner.minimum_bytes(stats.tables, stats)
 
 
@@ -78,14 +79,22 @@ CASES = list(itertools.product(sorted(MODEL_REGISTRY), [1.0, 0.05, "minimum"], [
 
 @pytest.mark.parametrize(("name", "budget", "policy"), CASES)
 def test_hotcache_matches_auto(name, budget, policy, stats_paths, baselines) -> None:
-    stats_path = stats_paths[name]
-    device_budget = minimum_budget(stats_path) if budget == "minimum" else budget
+    assert_hotcache_matches_auto(name, budget, policy, stats_paths[name], baselines[name])
+
+
+def assert_hotcache_matches_auto(
+    name: str, budget: float | str, policy: str, stats_path: Path, baseline: tuple[dict, dict], **trainer_kwargs
+) -> None:
+    """hotcache at ``budget`` ("minimum": the least its batches in flight need) with ``policy``
+    trains zoo model ``name`` to ``baseline`` (auto's state dict and metrics on the same device)."""
+    device = trainer_kwargs.get("accelerator", "cpu")
+    device_budget = minimum_budget(stats_path, device=device) if budget == "minimum" else budget
     strategy = HotCacheStrategy(device_budget=device_budget, stats_path=str(stats_path), cache_policy=policy)
-    model, trainer, metrics = fit(name, strategy)
+    model, trainer, metrics = fit(name, strategy, **trainer_kwargs)
     assert hot_cold_modules(model), "the strategy swapped in hot/cold tables"
     if budget != 1.0:
         assert any(not t.on_device for t in trainer.strategy.plan.tables)
-    expected_state, expected_metrics = baselines[name]
+    expected_state, expected_metrics = baseline
     # Float tolerance only: duplicate ids sum in another order when rows sit in other slots,
     # and Adagrad magnifies that rounding on rows whose accumulated gradient is tiny.
     torch.testing.assert_close(model.state_dict(), expected_state, rtol=1e-5, atol=1e-5)

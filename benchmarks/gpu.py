@@ -1,0 +1,164 @@
+"""DLRM training on one GPU: hotcache at device budgets 1.0 / 0.1 / 0.01 against every table on the device.
+
+DLRM (dim 128, row-wise Adagrad on the tables, Adam on the dense layers) on
+SyntheticCTRDataModule at ``--scale`` (1.0: the Criteo Kaggle cardinalities, 33.8M rows,
+17.3 GB of fp32 rows at dim 128) trains ``--steps`` steps of ``--batch-size`` under each
+strategy, every run a process of its own, ``--rounds`` times over; the median round is
+reported. Per run: samples/s between the end of the warm-up steps and the last step (set-up,
+table init and profiling excluded); the cache's hit rate and the bytes its rows (with their
+optimizer state) moved host -> device and back per step over the same steps (the batches'
+own transfer, the same for every strategy, is not counted); the peak device memory
+(``torch.cuda.max_memory_allocated``, CUDA only) and the run's peak host RSS.
+
+* ``auto``: Lightning's plain strategy, every table on the device (needs them to fit).
+* ``hotcache@b``: device budget ``b`` of the tables' bytes (grown to the minimum the batches
+  in flight need, as the fractional presets do), stats from the first ``--profile-batches``.
+
+FAE's baseline (tables in host memory, looked up by the CPU, dense layers on the device,
+pooled embeddings and their gradients crossing per step) is not here: no strategy or option
+places a collection on the host while the model's dense part runs on the device (``auto``
+moves the whole model; ``hotcache`` always looks up on the device; ``torchrec`` needs
+FBGEMM's CUDA kernels for its host/UVM placements). ``hotcache`` with
+``cache_policy="static"`` is FAE itself (hot rows on the device), not its baseline.
+
+Prints a table and writes benchmarks/results/gpu.json.
+
+    python benchmarks/gpu.py [--scale 1.0] [--batch-size 8192] [--steps 200] [--rounds 3] [--strategies auto hotcache@0.1]
+    python benchmarks/gpu.py --device cpu --scale 0.001 --steps 5 --rounds 1   # smoke mode, seconds on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from clock import StepClock, cache_counters, timed_trainer
+from report import add_ratios, rounds_of_jobs, write_report
+
+from datamodules import SyntheticCTRDataModule
+from lightning_hotcache import HotCacheStrategy
+from lightning_hotcache.embedding import hot_cold_modules
+from models import DLRM
+
+RESULTS = Path(__file__).parent / "results"
+BUDGETS = (1.0, 0.1, 0.01)
+
+
+def strategies(args: argparse.Namespace) -> dict[str, Any]:
+    """Name -> a maker of the strategy (each run builds its own)."""
+    return {
+        "auto": lambda: "auto",
+        **{
+            f"hotcache@{b:g}": (
+                lambda b=b: HotCacheStrategy(device_budget=b, profile_batches=args.profile_batches, grow_budget_to_minimum=True)
+            )
+            for b in BUDGETS
+        },
+    }
+
+
+def train(strategy: Any, args: argparse.Namespace) -> dict[str, Any]:
+    pl.seed_everything(0)
+    dm = SyntheticCTRDataModule(scale=args.scale, embedding_dim=args.dim, batch_size=args.batch_size, num_workers=args.num_workers,
+                                num_train_samples=args.batch_size * (args.steps + 1), shuffle=False)  # fmt: skip
+    # Deferred tables: hotcache writes the rows straight into their tiers (the full tables are
+    # never a second copy in host memory); auto materializes them, with the same rows.
+    model = DLRM(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
+    clock = StepClock(args.warmup, probe=lambda: cache_counters(model))
+    trainer = timed_trainer(strategy, args.steps, clock, accelerator=args.device)
+    trainer.fit(model, dm)
+    steps = args.steps - args.warmup
+    moved = {key: clock.at_end[key] - clock.at_start[key] for key in clock.at_end}
+    out: dict[str, Any] = {
+        "samples_per_s": clock.samples_per_s,
+        "hit_rate": moved["hits"] / moved["lookups"] if moved["lookups"] else None,
+        "fetched_rows_per_step": moved["fetched_rows"] / steps,
+        "h2d_bytes_per_step": moved["h2d_bytes"] / steps,
+        "d2h_bytes_per_step": moved["d2h_bytes"] / steps,
+        "device_peak_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
+        # ru_maxrss is in KiB on Linux: the whole process' peak, i.e. this run's.
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
+        "table_rows": sum(t.num_embeddings for t in dm.tables),
+        "table_bytes": sum(t.num_embeddings * t.embedding_dim * 4 for t in dm.tables),
+    }
+    plan = getattr(trainer.strategy, "plan", None)
+    if plan is not None:
+        out["budget_bytes"] = plan.budget_bytes
+        out["cache_device_bytes"] = sum(m.device_bytes() for m in hot_cold_modules(model).values())
+    return out
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:,.1f}"
+
+
+def print_table(results: dict[str, dict[str, Any]]) -> None:
+    print(
+        f"{'strategy':<16}{'samples/s':>12}{'x auto':>8}{'hit rate':>10}{'H2D MiB/step':>14}{'D2H MiB/step':>14}"
+        f"{'device peak MiB':>17}{'cache MiB':>11}{'peak RSS MiB':>14}  rounds"
+    )
+    for name, r in results.items():
+        hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
+        print(
+            f"{name:<16}{r['samples_per_s']:>12,.0f}{r['x_auto']:>8.2f}{hit:>10}{_mib(r['h2d_bytes_per_step']):>14}"
+            f"{_mib(r['d2h_bytes_per_step']):>14}{_mib(r['device_peak_bytes']):>17}{_mib(r.get('cache_device_bytes')):>11}"
+            f"{r['peak_rss_mib']:>14,.0f}  {' '.join(f'{x:,.0f}' for x in r['rounds'])}"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=1.0, help="table sizes as a fraction of Criteo Kaggle's")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, help="steps before the timed ones (default: 20, or half of --steps when fewer)")
+    parser.add_argument("--num-workers", type=int, help="data loader processes drawing the batches (default: 12 on CUDA, 0 on CPU)")
+    parser.add_argument("--profile-batches", type=int, default=20, help="batches hotcache profiles to plan")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every strategy; the median is reported")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--strategies", nargs="+", help="a subset to run (default: all; auto is the baseline)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "gpu.json")
+    parser.add_argument("--job", help=argparse.SUPPRESS)  # one run in this process; prints its JSON
+    args = parser.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = min(20, args.steps // 2)
+    if args.num_workers is None:
+        # One process draws ~60k synthetic samples/s at batch 8192: a GPU step must not wait on it.
+        args.num_workers = 12 if args.device == "cuda" else 0
+    if not 0 < args.warmup < args.steps:
+        parser.error(f"--warmup must be in [1, --steps - 1] so that some steps are timed; got {args.warmup} of {args.steps}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device; on a CPU run the smoke mode: --device cpu --scale 0.001 --steps 5 --rounds 1")
+    unknown = set(args.strategies or ()) - set(strategies(args))
+    if unknown:
+        parser.error(f"unknown strategies {sorted(unknown)}; choose from {list(strategies(args))}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    runs = strategies(args)
+    if args.job:
+        result = train(runs[args.job](), args)
+        print(json.dumps(result))
+        return result
+    chosen = [name for name in runs if not args.strategies or name in args.strategies]
+    settings = [
+        "--scale", str(args.scale), "--dim", str(args.dim), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--profile-batches", str(args.profile_batches), "--device", args.device,
+        "--num-workers", str(args.num_workers),
+    ]  # fmt: skip
+    results = rounds_of_jobs(__file__, settings, chosen, args.rounds)
+    add_ratios(results, ("auto",))
+    print_table(results)
+    return write_report("gpu", args, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""benchmarks/gpu.py in its CPU smoke mode: every strategy runs and reports what the GPU run will."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # appended: shadows nothing
+import gpu  # noqa: E402
+import report  # noqa: E402
+
+SMOKE = ["--device", "cpu", "--scale", "0.001", "--steps", "5", "--rounds", "1"]
+
+
+def test_smoke_mode_reports_every_strategy(tmp_path, monkeypatch) -> None:
+    # Each job in this process (the script gives every run a process of its own, seconds of
+    # imports each); small batches, so that the 1% budget splits tables and rows move.
+    def job_here(script, settings, name):
+        return gpu.main([*settings, "--job", name])
+
+    monkeypatch.setattr(report, "job_in_process", job_here)
+    out = tmp_path / "gpu.json"
+    gpu.main([*SMOKE, "--batch-size", "64", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["auto", "hotcache@1", "hotcache@0.1", "hotcache@0.01"]
+    assert all(r["samples_per_s"] > 0 and r["device_peak_bytes"] is None for r in results.values())
+    assert results["auto"]["hit_rate"] is None and results["auto"]["h2d_bytes_per_step"] == 0
+    assert results["hotcache@1"]["hit_rate"] == 1.0
+    split = results["hotcache@0.01"]
+    assert split["cache_device_bytes"] < split["table_bytes"]
+    assert 0 < split["hit_rate"] < 1 and split["h2d_bytes_per_step"] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--device", "cpu", "--steps", "5", "--warmup", "5"], "--warmup must be in"),
+        (["--device", "cpu", "--strategies", "torchrec"], "unknown strategies"),
+    ],
+)
+def test_bad_settings_are_clear_errors(argv, error, capsys) -> None:
+    with pytest.raises(SystemExit):
+        gpu.parse_args(argv)
+    assert error in capsys.readouterr().err
