@@ -95,6 +95,12 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         dense_weight_decay: L2 penalty of the default dense optimizer (Adam's ``weight_decay``,
             the gradient of ``dense_weight_decay / 2 * ||w||^2`` over every dense parameter);
             the embedding rows are not affected. 0 turns it off.
+        embedding_l2: weight of an L2 penalty on what each training batch reads from the
+            tables (DeepCTR's ``l2_reg_embedding``, FuxiCTR's ``embedding_regularizer``, here
+            on the batch's rows only): the training loss gets ``embedding_l2`` times the mean
+            over samples of the squared norm of the sample's pooled embeddings (B, F, D) and
+            per-id weights (see `logits_and_squared_norms`). Validation, test and predict are
+            unaffected. 0 turns it off.
         defer_table_init: declare the tables on the meta device, with no memory, as TorchRec
             does for tables to be sharded. ``hotcache`` then writes each table's initial rows
             straight into its tiers (with ``host_storage=<dir>``, tables larger than RAM
@@ -123,6 +129,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         embedding_optimizer: RowWiseOptimizerConfig = RowWiseOptimizerConfig(),
         dense_lr: float = 1e-3,
         dense_weight_decay: float = 0.0,
+        embedding_l2: float = 0.0,
         defer_table_init: bool = False,
         non_finite_loss: NonFiniteLossAction = "raise",
     ) -> None:
@@ -147,6 +154,8 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             raise ValueError(f"dense_lr must be > 0, got {dense_lr}.")
         if not dense_weight_decay >= 0:
             raise ValueError(f"dense_weight_decay must be >= 0 (0 turns it off), got {dense_weight_decay}.")
+        if not embedding_l2 >= 0:
+            raise ValueError(f"embedding_l2 must be >= 0 (0 turns the penalty off), got {embedding_l2}.")
         if isinstance(embedding_optimizer, Mapping):
             embedding_optimizer = RowWiseOptimizerConfig(**embedding_optimizer)
 
@@ -224,19 +233,39 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
         """Click logits of shape (B,): the embedding tower's plus the first-order term, each
         where the model has it."""
+        return self.logits_and_squared_norms(dense_features, sparse_features)[0]
+
+    def logits_and_squared_norms(
+        self, dense_features: Tensor, sparse_features: KeyedJaggedTensor
+    ) -> tuple[Tensor, Tensor]:
+        """Click logits (B,) and, per sample, the squared L2 norm of what it read from the
+        tables (B,): its pooled embeddings and its pooled per-id weights (`FirstOrderArch.squared_norms`).
+
+        Pooled, not row by row: a strategy's tables return the pooled bags, so the penalty's
+        gradient reaches the rows through the same backward as the loss's, under every
+        strategy. For a single-id feature it is the row's squared norm; for a multi-id one
+        (SUM pooling) that of the bag the model reads, the sum of its rows.
+        """
+        if self.uses_embeddings:
+            pooled = self.embed(sparse_features)
+            logits = self.over_arch(self.inter_arch(self.dense_arch(dense_features), pooled)).squeeze(-1)
+            squared_norms = pooled.square().sum(dim=(1, 2))
+            if not self.uses_first_order:
+                return logits, squared_norms
+        weights = self.first_order_arch.lookup(sparse_features)
+        first_order = self.first_order_arch.logits(dense_features, weights)
+        first_order_norms = self.first_order_arch.squared_norms(weights)
         if not self.uses_embeddings:
-            return self.first_order_arch(dense_features, sparse_features)
-        interaction = self.inter_arch(self.dense_arch(dense_features), self.embed(sparse_features))
-        logits = self.over_arch(interaction).squeeze(-1)
-        if self.uses_first_order:
-            logits = logits + self.first_order_arch(dense_features, sparse_features)
-        return logits
+            return first_order, first_order_norms
+        return logits + first_order, squared_norms + first_order_norms
 
     # ----------------------------------------------------------------- training
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor | None:
-        logits = self(batch.dense_features, batch.sparse_features)
+        logits, squared_norms = self.logits_and_squared_norms(batch.dense_features, batch.sparse_features)
         loss = self.loss_fn(logits, batch.labels)
+        if self.hparams.embedding_l2:
+            loss = loss + self.hparams.embedding_l2 * squared_norms.mean()
         if not finite_loss_or_skip(loss, self.trainer, batch_idx, self.hparams.non_finite_loss):
             return None
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.shape[0])

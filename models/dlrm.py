@@ -29,7 +29,7 @@ class DLRM(CTRModel):
         over_arch_layer_sizes: hidden sizes of the top MLP; a last layer of 1 (the logit) is added.
         dropout: probability of zeroing each unit after every hidden layer of the top MLP while
             training (`models.interactions.deep_mlp`; the bottom MLP has none); 0 turns it off.
-        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay).
+        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay, embedding_l2).
     """
 
     def __init__(

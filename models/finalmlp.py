@@ -35,7 +35,7 @@ class FinalMLP(CTRModel):
         num_heads: heads of the bilinear fusion; must divide both streams' last sizes.
         dropout: probability of zeroing each unit after every layer of both streams while
             training (`models.interactions.deep_mlp`; the gates have none); 0 turns it off.
-        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay).
+        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay, embedding_l2).
     """
 
     def __init__(

@@ -57,7 +57,20 @@ class FirstOrderArch(nn.Module):
         self.dense = nn.Linear(num_dense_features, 1)
 
     def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
+        return self.logits(dense_features, self.lookup(sparse_features))
+
+    def lookup(self, sparse_features: KeyedJaggedTensor) -> Tensor:
+        """The batch's pooled per-id weights: (B, F * FIRST_ORDER_DIM), each feature's columns equal."""
         check_not_empty(sparse_features)
-        # (B, F * FIRST_ORDER_DIM): summing all columns and dividing sums each id's mean.
-        pooled = self.embedding_bag_collection(sparse_features).values()
+        return self.embedding_bag_collection(sparse_features).values()
+
+    def logits(self, dense_features: Tensor, pooled: Tensor) -> Tensor:
+        """Logits (B,) from the dense features and the pooled weights of `lookup`."""
+        # Summing all columns and dividing sums each id's mean.
         return self.dense(dense_features).squeeze(-1) + pooled.sum(dim=1) / FIRST_ORDER_DIM
+
+    @staticmethod
+    def squared_norms(pooled: Tensor) -> Tensor:
+        """Per sample, the sum over features of the squared pooled weight, (B,), from `lookup`'s
+        output: a weight's FIRST_ORDER_DIM equal columns count as the one weight they are."""
+        return pooled.square().sum(dim=1) / FIRST_ORDER_DIM

@@ -37,7 +37,7 @@ class FM(CTRModel):
     Args:
         tables: the datamodule's embedding tables (one shared embedding_dim).
         num_dense_features: width of the dense input.
-        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay).
+        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay, embedding_l2).
     """
 
     uses_first_order = True

@@ -14,7 +14,7 @@ class LR(CTRModel):
     Args:
         tables: the datamodule's embedding tables (the rows and features of the per-id weights).
         num_dense_features: width of the dense input.
-        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay).
+        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay, embedding_l2).
     """
 
     uses_embeddings = False

@@ -26,7 +26,7 @@ class WideAndDeep(CTRModel):
         deep_layer_sizes: sizes of the deep tower's hidden layers.
         dropout: probability of zeroing each unit after every layer of the deep tower while
             training (`models.interactions.deep_mlp`); 0 turns it off.
-        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay).
+        **kwargs: `CTRModel` options (embedding_optimizer, dense_lr, dense_weight_decay, embedding_l2).
     """
 
     uses_first_order = True

@@ -8,9 +8,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import cpu_trainer, tiny_synthetic
-from torchrec import EmbeddingBagConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
+from lightning_hotcache import HotCacheStrategy
 from models import DLRM, MODEL_REGISTRY, CTRModel, create_model
+from models.first_order import FIRST_ORDER_SUFFIX
 
 MODEL_NAMES = sorted(MODEL_REGISTRY)
 
@@ -131,6 +133,70 @@ def test_dense_weight_decay_pulls_dense_weights_to_zero(name: str) -> None:
             torch.testing.assert_close(new.detach(), expected)
     with pytest.raises(ValueError, match=r"dense_weight_decay must be >= 0"):
         _model(name, dm, dense_weight_decay=-1e-4)
+
+
+def _squared_norms_by_hand(model: CTRModel, sparse: KeyedJaggedTensor) -> torch.Tensor:
+    """Per sample, over every feature of every table the model has: the squared norm of the
+    feature's SUM-pooled rows, a first-order row counting as its weight (the mean of its columns)."""
+    total = torch.zeros(sparse.stride())
+    for collection in (m for m in model.modules() if isinstance(m, EmbeddingBagCollection)):
+        for config in collection.embedding_bag_configs():
+            rows = collection.embedding_bags[config.name].weight.detach()
+            if config.name.endswith(FIRST_ORDER_SUFFIX):
+                rows = rows.mean(dim=1, keepdim=True)
+            for feature in config.feature_names:
+                ids, lengths = sparse[feature].values(), sparse[feature].lengths()
+                samples = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+                pooled = torch.zeros(len(lengths), rows.shape[1]).index_add_(0, samples, rows[ids])
+                total += pooled.square().sum(dim=1)
+    return total
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_embedding_l2_adds_its_penalty_to_the_training_loss(name: str) -> None:
+    """One step's training loss with embedding_l2 is the loss without plus embedding_l2 times the
+    batch's mean squared norm of what it read (pooled embeddings and per-id weights), by hand."""
+    dm = tiny_synthetic(num_train_samples=256)
+    sparse = dm.source("train").batch(0, 256).sparse_features  # the one training batch
+    losses, norms = {}, {}
+    for l2 in (0.0, 0.5):
+        pl.seed_everything(0)
+        model = _model(name, dm, embedding_l2=l2)
+        if model.uses_first_order:
+            with torch.no_grad():  # per-id weights start at zero: make them count (a row's columns stay equal)
+                for bag in model.first_order_arch.embedding_bag_collection.parameters():
+                    bag.copy_(torch.randn(bag.shape[0], 1).expand_as(bag))
+        norms[l2] = _squared_norms_by_hand(model, sparse).mean()
+        trainer = cpu_trainer(max_steps=1)
+        trainer.fit(model, dm)
+        losses[l2] = trainer.callback_metrics["train/loss"]
+    assert norms[0.5] == norms[0.0] > 0
+    torch.testing.assert_close(losses[0.5] - losses[0.0], 0.5 * norms[0.5], rtol=1e-5, atol=1e-6)
+
+
+def test_embedding_l2_is_learned_the_same_under_hotcache() -> None:
+    """The penalty is part of the loss, so rows split between device and host tiers learn it too."""
+
+    def fit(strategy: str | HotCacheStrategy, l2: float) -> dict[str, torch.Tensor]:
+        pl.seed_everything(0)
+        # Tables up to ~100k rows against batches of 64, so a 10% budget really splits them.
+        dm = tiny_synthetic(scale=0.01, num_embeddings_cap=None, num_train_samples=512, batch_size=64)
+        model = _model("deepfm", dm, embedding_l2=l2)  # both kinds of tables: dim-D and per-id weights
+        cpu_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0).fit(model, dm)
+        return model.state_dict()
+
+    penalized = fit("auto", 0.05)
+    table = "sparse_arch.embedding_bag_collection.embedding_bags.t_cat_0.weight"
+    assert not torch.allclose(penalized[table], fit("auto", 0.0)[table])
+    hotcache = HotCacheStrategy(device_budget=0.1, profile_batches=4)
+    learned = fit(hotcache, 0.05)
+    assert hotcache.plan is not None and any(not t.on_device for t in hotcache.plan.tables)
+    torch.testing.assert_close(learned, penalized, rtol=1e-5, atol=1e-5)
+
+
+def test_negative_embedding_l2_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"embedding_l2 must be >= 0"):
+        _model("deepfm", tiny_synthetic(), embedding_l2=-1e-5)
 
 
 def test_checkpoint_resume_matches_straight_through(tmp_path) -> None:
@@ -320,8 +386,6 @@ def test_xdeepfm_logit_is_linear_part_plus_cin_and_deep() -> None:
 
 
 # ----------------------------------------------------- first-order term: LR, FM, Wide & Deep, DeepFM
-from torchrec import KeyedJaggedTensor  # noqa: E402
-
 from lightning_hotcache.rowwise import ROW_STATE_KEY  # noqa: E402
 from models import FM, LR, DeepFM  # noqa: E402
 from models.first_order import FIRST_ORDER_DIM  # noqa: E402
