@@ -330,4 +330,11 @@ def main(args: Any = None) -> Any:
 
 def entry_point() -> None:
     """The ``hotcache`` console script: exits 0 on success (main's return value is for tests)."""
-    main()
+    try:
+        main()
+    finally:
+        # Lightning leaves the process group alive after fit; exiting with it alive lets gloo's
+        # worker threads outlive the interpreter's finalization, which now and then aborts a
+        # finished run at exit (pytorch/pytorch#179291).
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -156,4 +156,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        # Exiting with the process group alive lets gloo's worker threads outlive the
+        # interpreter's finalization, which now and then aborts the process at exit
+        # ("terminate called without an active exception"; pytorch/pytorch#179291).
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -359,3 +359,18 @@ def test_readme_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
             with pytest.raises(SystemExit) as exit_:
                 main([*argv, "--print_config"])
             assert exit_.value.code == 0
+
+
+def test_console_script_destroys_the_process_group_it_leaves(monkeypatch, tmp_path) -> None:
+    # Lightning keeps the process group after fit; exiting with it alive can abort a finished
+    # run at interpreter exit (gloo's threads outlive finalization, pytorch/pytorch#179291).
+    import torch.distributed as dist
+
+    from lightning_hotcache import cli
+
+    def fit_that_leaves_a_group() -> None:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+
+    monkeypatch.setattr(cli, "main", fit_that_leaves_a_group)
+    cli.entry_point()
+    assert not dist.is_initialized()
