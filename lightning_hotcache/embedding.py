@@ -125,17 +125,16 @@ def _concat_spans(values: Tensor, spans: list[tuple[int, int]]) -> Tensor:
 
 
 def _check_ids(features: KeyedJaggedTensor, tables: dict[str, EmbeddingBagConfig]) -> None:
-    """Every id of every feature of ``tables`` (feature -> table) within its table, checked
-    in one pass over the batch's values (a check per feature costs a few small ops each,
-    which add up across 26 features on every step); the first bad id is named."""
+    """Every id of every feature (each a key of ``tables``, feature -> table) within its
+    table, checked in one pass over the batch's values (a check per feature costs a few small
+    ops each, which add up across 26 features on every step); the first bad id is named."""
     values = features.values()
     if values.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"Features {features.keys()} have ids of dtype {values.dtype}; expected int32/int64.")
     if values.numel() == 0:
         return
     keys = features.keys()
-    no_table = torch.iinfo(torch.int64).max  # features of other modules are not checked here
-    limits = torch.tensor([tables[k].num_embeddings if k in tables else no_table for k in keys], device=values.device)
+    limits = torch.tensor([tables[k].num_embeddings for k in keys], device=values.device)
     per_value = torch.repeat_interleave(limits, torch.tensor(features.length_per_key(), device=values.device))
     bad = (values < 0) | (values >= per_value)
     if not bool(bad.any()):
@@ -433,15 +432,18 @@ class HotColdEmbeddingBagCollection(nn.Module):
         # By hand with torch ops, not KeyedJaggedTensor.permute: that is an FBGEMM op, which
         # the CPU build of FBGEMM (what a CUDA machine without FBGEMM's CUDA build has) lacks for CUDA tensors.
         order = [position[f] for f in self._features]
-        batch = features.stride()
-        values = features.values().split(features.length_per_key())
-        lengths = features.lengths().split(batch)
+        batch, per_key = features.stride(), features.length_per_key()
+
+        def in_our_order(flat: Tensor, sizes: int | list[int]) -> Tensor:
+            parts = flat.split(sizes)
+            return torch.cat([parts[k] for k in order])
+
         weights = features.weights_or_none()
         return KeyedJaggedTensor(
             keys=list(self._features),
-            values=torch.cat([values[k] for k in order]),
-            lengths=torch.cat([lengths[k] for k in order]),
-            weights=None if weights is None else torch.cat([weights.split(features.length_per_key())[k] for k in order]),
+            values=in_our_order(features.values(), per_key),
+            lengths=in_our_order(features.lengths(), batch),
+            weights=None if weights is None else in_our_order(weights, per_key),
             stride=batch,
         )
 

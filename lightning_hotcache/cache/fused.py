@@ -156,14 +156,12 @@ class FusedTables:
         """
         if len(groups) != len(feature_table_map) or any(a > b for a, b in zip(groups, groups[1:])):
             raise ValueError(f"feature_groups must give each of the {len(feature_table_map)} features a group, in order.")
-        starts, total, previous = [], 0, None
-        for group, table in zip(groups, feature_table_map):
-            if previous is not None and group != previous[0]:
-                total += slot_counts[previous[1]]
-            starts.append(total)
-            previous = (group, table)
-        assert previous is not None
-        starts.append(total + slot_counts[previous[1]])
+        # A group's segment is as long as the TBE table its features read.
+        starts = [0]
+        for k in range(1, len(groups)):
+            new_group = groups[k] != groups[k - 1]
+            starts.append(starts[-1] + (slot_counts[feature_table_map[k - 1]] if new_group else 0))
+        starts.append(starts[-1] + slot_counts[feature_table_map[-1]])
         self.tbe.hash_size_cumsum.copy_(torch.tensor(starts))
 
     def storage(self, table: int) -> dict[str, Tensor]:
