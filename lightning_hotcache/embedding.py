@@ -101,6 +101,27 @@ def _fused_backward_hook(module: "HotColdEmbeddingBagCollection", staged: _Stage
     return hook
 
 
+class _LookupForOwners(torch.autograd.Function):
+    """Across ranks: the fused kernel's lookup, with a backward that hands the output's
+    gradient to the module (`_on_backward_across_ranks`) instead of updating the rows read.
+
+    FBGEMM's own backward would apply this rank's gradient to its copies; the ranks' mean
+    gradient must be applied once, by each row's owner. ``anchor`` is a scalar that requires
+    grad, so that autograd calls this backward (the TBE's weights take no part)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, module: "HotColdEmbeddingBagCollection", staged: _StagedBatch, offsets: Tensor, weights: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.module, ctx.staged = module, staged
+        assert module._fused is not None
+        with torch.no_grad():
+            return module._fused(staged.indices, offsets, weights)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:  # type: ignore[override]
+        ctx.module._on_backward_across_ranks(ctx.staged, grad)
+        return (None,) * 5
+
+
 def _same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
     # Moving a batch to the device it is already on makes new KJT objects around the same
     # tensors, so compare storage, not identity.
@@ -222,7 +243,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 widths = self.optimizer.state_widths(table.embedding_dim)
                 rows = sharding.num_local(table.num_embeddings)
                 hosts[table.name] = HostStore(table.name, rows, table.embedding_dim, widths, self.host_directory, pin)
-        reason = self._why_not_fused(kernel, sharding.world, min(slot_counts.values()))
+        reason = self._why_not_fused(kernel, min(slot_counts.values()))
         # Where the fused kernel runs (one process) on tables of one width, the split tables are
         # stacked into one cache (lightning_hotcache.cache.group), so that a step's bookkeeping
         # is one set of ops, not one per table; the TBE then has one table holding the stack's
@@ -230,6 +251,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         split = [t for t in self._tables if t.name in hosts]
         stacked = (
             reason is None
+            and sharding.world == 1  # across ranks rows are sharded table by table (`RowSharding`), not by a stack's ids
             and len(split) > 0
             and len({t.embedding_dim for t in self._tables}) == 1
             and sum(t.num_embeddings for t in split) < INT32_IDS_BELOW
@@ -296,23 +318,32 @@ class HotColdEmbeddingBagCollection(nn.Module):
         key_of = {f: _STACK if stacked and t.name in hosts else t.name for f, t in self._feature_table.items()}
         # Positions in this module's feature order of the features each cache reads (the TBE's order).
         self._cache_positions = {key: [k for k, f in enumerate(self._features) if key_of[f] == key] for key in self._ticket_caches}
+        # Where each feature's pooled rows start in the output's columns.
+        self._column_start = np.cumsum([0] + [self._feature_table[f].embedding_dim for f in self._features]).tolist()
+        # Makes autograd call `_LookupForOwners.backward` (not a parameter: nothing trains it).
+        self._grad_anchor = torch.zeros((), requires_grad=True)
         # Across ranks, gradients wait here until every table's has arrived, so that the rows
         # of all tables travel in one exchange, not one per table.
         self._pending_gradients: dict[str, Tensor] = {}
         self._queue: deque[_StagedBatch] = deque()
         self._in_flight: list[_StagedBatch] = []
 
-    def _why_not_fused(self, kernel: KernelChoice, world_size: int, fewest_slots: int) -> str | None:
+    def _why_not_fused(self, kernel: KernelChoice, fewest_slots: int) -> str | None:
         """Why the device tier cannot be FBGEMM's fused kernel here (None: it can); sets `kernel_note`."""
         if kernel == "pytorch":
             reason: str | None = "kernel='pytorch' was chosen"
         elif fewest_slots == 0:
             reason = "a table has no device rows"
         else:
-            reason = fused_unavailable(self._tables, self.optimizer, self.device, world_size)
+            reason = fused_unavailable(self._tables, self.optimizer, self.device)
         if reason is not None and kernel == "fbgemm":
             raise ValueError(f"kernel='fbgemm' cannot train these tables exactly here: {reason}. Use kernel='auto'.")
-        self.kernel_note = "fbgemm TBE, optimizer fused" if reason is None else f"pytorch embedding_bag ({reason})"
+        if reason is not None:
+            self.kernel_note = f"pytorch embedding_bag ({reason})"
+        elif self._sharding.world == 1:
+            self.kernel_note = "fbgemm TBE, optimizer fused"
+        else:
+            self.kernel_note = "fbgemm TBE lookup, each row's owner applies the ranks' mean gradient"
         return reason
 
     def _fused_tables(self, slot_counts: list[int], stacked: bool) -> FusedTables:
@@ -483,7 +514,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         if torch.is_grad_enabled() and values.requires_grad:
             staged.output = weakref.ref(values)
             self._in_flight.append(staged)
-            if self._fused is not None:  # backward will update every row read: write them back on eviction
+            if self._fused is not None and self._sharding.world == 1:  # backward will update every row read: write them back on eviction
                 for cache, slots in staged.read:
                     cache.mark_updated(slots)
                 # FBGEMM's lookup node updates the rows in its backward; its post-hook runs
@@ -505,7 +536,10 @@ class HotColdEmbeddingBagCollection(nn.Module):
         assert self._fused is not None
         ours = staged.ours
         weights = ours.weights().to(self.device, torch.float32) if self._is_weighted else None
-        return self._fused(staged.indices, _bag_offsets(ours).to(self.device, torch.int64), weights)
+        offsets = _bag_offsets(ours).to(self.device, torch.int64)
+        if self._sharding.world > 1 and torch.is_grad_enabled():
+            return _LookupForOwners.apply(self._grad_anchor, self, staged, offsets, weights)
+        return self._fused(staged.indices, offsets, weights)
 
     def _lookup(self, staged: _StagedBatch) -> Tensor:
         """One embedding_bag per feature on slot ids; the update comes in the gradient hooks."""
@@ -535,6 +569,34 @@ class HotColdEmbeddingBagCollection(nn.Module):
         self._in_flight = [s for s in self._in_flight if s is not staged]
 
     @_locked
+    def _on_backward_across_ranks(self, staged: _StagedBatch, grad: Tensor) -> None:
+        """Across ranks on the fused kernel: the gradient of every row ``staged`` read, from its
+        output's gradient ``grad`` (batch, sum of dims), applied as the PyTorch path's is
+        (`apply_updates_across_ranks`: each row's owner, the ranks' mean); then unlock."""
+        assert self._fused is not None
+        ours = staged.ours
+        batch, bounds, lengths = ours.stride(), ours.offset_per_key(), ours.lengths().to(grad.device)
+        # The bag (feature-major, as TBE numbers them) of every value.
+        bag_of_value = torch.repeat_interleave(torch.arange(len(lengths), device=grad.device), lengths, output_size=bounds[-1])
+        scale = ours.weights().to(grad.device, grad.dtype) if self._is_weighted else None
+        if self._tables[0].pooling == PoolingType.MEAN:  # one pooling for all (the fused kernel's condition)
+            mean = 1.0 / lengths.clamp(min=1).to(grad.dtype)[bag_of_value]
+            scale = mean if scale is None else scale * mean
+        slots, rows = [], []
+        for key, cache in self._ticket_caches.items():
+            first, count = self._cache_positions[key][0], len(self._cache_positions[key])  # a table's features are consecutive
+            dim, a, b = cache.weight.shape[1], bounds[first], bounds[first + count]
+            column = self._column_start[first]
+            # The gradient of each of the table's bags, feature-major, then of each value read.
+            per_bag = grad[:, column : column + count * dim].reshape(batch, count, dim).transpose(0, 1).reshape(-1, dim)
+            read = per_bag[bag_of_value[a:b] - first * batch]
+            rows.append(read if scale is None else read * scale[a:b, None])
+            slots.append(staged.indices[a:b])
+        caches = list(self._ticket_caches.values())
+        apply_updates_across_ranks(caches, slots, rows, self.optimizer, self._fused.apply_gradient_rows)
+        self._on_fused_backward(staged)
+
+    @_locked
     def _on_gradient(self, table: str, weight: Tensor) -> None:
         """Backward of one table (a post-accumulate hook: the gradient is taken, not copied)."""
         grad, weight.grad = weight.grad, None
@@ -555,7 +617,9 @@ class HotColdEmbeddingBagCollection(nn.Module):
         each row updated by its owner; then the rows are unlocked."""
         grads = [self._pending_gradients[name] for name in self._ticket_caches]
         self._pending_gradients = {}
-        apply_updates_across_ranks(list(self._ticket_caches.values()), grads, self.optimizer)
+        # Uncoalesced (public .indices() would sort): the sum over repeats is made for all tables at once.
+        slots, rows = [g._indices()[0] for g in grads], [g._values() for g in grads]
+        apply_updates_across_ranks(list(self._ticket_caches.values()), slots, rows, self.optimizer)
         self._release_tables(list(self._ticket_caches))
 
     def _release_tables(self, tables: list[str]) -> None:

@@ -39,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--big-tables", action="store_true", help="tables up to 100k rows, so budgets split them")
     parser.add_argument("--sharded-checkpoint", type=Path, help="hotcache: also save a checkpoint with per-rank shards")
     parser.add_argument("--prefetch-thread", action="store_true", help="hotcache: stage on a background thread")
+    parser.add_argument("--kernel", default="auto", help="hotcache: the device tier's kernel (auto, fbgemm, pytorch)")
     parser.add_argument(
         "--resume-from", type=int, nargs="+", help="checkpoint every 2 steps, then resume from these steps' checkpoints"
     )
@@ -98,7 +99,7 @@ def fit(
     if strategy == "hotcache" and args.device_budget is not None:
         strategy = HotCacheStrategy(
             device_budget=args.device_budget, profile_batches=2, checkpoint_shards=args.sharded_checkpoint is not None,
-            prefetch_thread=args.prefetch_thread,
+            prefetch_thread=args.prefetch_thread, kernel=args.kernel,
         )
     trainer = cpu_trainer(
         strategy=strategy,
@@ -147,10 +148,11 @@ def main() -> None:
     host_rows = sum(c.host.num_embeddings for c in caches)
     table_rows = sum(c.num_embeddings for c in caches)
     fetched = sum(c.counters.fetched_rows for c in caches)
+    kernels = sorted({m.kernel_note for m in hot_cold_modules(model).values()})
     if trainer.is_global_zero:
         torch.save(
             {"state_dict": state, "world_size": trainer.world_size, "host_rows": host_rows, "table_rows": table_rows,
-             "fetched_rows": fetched, "batches_trained": counter.count},
+             "fetched_rows": fetched, "batches_trained": counter.count, "kernels": kernels},
             args.out,
         )  # fmt: skip
 

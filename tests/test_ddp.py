@@ -53,21 +53,30 @@ def test_torchrec_two_processes_match_one_with_double_batch(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
-    ("procs", "optimizer", "thread"),
-    [(2, "sgd", False), (2, "rowwise_adagrad", True), (2, "adam", False), (4, "sgd", False), (4, "adam", False)],
-    ids=["2-sgd", "2-rowwise_adagrad-prefetch_thread", "2-adam", "4-sgd", "4-adam"],  # 4 x row-wise Adagrad: the torchrun test
-)
+    ("procs", "optimizer", "thread", "kernel"),
+    [
+        (2, "sgd", False, "fbgemm"),
+        (2, "rowwise_adagrad", True, "fbgemm"),
+        (2, "rowwise_adagrad", False, "pytorch"),
+        (2, "adam", False, "pytorch"),  # no fused Adam (see fused_unavailable)
+        (4, "sgd", False, "fbgemm"),
+        (4, "adam", False, "pytorch"),
+    ],
+    ids=["2-sgd", "2-rowwise_adagrad-prefetch_thread", "2-rowwise_adagrad-pytorch", "2-adam", "4-sgd", "4-adam"],
+)  # 4 x row-wise Adagrad: the torchrun test
 def test_hotcache_processes_match_one_with_their_batches_together(
-    tmp_path: Path, procs: int, optimizer: str, thread: bool
+    tmp_path: Path, procs: int, optimizer: str, thread: bool, kernel: str
 ) -> None:
     """Host stores sharded across the ranks, each row updated by its owner from every rank's
     gradient, other ranks' rows fetched in the forward that reads them (with staging on a
-    background thread, too): the same tables as 1 process with all the ranks' batches."""
+    background thread, too), on FBGEMM's kernel and on PyTorch's: the same tables as 1
+    process with all the ranks' batches."""
     split = ["--big-tables", "--device-budget=0.05", *(["--prefetch-thread"] if thread else [])]
     sharded = tmp_path / "sharded.ckpt"
-    many = _train(tmp_path, procs, 256 // procs, optimizer, "hotcache", *split, f"--sharded-checkpoint={sharded}")
+    many = _train(tmp_path, procs, 256 // procs, optimizer, "hotcache", *split, f"--kernel={kernel}", f"--sharded-checkpoint={sharded}")
     one = _train(tmp_path, 1, 256, optimizer, "auto", *split)
     assert many["world_size"] == procs
+    assert [note.split()[0] for note in many["kernels"]] == [kernel], many["kernels"]
     assert many["fetched_rows"] > 0  # the caches really fetched rows from the ranks' stores
     # rank 0 holds every procs-th row of each of the 26 split tables, rounded up
     assert many["host_rows"] * procs - many["table_rows"] in range(0, 26 * (procs - 1) + 1)

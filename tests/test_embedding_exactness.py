@@ -168,6 +168,16 @@ def test_fused_kernel_refused_where_it_would_not_be_exact() -> None:
         train_hotcache(RowWiseOptimizerConfig("adam"), batches, UPSTREAM, plan, "lfu", "memory", 0, SUM_TABLES, kernel="fbgemm")
 
 
+def test_dims_fbgemm_cannot_take_fall_back_to_pytorch() -> None:
+    # FBGEMM's TBE asserts on widths that are not multiples of 4: "auto" must not reach it.
+    tables = [EmbeddingBagConfig(name="narrow", embedding_dim=2, num_embeddings=10, feature_names=["f"])]
+    plan = HotColdPlan([TablePlan("narrow", 10, 2, np.arange(10), 0, 80, 1.0)], 80)
+    module = HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(tables=tables), plan)
+    assert module.kernel_note.startswith("pytorch") and "multiples of 4" in module.kernel_note, module.kernel_note
+    with pytest.raises(ValueError, match="multiples of 4 .*narrow"):
+        HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(tables=tables), plan, kernel="fbgemm")
+
+
 @pytest.mark.parametrize("kernel", ["fbgemm", "pytorch"])
 def test_staging_between_forward_and_backward_is_exact(kernel) -> None:
     # The prefetch thread stages later batches while a step's forward and backward run: the
@@ -268,3 +278,34 @@ def test_stacked_host_stores_route_rows_to_their_tables() -> None:
     assert stacked.read(torch.tensor([], dtype=torch.int64))["weight"].shape == (0, 2)
     with pytest.raises(ValueError, match="within one table"):
         stacked.load("weight", torch.zeros(4, 2), start=2)
+
+
+@pytest.mark.parametrize("optimizer", FUSED_OPTIMIZERS)
+def test_fused_rule_on_given_gradient_rows_is_the_library_rule(optimizer) -> None:
+    # Across ranks a row's owner applies the ranks' mean gradient through FBGEMM's kernel; it
+    # must step exactly those rows, each once, by the rule the other paths apply.
+    from lightning_hotcache.cache.fused import FusedTables
+
+    config = RowWiseOptimizerConfig(optimizer, lr=0.1)
+    # Three tables (widths 4, 8, 4), the first read by two features, the last one untouched.
+    fused = FusedTables([6, 5, 3], [4, 8, 4], [0, 0, 1, 2], PoolingType.SUM, config, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    before = []
+    for table in range(3):
+        storage = fused.storage(table)
+        storage["weight"].copy_(torch.randn(storage["weight"].shape, generator=generator))
+        if "momentum" in storage:
+            storage["momentum"].copy_(torch.rand(storage["momentum"].shape, generator=generator))
+        before.append({key: value.clone() for key, value in storage.items()})
+    slots = [torch.tensor([4, 0, 2]), torch.tensor([1]), torch.tensor([], dtype=torch.int64)]
+    grads = [torch.randn(len(s), w, generator=generator) for s, w in zip(slots, [4, 8, 4])]
+    fused.apply_gradient_rows(slots, grads)
+    for table, (at, grad) in enumerate(zip(slots, grads)):
+        expected = {key: value.clone() for key, value in before[table].items()}
+        rows = {key: value[at] for key, value in expected.items()}
+        weights = rows.pop("weight")
+        config.update_rows(weights, rows, grad)
+        for key, value in {"weight": weights, **rows}.items():
+            expected[key][at] = value
+        for key, value in expected.items():
+            torch.testing.assert_close(fused.storage(table)[key], value, rtol=1e-6, atol=1e-6, msg=f"table {table} {key}")

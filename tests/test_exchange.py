@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_hotcache.cache.device import sum_rows_by_index
 from lightning_hotcache.cache.exchange import RowSharding, exchange_table_rows, send_rows_to_owners
 
 
@@ -56,3 +57,19 @@ def test_row_collectives_on_two_processes(tmp_path) -> None:
     failures = mp.get_context("spawn").Queue()
     mp.spawn(_worker, args=(_collectives, str(tmp_path / "rendezvous"), failures), nprocs=2, join=True)
     assert failures.empty(), failures.get()
+
+
+def test_rows_summed_by_index_table_by_table() -> None:
+    # Tables of widths 2, 2 and 3 (the first two summed in one sort), with repeats, an empty
+    # table, and an index equal to the next table's first key (no bleeding across tables).
+    indices = [torch.tensor([3, 1, 3, 0]), torch.tensor([], dtype=torch.int64), torch.tensor([2, 2]), torch.tensor([0, 4])]
+    rows = [torch.arange(8.0).view(4, 2), torch.zeros(0, 2), torch.ones(2, 3), torch.full((2, 2), 5.0)]
+    summed = sum_rows_by_index(indices, rows, [4, 6, 3, 5])
+    expected = [
+        (torch.tensor([0, 1, 3]), torch.tensor([[6.0, 7.0], [2.0, 3.0], [4.0, 6.0]])),
+        (torch.tensor([], dtype=torch.int64), torch.zeros(0, 2)),
+        (torch.tensor([2]), torch.full((1, 3), 2.0)),
+        (torch.tensor([0, 4]), torch.full((2, 2), 5.0)),
+    ]
+    for (ids, got), (want_ids, want) in zip(summed, expected):
+        assert torch.equal(ids, want_ids) and torch.equal(got, want), (ids, got)

@@ -31,7 +31,7 @@ static region chosen from measured frequencies.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -376,25 +376,31 @@ class DeviceCache:
         else:  # only the owner writes a row back: other ranks' copies are dropped on eviction
             self.dirty[slots] = self.dirty[slots] | self.sharding.owned(self.id_of_slot[slots])
 
+    def cached_slots(self, ids: Tensor) -> Tensor:
+        """The slot of each of ``ids``, -1 where the row is not on the device."""
+        return ids.to(self.device) if self.identity else self.slot_map.lookup(ids)
+
     @torch.no_grad()
-    def apply_update_to_ids(self, ids: Tensor, grads: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
-        """One row-wise step for unique row ``ids`` with gradient rows ``grads``, wherever the
-        rows are: cached rows in their slots, the others in the host store."""
-        if self.identity:
-            self.apply_update(torch.sparse_coo_tensor(ids[None], grads, self.weight.shape), optimizer)
+    def update_slots(self, slots: Tensor, grads: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
+        """One row-wise step for distinct ``slots``: gather, step, scatter (no coalescing, which sorts)."""
+        rows = {key: tensor.index_select(0, slots) for key, tensor in self.slots.items()}
+        weights = rows.pop("weight")
+        optimizer.update_rows(weights, rows, grads.to(weights.dtype))
+        for key, values in {"weight": weights, **rows}.items():
+            self.slots[key].index_copy_(0, slots, values)
+        self.mark_updated(slots)
+
+    @torch.no_grad()
+    def update_host_rows(self, ids: Tensor, grads: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
+        """One row-wise step for distinct ``ids`` of this rank's host store (rows not on the device)."""
+        if len(ids) == 0:
             return
-        slots = self.slot_map.lookup(ids)
-        cached = slots >= 0
-        if bool(cached.any()):
-            self.apply_update(torch.sparse_coo_tensor(slots[cached][None], grads[cached], self.weight.shape), optimizer)
-        in_host = ~cached & self.sharding.owned(ids)  # rows cached nowhere here: the owner's store
-        if bool(in_host.any()):
-            assert self.host is not None
-            local = self.sharding.local(ids[in_host])
-            rows = self.host.read(local)
-            weights = rows.pop("weight")
-            optimizer.update_rows(weights, rows, grads[in_host].to("cpu", weights.dtype))
-            self.host.write(local, {"weight": weights, **rows})
+        assert self.host is not None
+        local = self.sharding.local(ids)
+        rows = self.host.read(local)
+        weights = rows.pop("weight")
+        optimizer.update_rows(weights, rows, grads.to("cpu", weights.dtype))
+        self.host.write(local, {"weight": weights, **rows})
 
     def ids_of_slots(self, slots: Tensor) -> Tensor:
         return slots if self.identity else self.id_of_slot[slots]
@@ -499,18 +505,58 @@ def refresh_remote_rows(caches: Sequence[DeviceCache], slots: Sequence[Tensor]) 
         cache._tally(_FETCHED, i)
 
 
-@torch.no_grad()
-def apply_updates_across_ranks(caches: Sequence[DeviceCache], grads: Sequence[Tensor], optimizer: RowWiseOptimizerConfig) -> None:
-    """One row-wise step with the ranks' mean gradient (DDP's average), ``grads[k]`` being
-    this rank's sparse gradient over the slots of ``caches[k]`` (a collective for every rank).
+def sum_rows_by_index(indices: Sequence[Tensor], rows: Sequence[Tensor], sizes: Sequence[int]) -> list[tuple[Tensor, Tensor]]:
+    """Per table ``k``: its distinct ``indices[k]`` (ascending, each below ``sizes[k]``) and the
+    sum of ``rows[k]`` at each. Tables of one width are summed in one sort, not one per table
+    (26 tables' coalescing was a tenth of a step across ranks)."""
+    out: list[tuple[Tensor, Tensor] | None] = [None] * len(indices)
+    for width in {r.shape[1] for r in rows}:
+        group = [k for k, r in enumerate(rows) if r.shape[1] == width]
+        base = torch.tensor([0] + [sizes[k] for k in group]).cumsum(0)
+        keys = torch.cat([indices[k] + int(base[j]) for j, k in enumerate(group)])
+        distinct, inverse = torch.unique(keys, return_inverse=True)
+        summed = torch.zeros(len(distinct), width, dtype=torch.float32, device=keys.device)
+        summed.index_add_(0, inverse, torch.cat([rows[k] for k in group]).to(torch.float32))
+        per_table = torch.searchsorted(distinct, base.to(distinct.device)).tolist()  # where each table's keys start
+        for j, k in enumerate(group):
+            a, b = per_table[j], per_table[j + 1]
+            out[k] = (distinct[a:b] - int(base[j]), summed[a:b])
+    return out  # type: ignore[return-value]
 
-    Each gradient row goes to its row's owner (one all-to-all for all tables), which sums
-    the ranks' rows and updates the row."""
+
+@torch.no_grad()
+def apply_updates_across_ranks(
+    caches: Sequence[DeviceCache],
+    slots: Sequence[Tensor],
+    rows: Sequence[Tensor],
+    optimizer: RowWiseOptimizerConfig,
+    update_slots: Callable[[list[Tensor], list[Tensor]], None] | None = None,
+) -> None:
+    """One row-wise step with the ranks' mean gradient (DDP's average), this rank's gradient
+    of ``caches[k]`` being ``rows[k]`` at ``slots[k]`` (repeats allowed: they sum); a
+    collective for every rank.
+
+    Each row's summed gradient goes to its owner (one all-to-all for all tables), which sums
+    the ranks' rows and updates the row: in its cache slot (all tables' slots in one call of
+    ``update_slots`` when given, e.g. FBGEMM's fused rule; else `DeviceCache.update_slots`)
+    or, for rows not on its device, in its host store."""
     sharding = caches[0].sharding
-    parts = []
-    for cache, grad in zip(caches, grads):
-        grad = grad.coalesce()
-        parts.append((cache.ids_of_slots(grad.indices()[0]), grad.values().to(torch.float32) / sharding.world))
-    for cache, (ids, rows) in zip(caches, send_rows_to_owners(parts, sharding)):
-        total = torch.sparse_coo_tensor(ids[None], rows, (cache.num_embeddings, rows.shape[1])).coalesce()
-        cache.apply_update_to_ids(total.indices()[0], total.values(), optimizer)
+    parts = [
+        (cache.ids_of_slots(distinct), summed / sharding.world)
+        for cache, (distinct, summed) in zip(caches, sum_rows_by_index(slots, rows, [len(c.weight) for c in caches]))
+    ]
+    received = send_rows_to_owners(parts, sharding)
+    totals = sum_rows_by_index([ids for ids, _ in received], [r for _, r in received], [c.num_embeddings for c in caches])
+    hits = []
+    for cache, (ids, total) in zip(caches, totals):
+        at = cache.cached_slots(ids)
+        cached = at >= 0
+        hits.append((at[cached], total[cached]))
+        cache.update_host_rows(ids[~cached], total[~cached], optimizer)
+    if update_slots is None:
+        for cache, (at, total) in zip(caches, hits):
+            cache.update_slots(at, total, optimizer)
+        return
+    update_slots([at for at, _ in hits], [total for _, total in hits])
+    for cache, (at, _) in zip(caches, hits):
+        cache.mark_updated(at)
