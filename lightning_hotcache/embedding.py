@@ -110,7 +110,9 @@ class _LookupForOwners(torch.autograd.Function):
     grad, so that autograd calls this backward (the TBE's weights take no part)."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: Tensor, module: "HotColdEmbeddingBagCollection", staged: _StagedBatch, offsets: Tensor, weights: Tensor | None) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, anchor: Tensor, module: "HotColdEmbeddingBagCollection", staged: _StagedBatch, offsets: Tensor, weights: Tensor | None
+    ) -> Tensor:
         ctx.module, ctx.staged = module, staged
         assert module._fused is not None
         with torch.no_grad():
@@ -573,7 +575,6 @@ class HotColdEmbeddingBagCollection(nn.Module):
         """Across ranks on the fused kernel: the gradient of every row ``staged`` read, from its
         output's gradient ``grad`` (batch, sum of dims), applied as the PyTorch path's is
         (`apply_updates_across_ranks`: each row's owner, the ranks' mean); then unlock."""
-        assert self._fused is not None
         ours = staged.ours
         batch, bounds, lengths = ours.stride(), ours.offset_per_key(), ours.lengths().to(grad.device)
         # The bag (feature-major, as TBE numbers them) of every value.
@@ -592,8 +593,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             read = per_bag[bag_of_value[a:b] - first * batch]
             rows.append(read if scale is None else read * scale[a:b, None])
             slots.append(staged.indices[a:b])
-        caches = list(self._ticket_caches.values())
-        apply_updates_across_ranks(caches, slots, rows, self.optimizer, self._fused.apply_gradient_rows)
+        apply_updates_across_ranks(list(self._ticket_caches.values()), slots, rows, self.optimizer)
         self._on_fused_backward(staged)
 
     @_locked

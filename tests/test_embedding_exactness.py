@@ -279,33 +279,3 @@ def test_stacked_host_stores_route_rows_to_their_tables() -> None:
     with pytest.raises(ValueError, match="within one table"):
         stacked.load("weight", torch.zeros(4, 2), start=2)
 
-
-@pytest.mark.parametrize("optimizer", FUSED_OPTIMIZERS)
-def test_fused_rule_on_given_gradient_rows_is_the_library_rule(optimizer) -> None:
-    # Across ranks a row's owner applies the ranks' mean gradient through FBGEMM's kernel; it
-    # must step exactly those rows, each once, by the rule the other paths apply.
-    from lightning_hotcache.cache.fused import FusedTables
-
-    config = RowWiseOptimizerConfig(optimizer, lr=0.1)
-    # Three tables (widths 4, 8, 4), the first read by two features, the last one untouched.
-    fused = FusedTables([6, 5, 3], [4, 8, 4], [0, 0, 1, 2], PoolingType.SUM, config, torch.device("cpu"))
-    generator = torch.Generator().manual_seed(0)
-    before = []
-    for table in range(3):
-        storage = fused.storage(table)
-        storage["weight"].copy_(torch.randn(storage["weight"].shape, generator=generator))
-        if "momentum" in storage:
-            storage["momentum"].copy_(torch.rand(storage["momentum"].shape, generator=generator))
-        before.append({key: value.clone() for key, value in storage.items()})
-    slots = [torch.tensor([4, 0, 2]), torch.tensor([1]), torch.tensor([], dtype=torch.int64)]
-    grads = [torch.randn(len(s), w, generator=generator) for s, w in zip(slots, [4, 8, 4])]
-    fused.apply_gradient_rows(slots, grads)
-    for table, (at, grad) in enumerate(zip(slots, grads)):
-        expected = {key: value.clone() for key, value in before[table].items()}
-        rows = {key: value[at] for key, value in expected.items()}
-        weights = rows.pop("weight")
-        config.update_rows(weights, rows, grad)
-        for key, value in {"weight": weights, **rows}.items():
-            expected[key][at] = value
-        for key, value in expected.items():
-            torch.testing.assert_close(fused.storage(table)[key], value, rtol=1e-6, atol=1e-6, msg=f"table {table} {key}")

@@ -31,7 +31,7 @@ static region chosen from measured frequencies.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -526,20 +526,18 @@ def sum_rows_by_index(indices: Sequence[Tensor], rows: Sequence[Tensor], sizes: 
 
 @torch.no_grad()
 def apply_updates_across_ranks(
-    caches: Sequence[DeviceCache],
-    slots: Sequence[Tensor],
-    rows: Sequence[Tensor],
-    optimizer: RowWiseOptimizerConfig,
-    update_slots: Callable[[list[Tensor], list[Tensor]], None] | None = None,
+    caches: Sequence[DeviceCache], slots: Sequence[Tensor], rows: Sequence[Tensor], optimizer: RowWiseOptimizerConfig
 ) -> None:
     """One row-wise step with the ranks' mean gradient (DDP's average), this rank's gradient
     of ``caches[k]`` being ``rows[k]`` at ``slots[k]`` (repeats allowed: they sum); a
     collective for every rank.
 
     Each row's summed gradient goes to its owner (one all-to-all for all tables), which sums
-    the ranks' rows and updates the row: in its cache slot (all tables' slots in one call of
-    ``update_slots`` when given, e.g. FBGEMM's fused rule; else `DeviceCache.update_slots`)
-    or, for rows not on its device, in its host store."""
+    the ranks' rows and updates the row in its cache slot or, for rows not on its device, in
+    its host store. The library's rule, also where FBGEMM's kernel does the lookup: its
+    backward takes gradients only of pooled outputs, and feeding it received rows as a
+    batch of one-row bags was measured slower than this (2.1 vs 1.4 ms for 16.8k rows of 26
+    tables on this CPU: the bags of every table pad to the longest)."""
     sharding = caches[0].sharding
     parts = [
         (cache.ids_of_slots(distinct), summed / sharding.world)
@@ -547,16 +545,8 @@ def apply_updates_across_ranks(
     ]
     received = send_rows_to_owners(parts, sharding)
     totals = sum_rows_by_index([ids for ids, _ in received], [r for _, r in received], [c.num_embeddings for c in caches])
-    hits = []
     for cache, (ids, total) in zip(caches, totals):
         at = cache.cached_slots(ids)
         cached = at >= 0
-        hits.append((at[cached], total[cached]))
+        cache.update_slots(at[cached], total[cached], optimizer)
         cache.update_host_rows(ids[~cached], total[~cached], optimizer)
-    if update_slots is None:
-        for cache, (at, total) in zip(caches, hits):
-            cache.update_slots(at, total, optimizer)
-        return
-    update_slots([at for at, _ in hits], [total for _, total in hits])
-    for cache, (at, _) in zip(caches, hits):
-        cache.mark_updated(at)

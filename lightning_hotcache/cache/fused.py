@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 from typing import Literal, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 from torchrec import EmbeddingBagConfig
@@ -85,9 +84,7 @@ class FusedTables:
     Args:
         slot_counts: rows of each table's device tier.
         dims: each table's row width.
-        feature_table_map: TBE table of each feature, in the order features are passed; a
-            table's features consecutive, tables in order (FBGEMM's CPU row-wise Adagrad
-            fails on other orders).
+        feature_table_map: TBE table of each feature, in the order features are passed.
         pooling: SUM or MEAN for all tables.
         optimizer: SGD or row-wise Adagrad (see `fused_unavailable`).
         device: CPU (host memory, FBGEMM's CPU kernels) or CUDA (HBM).
@@ -108,8 +105,6 @@ class FusedTables:
     ) -> None:
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
-        if list(feature_table_map) != sorted(feature_table_map):
-            raise ValueError(f"feature_table_map must be non-decreasing (a table's features together), got {list(feature_table_map)}.")
         EmbOptimType, SparseType, EmbeddingLocation, PoolingMode, ComputeDevice = _tbe_classes()
         on_cuda = device.type == "cuda"
         location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
@@ -126,9 +121,6 @@ class FusedTables:
             output_dtype=SparseType.FP32,
             device=device,
         )
-        self.device = device
-        self._first_feature = [list(feature_table_map).index(t) for t in range(len(slot_counts))]
-        self._columns = np.cumsum([0] + [dims[t] for t in feature_table_map]).tolist()  # each feature's output columns
         if feature_groups is not None and not on_cuda:
             self._split_hash_space(feature_groups, slot_counts, feature_table_map)
         weights = self.tbe.split_embedding_weights()
@@ -175,27 +167,3 @@ class FusedTables:
     def __call__(self, indices: Tensor, offsets: Tensor, per_sample_weights: Tensor | None = None) -> Tensor:
         """Pooled rows, (batch, sum of the features' dims); backward updates the rows read."""
         return self.tbe(indices, offsets, per_sample_weights)
-
-    def apply_gradient_rows(self, slots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
-        """One step of the fused rule on given gradient rows: ``grads[t]`` for the distinct
-        ``slots[t]`` of each TBE table (e.g. the ranks' mean gradient, received by a row's owner).
-
-        FBGEMM's backward takes gradients only of pooled outputs, so this runs a batch whose
-        bags each hold one row (in the first feature that reads its table; the other features'
-        bags empty) and backpropagates each row's gradient as its bag's: the kernel then
-        applies the rule exactly as to a batch that read those rows. The output's unused
-        columns cost a zeroed (rows, sum of dims) buffer."""
-        device = self.device
-        batch = max(1, max(len(s) for s in slots))
-        features = len(self._columns) - 1
-        lengths = torch.zeros(features, batch, dtype=torch.int64, device=device)
-        output_grad = torch.zeros(batch, self._columns[-1], dtype=torch.float32, device=device)
-        for table, (table_slots, table_grads) in enumerate(zip(slots, grads)):
-            feature = self._first_feature[table]
-            lengths[feature, : len(table_slots)] = 1
-            output_grad[: len(table_slots), self._columns[feature] : self._columns[feature + 1]] = table_grads
-        # Bags are feature-major and tables' first features come in table order: values in table order.
-        indices = torch.cat([s.to(device, torch.int64) for s in slots])
-        offsets = torch.cat([lengths.new_zeros(1), lengths.reshape(-1).cumsum(0)])
-        with torch.enable_grad():
-            self.tbe(indices, offsets).backward(output_grad)
