@@ -1,4 +1,4 @@
-"""DLRM training on one GPU: hotcache at device budgets 1.0 / 0.1 / 0.01 against every table on the device.
+"""DLRM training on one GPU: hotcache at device budgets 1.0 / 0.1 / 0.01 against every table on the device and against FAE's CPU-lookup baseline.
 
 DLRM (dim 128, row-wise Adagrad on the tables, Adam on the dense layers) on
 SyntheticCTRDataModule at ``--scale`` (1.0: the Criteo Kaggle cardinalities, 33.8M rows,
@@ -14,12 +14,13 @@ own transfer, the same for every strategy, is not counted); the peak device memo
 * ``hotcache@b``: device budget ``b`` of the tables' bytes (grown to the minimum the batches
   in flight need, as the fractional presets do), stats from the first ``--profile-batches``.
 
-FAE's baseline (tables in host memory, looked up by the CPU, dense layers on the device,
-pooled embeddings and their gradients crossing per step) is not here: no strategy or option
-places a collection on the host while the model's dense part runs on the device (``auto``
-moves the whole model; ``hotcache`` always looks up on the device; ``torchrec`` needs
-FBGEMM's CUDA kernels for its host/UVM placements). ``hotcache`` with
-``cache_policy="static"`` is FAE itself (hot rows on the device), not its baseline.
+* ``cpu-lookup``: FAE's baseline, the CPU-GPU hybrid FAE measures itself against: tables in
+  host memory, looked up and updated by the CPU (the zoo's row-wise optimizer on sparse
+  gradients), dense layers on the device; each step the pooled embeddings cross to the
+  device and their gradients back (counted as its host<->device bytes). No strategy places a
+  collection on the host while the dense part runs on the device (``torchrec`` needs FBGEMM's
+  CUDA kernels for its host/UVM placements), so `HostLookupDLRM` here does it by hand.
+  ``hotcache`` with ``cache_policy="static"`` is FAE itself (hot rows on the device).
 
 Prints a table and writes benchmarks/results/gpu.json.
 
@@ -30,6 +31,7 @@ Prints a table and writes benchmarks/results/gpu.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 from pathlib import Path
@@ -40,6 +42,11 @@ import torch
 from clock import StepClock, cache_counters, timed_trainer
 from report import add_ratios, rounds_of_jobs, write_report
 
+from torch import Tensor
+from torchrec import KeyedJaggedTensor
+from torchrec.datasets.utils import Batch
+from typing_extensions import override
+
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotCacheStrategy
 from lightning_hotcache.embedding import hot_cold_modules
@@ -49,10 +56,32 @@ RESULTS = Path(__file__).parent / "results"
 BUDGETS = (1.0, 0.1, 0.01)
 
 
+class HostLookupDLRM(DLRM):
+    """DLRM whose tables stay in host memory and are looked up there (FAE's CPU-GPU baseline).
+
+    Lightning moves the whole model to the device; the tables go back to the host when fit
+    starts, the batches' sparse features never leave it, and the pooled embeddings cross to
+    the device (autograd's copy brings their gradient back for the CPU's row-wise update)."""
+
+    @override
+    def on_fit_start(self) -> None:
+        self.sparse_arch.to("cpu")
+
+    @override
+    def transfer_batch_to_device(self, batch: Batch, device: torch.device, dataloader_idx: int) -> Batch:
+        moved = super().transfer_batch_to_device(batch, device, dataloader_idx)
+        return dataclasses.replace(moved, sparse_features=batch.sparse_features)
+
+    @override
+    def embed(self, sparse_features: KeyedJaggedTensor) -> Tensor:
+        return super().embed(sparse_features).to(self.device)
+
+
 def strategies(args: argparse.Namespace) -> dict[str, Any]:
     """Name -> a maker of the strategy (each run builds its own)."""
     return {
         "auto": lambda: "auto",
+        "cpu-lookup": lambda: "auto",  # with HostLookupDLRM (see `train`)
         **{
             f"hotcache@{b:g}": (
                 lambda b=b: HotCacheStrategy(device_budget=b, profile_batches=args.profile_batches, grow_budget_to_minimum=True)
@@ -62,18 +91,22 @@ def strategies(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def train(strategy: Any, args: argparse.Namespace) -> dict[str, Any]:
+def train(strategy: Any, args: argparse.Namespace, host_lookup: bool = False) -> dict[str, Any]:
     pl.seed_everything(0)
     dm = SyntheticCTRDataModule(scale=args.scale, embedding_dim=args.dim, batch_size=args.batch_size, num_workers=args.num_workers,
                                 num_train_samples=args.batch_size * (args.steps + 1), shuffle=False)  # fmt: skip
     # Deferred tables: hotcache writes the rows straight into their tiers (the full tables are
     # never a second copy in host memory); auto materializes them, with the same rows.
-    model = DLRM(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
+    model_class = HostLookupDLRM if host_lookup else DLRM
+    model = model_class(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
     clock = StepClock(args.warmup, probe=lambda: cache_counters(model))
     trainer = timed_trainer(strategy, args.steps, clock, accelerator=args.device)
     trainer.fit(model, dm)
     steps = args.steps - args.warmup
     moved = {key: clock.at_end[key] - clock.at_start[key] for key in clock.at_end}
+    if host_lookup:  # the pooled embeddings to the device, their gradients back, every step
+        pooled = args.batch_size * sum(len(t.feature_names) for t in dm.tables) * args.dim * 4
+        moved["h2d_bytes"] = moved["d2h_bytes"] = pooled * steps
     out: dict[str, Any] = {
         "samples_per_s": clock.samples_per_s,
         "hit_rate": moved["hits"] / moved["lookups"] if moved["lookups"] else None,
@@ -99,13 +132,13 @@ def _mib(value: float | None) -> str:
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     print(
-        f"{'strategy':<16}{'samples/s':>12}{'x auto':>8}{'hit rate':>10}{'H2D MiB/step':>14}{'D2H MiB/step':>14}"
+        f"{'strategy':<16}{'samples/s':>12}{'x auto':>8}{'x cpu-lookup':>14}{'hit rate':>10}{'H2D MiB/step':>14}{'D2H MiB/step':>14}"
         f"{'device peak MiB':>17}{'cache MiB':>11}{'peak RSS MiB':>14}  rounds"
     )
     for name, r in results.items():
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         print(
-            f"{name:<16}{r['samples_per_s']:>12,.0f}{r['x_auto']:>8.2f}{hit:>10}{_mib(r['h2d_bytes_per_step']):>14}"
+            f"{name:<16}{r['samples_per_s']:>12,.0f}{r['x_auto']:>8.2f}{r['x_cpu-lookup']:>14.2f}{hit:>10}{_mib(r['h2d_bytes_per_step']):>14}"
             f"{_mib(r['d2h_bytes_per_step']):>14}{_mib(r['device_peak_bytes']):>17}{_mib(r.get('cache_device_bytes')):>11}"
             f"{r['peak_rss_mib']:>14,.0f}  {' '.join(f'{x:,.0f}' for x in r['rounds'])}"
         )
@@ -145,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     runs = strategies(args)
     if args.job:
-        result = train(runs[args.job](), args)
+        result = train(runs[args.job](), args, host_lookup=args.job == "cpu-lookup")
         print(json.dumps(result))
         return result
     chosen = [name for name in runs if not args.strategies or name in args.strategies]
@@ -155,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--num-workers", str(args.num_workers),
     ]  # fmt: skip
     results = rounds_of_jobs(__file__, settings, chosen, args.rounds)
-    add_ratios(results, ("auto",))
+    add_ratios(results, ("auto", "cpu-lookup"))
     print_table(results)
     return write_report("gpu", args, results)
 

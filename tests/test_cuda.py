@@ -14,9 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
-from test_strategy import assert_hotcache_matches_auto, fit, stats_paths  # noqa: F401 (stats_paths: a fixture)
+from conftest import cpu_trainer
+from test_strategy import OPTIMIZER, assert_hotcache_matches_auto, data, fit, stats_paths  # noqa: F401 (stats_paths: a fixture)
 
 from lightning_hotcache import HotCacheStrategy
 from models import MODEL_REGISTRY
@@ -72,3 +74,19 @@ def test_checkpoint_written_on_cuda_loads_without_a_gpu(tmp_path, stats_paths) -
     on_cpu = json.loads(done.stdout.strip().splitlines()[-1])
     # The same weights, evaluated by CPU kernels instead of CUDA ones.
     assert on_cpu["val/auc"] == pytest.approx(metrics["val/auc"], abs=1e-4)
+
+
+def test_cpu_lookup_baseline_keeps_the_tables_on_the_host_and_learns_what_auto_learns(cuda_baselines) -> None:
+    # benchmarks/gpu.py's FAE baseline: its figures mean something only if the CPU really
+    # looks the rows up, and it trains the same model.
+    sys.path.append(str(TESTS.parent / "benchmarks"))
+    from gpu import HostLookupDLRM
+
+    pl.seed_everything(0)
+    dm = data()
+    model = HostLookupDLRM(dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    cpu_trainer(strategy="auto", max_epochs=1, **CUDA).fit(model, dm)
+    assert {p.device.type for p in model.sparse_arch.parameters()} == {"cpu"}
+    assert {p.device.type for p in model.over_arch.parameters()} == {"cuda"}
+    expected = {key: value.cpu() for key, value in cuda_baselines["dlrm"][0].items()}
+    torch.testing.assert_close({key: value.cpu() for key, value in model.state_dict().items()}, expected, rtol=1e-4, atol=1e-5)

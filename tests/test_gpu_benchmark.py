@@ -25,9 +25,12 @@ def test_smoke_mode_reports_every_strategy(tmp_path, monkeypatch) -> None:
     out = tmp_path / "gpu.json"
     gpu.main([*SMOKE, "--batch-size", "64", "--out", str(out)])
     results = json.loads(out.read_text())["results"]
-    assert list(results) == ["auto", "hotcache@1", "hotcache@0.1", "hotcache@0.01"]
+    assert list(results) == ["auto", "cpu-lookup", "hotcache@1", "hotcache@0.1", "hotcache@0.01"]
     assert all(r["samples_per_s"] > 0 and r["device_peak_bytes"] is None for r in results.values())
     assert results["auto"]["hit_rate"] is None and results["auto"]["h2d_bytes_per_step"] == 0
+    assert all(r["x_cpu-lookup"] > 0 for r in results.values())
+    # FAE's baseline moves the pooled embeddings (64 samples x 26 features x 128 floats) each way.
+    assert results["cpu-lookup"]["h2d_bytes_per_step"] == results["cpu-lookup"]["d2h_bytes_per_step"] == 64 * 26 * 128 * 4
     assert results["hotcache@1"]["hit_rate"] == 1.0
     split = results["hotcache@0.01"]
     assert split["cache_device_bytes"] < split["table_bytes"]
