@@ -572,9 +572,17 @@ class HotColdEmbeddingBagCollection(nn.Module):
 
     @_locked
     def _on_backward_across_ranks(self, staged: _StagedBatch, grad: Tensor) -> None:
-        """Across ranks on the fused kernel: the gradient of every row ``staged`` read, from its
-        output's gradient ``grad`` (batch, sum of dims), applied as the PyTorch path's is
-        (`apply_updates_across_ranks`: each row's owner, the ranks' mean); then unlock."""
+        """Across ranks on the fused kernel: the gradient of every row ``staged`` read, applied
+        as the PyTorch path's is (`apply_updates_across_ranks`: each row's owner, the ranks'
+        mean); then unlock."""
+        slots, rows = self._row_gradients(staged, grad)
+        apply_updates_across_ranks(list(self._ticket_caches.values()), slots, rows, self.optimizer)
+        self._on_fused_backward(staged)
+
+    def _row_gradients(self, staged: _StagedBatch, grad: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Per cache, the slot of every value ``staged`` read and its gradient row (repeats not
+        summed), from the output's gradient ``grad`` (batch, sum of dims): what FBGEMM's
+        backward forms before it updates, for a cache whose features are consecutive (a table's)."""
         ours = staged.ours
         batch, bounds, lengths = ours.stride(), ours.offset_per_key(), ours.lengths().to(grad.device)
         # The bag (feature-major, as TBE numbers them) of every value.
@@ -585,7 +593,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             scale = mean if scale is None else scale * mean
         slots, rows = [], []
         for key, cache in self._ticket_caches.items():
-            first, count = self._cache_positions[key][0], len(self._cache_positions[key])  # a table's features are consecutive
+            first, count = self._cache_positions[key][0], len(self._cache_positions[key])
             dim, a, b = cache.weight.shape[1], bounds[first], bounds[first + count]
             column = self._column_start[first]
             # The gradient of each of the table's bags, feature-major, then of each value read.
@@ -593,8 +601,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             read = per_bag[bag_of_value[a:b] - first * batch]
             rows.append(read if scale is None else read * scale[a:b, None])
             slots.append(staged.indices[a:b])
-        apply_updates_across_ranks(list(self._ticket_caches.values()), slots, rows, self.optimizer)
-        self._on_fused_backward(staged)
+        return slots, rows
 
     @_locked
     def _on_gradient(self, table: str, weight: Tensor) -> None:

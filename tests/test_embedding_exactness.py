@@ -279,3 +279,28 @@ def test_stacked_host_stores_route_rows_to_their_tables() -> None:
     with pytest.raises(ValueError, match="within one table"):
         stacked.load("weight", torch.zeros(4, 2), start=2)
 
+
+
+MEAN_TABLES = [EmbeddingBagConfig(**{**t.__dict__, "pooling": PoolingType.MEAN}) for t in TABLES]
+
+
+@pytest.mark.parametrize(("weighted", "tables"), [(True, SUM_TABLES), (False, MEAN_TABLES)], ids=["sum-weighted", "mean"])
+def test_row_gradients_formed_from_the_output_gradient_are_the_lookups(weighted, tables) -> None:
+    # Across ranks the fused kernel's lookup runs without its backward; the rows' gradients
+    # are formed by hand (per-sample weights, MEAN's 1/length, a table read by two features)
+    # and must be what autograd gives a plain EmbeddingBagCollection.
+    batch = zipf_batches(steps=1, weighted=weighted)[0]
+    plan = make_plan([batch], 0.1, 0, "lfu", tables)
+    module = HotColdEmbeddingBagCollection.from_ebc(
+        EmbeddingBagCollection(tables=tables, is_weighted=weighted), plan, RowWiseOptimizerConfig("sgd"), kernel="fbgemm"
+    )
+    assert any(not cache.identity for cache in module.caches.values())
+    width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
+    grad = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(0))
+    staged = module._stage(batch)
+    slots, rows = module._row_gradients(staged, grad)
+    reference = EmbeddingBagCollection(tables=tables, is_weighted=weighted)
+    (reference(batch).values() * grad).sum().backward()
+    for (name, cache), table_slots, table_rows in zip(module._ticket_caches.items(), slots, rows):
+        got = torch.zeros_like(reference.embedding_bags[name].weight).index_add_(0, cache.ids_of_slots(table_slots), table_rows)
+        torch.testing.assert_close(got, reference.embedding_bags[name].weight.grad, msg=name)
