@@ -1,4 +1,4 @@
-"""DLRM training on one GPU: hotcache at device budgets 1.0 / 0.1 / 0.01 against every table on the device and against FAE's CPU-lookup baseline.
+"""DLRM training on one GPU: hotcache at budgets 1.0 / 0.1 / 0.01 against all tables in HBM and FAE's CPU lookup.
 
 DLRM (dim 128, row-wise Adagrad on the tables, Adam on the dense layers) on
 SyntheticCTRDataModule at ``--scale`` (1.0: the Criteo Kaggle cardinalities, 33.8M rows,

@@ -111,7 +111,12 @@ class _LookupForOwners(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, anchor: Tensor, module: "HotColdEmbeddingBagCollection", staged: _StagedBatch, offsets: Tensor, weights: Tensor | None
+        ctx: Any,
+        anchor: Tensor,
+        module: "HotColdEmbeddingBagCollection",
+        staged: _StagedBatch,
+        offsets: Tensor,
+        weights: Tensor | None,
     ) -> Tensor:
         ctx.module, ctx.staged = module, staged
         assert module._fused is not None
@@ -516,7 +521,9 @@ class HotColdEmbeddingBagCollection(nn.Module):
         if torch.is_grad_enabled() and values.requires_grad:
             staged.output = weakref.ref(values)
             self._in_flight.append(staged)
-            if self._fused is not None and self._sharding.world == 1:  # backward will update every row read: write them back on eviction
+            # In one process the fused backward updates every row read: write them back on eviction
+            # (across ranks the owners' updates mark their rows).
+            if self._fused is not None and self._sharding.world == 1:
                 for cache, slots in staged.read:
                     cache.mark_updated(slots)
                 # FBGEMM's lookup node updates the rows in its backward; its post-hook runs

@@ -33,7 +33,9 @@ def check_kernel_choice(kernel: str) -> None:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}.")
 
 
-def fused_unavailable(tables: Sequence[EmbeddingBagConfig], optimizer: RowWiseOptimizerConfig, device: torch.device) -> str | None:
+def fused_unavailable(
+    tables: Sequence[EmbeddingBagConfig], optimizer: RowWiseOptimizerConfig, device: torch.device
+) -> str | None:
     """Why FBGEMM's fused kernel cannot train these tables exactly here; None when it can."""
     if optimizer.name not in ("sgd", "rowwise_adagrad"):
         return (
