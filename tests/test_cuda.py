@@ -1,8 +1,9 @@
 """On a CUDA device: hotcache learns what auto learns there for every zoo model, and its
 checkpoints load on a machine without a GPU.
 
-Marked ``cuda`` and skipped without a CUDA device: `make gpu-check` runs them on the lent GPU
-machine (``pytest -m cuda``). The cases and the check are test_strategy's, on CUDA.
+On CUDA the strategy stages batches on its prefetch thread by default, so every hotcache
+case here runs with it. Marked ``cuda`` and skipped without a CUDA device: `make gpu-check`
+runs them on the lent GPU machine (``pytest -m cuda``). The cases and the check are test_strategy's, on CUDA.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def test_checkpoint_written_on_cuda_loads_without_a_gpu(tmp_path, stats_paths) -
     strategy = HotCacheStrategy(device_budget=0.1, stats_path=str(stats_paths["dlrm"]))
     _, trainer, metrics = fit("dlrm", strategy, **CUDA)
     assert any(not t.on_device for t in trainer.strategy.plan.tables), "split tables are gathered from both tiers"
+    # On CUDA staging runs on the prefetch thread by default: every hotcache case here ran with it.
+    assert trainer.strategy.uses_prefetch_thread
     trainer.save_checkpoint(tmp_path / "cuda.ckpt")
     path = os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
