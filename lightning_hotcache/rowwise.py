@@ -110,14 +110,21 @@ def apply_sparse_update(
         table.index_add_(0, rows, grad._values().to(table.dtype), alpha=-config.lr)
         return rows
     grad = grad.coalesce()
-    rows, grads = grad.indices()[0], grad.values()
+    rows = grad.indices()[0]
+    step_rows(config, table, state, rows, grad.values())
+    return rows
+
+
+@torch.no_grad()
+def step_rows(config: RowWiseOptimizerConfig, table: Tensor, state: dict[str, Tensor], rows: Tensor, grads: Tensor) -> None:
+    """One step of ``config`` on the distinct ``rows`` of ``table`` (and of its per-row
+    ``state``), ``grads`` being their summed gradient rows: gather, step, scatter."""
     weights = table.index_select(0, rows)
     row_state = {key: value.index_select(0, rows) for key, value in state.items()}
     config.update_rows(weights, row_state, grads.to(weights.dtype))
     table.index_copy_(0, rows, weights)
     for key, value in row_state.items():
         state[key].index_copy_(0, rows, value)
-    return rows
 
 
 class RowWiseOptimizer(torch.optim.Optimizer):

@@ -30,6 +30,7 @@ static region chosen from measured frequencies.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -44,7 +45,7 @@ from lightning_hotcache.cache.exchange import (
 )
 from lightning_hotcache.cache.host import HostStore
 from lightning_hotcache.cache.slot_map import make_slot_map
-from lightning_hotcache.rowwise import RowWiseOptimizerConfig, apply_sparse_update
+from lightning_hotcache.rowwise import RowWiseOptimizerConfig, apply_sparse_update, step_rows
 
 CachePolicy = Literal["lfu", "lru", "static"]
 CACHE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static")
@@ -362,10 +363,14 @@ class DeviceCache:
         self._tally(_WRITTEN_BACK, ids, ascending=True)
 
     # -------------------------------------------------------------- updates
+    @property
+    def _state(self) -> dict[str, Tensor]:
+        """The slots' optimizer state arrays (all but the weights)."""
+        return {key: tensor for key, tensor in self.slots.items() if key != "weight"}
+
     def apply_update(self, grad: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
         """One row-wise step from a sparse gradient over slots."""
-        state = {key: tensor for key, tensor in self.slots.items() if key != "weight"}
-        self.mark_updated(apply_sparse_update(optimizer, self.weight, state, grad))
+        self.mark_updated(apply_sparse_update(optimizer, self.weight, self._state, grad))
 
     def mark_updated(self, slots: Tensor) -> None:
         """Note that ``slots`` (repeats allowed) were updated, so eviction writes them back."""
@@ -382,12 +387,8 @@ class DeviceCache:
 
     @torch.no_grad()
     def update_slots(self, slots: Tensor, grads: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
-        """One row-wise step for distinct ``slots``: gather, step, scatter (no coalescing, which sorts)."""
-        rows = {key: tensor.index_select(0, slots) for key, tensor in self.slots.items()}
-        weights = rows.pop("weight")
-        optimizer.update_rows(weights, rows, grads.to(weights.dtype))
-        for key, values in {"weight": weights, **rows}.items():
-            self.slots[key].index_copy_(0, slots, values)
+        """One row-wise step for distinct ``slots`` (no coalescing, which sorts)."""
+        step_rows(optimizer, self.weight, self._state, slots, grads)
         self.mark_updated(slots)
 
     @torch.no_grad()
@@ -512,15 +513,15 @@ def sum_rows_by_index(indices: Sequence[Tensor], rows: Sequence[Tensor], sizes: 
     out: list[tuple[Tensor, Tensor] | None] = [None] * len(indices)
     for width in {r.shape[1] for r in rows}:
         group = [k for k, r in enumerate(rows) if r.shape[1] == width]
-        base = torch.tensor([0] + [sizes[k] for k in group]).cumsum(0)
-        keys = torch.cat([indices[k] + int(base[j]) for j, k in enumerate(group)])
+        base = list(itertools.accumulate((sizes[k] for k in group), initial=0))  # each table's first key
+        keys = torch.cat([indices[k] + base[j] for j, k in enumerate(group)])
         distinct, inverse = torch.unique(keys, return_inverse=True)
         summed = torch.zeros(len(distinct), width, dtype=torch.float32, device=keys.device)
         summed.index_add_(0, inverse, torch.cat([rows[k] for k in group]).to(torch.float32))
-        per_table = torch.searchsorted(distinct, base.to(distinct.device)).tolist()  # where each table's keys start
+        per_table = torch.searchsorted(distinct, torch.tensor(base, device=distinct.device)).tolist()
         for j, k in enumerate(group):
             a, b = per_table[j], per_table[j + 1]
-            out[k] = (distinct[a:b] - int(base[j]), summed[a:b])
+            out[k] = (distinct[a:b] - base[j], summed[a:b])
     return out  # type: ignore[return-value]
 
 
