@@ -16,6 +16,7 @@ from lightning_hotcache.rowwise import (
     RowWiseOptimizerConfig,
     use_sparse_gradients,
 )
+from lightning_hotcache.sparse_ddp import average_sparse_gradients, keep_out_of_ddp
 
 _LAZY = {
     "AccessProfiler": "lightning_hotcache.profiling",
@@ -88,6 +89,8 @@ __all__ = [
     "SamplesPerSecond",
     "STRATEGY_PRESETS",
     "use_sparse_gradients",
+    "keep_out_of_ddp",
+    "average_sparse_gradients",
     *_LAZY,
 ]
 __version__ = "0.1.0"

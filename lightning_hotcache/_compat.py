@@ -1,4 +1,4 @@
-"""The one place where lightning-hotcache reaches into Lightning's private state.
+"""The one place where lightning-hotcache reaches into Lightning's (and torch's) private state.
 
 Each shim says which public API is missing. Keep them few and small: a Lightning upgrade
 breaks here first, and only here.
@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from torch.nn.parallel import DistributedDataParallel
 
 
 def fit_train_dataloader(trainer: pl.Trainer) -> Any:
@@ -79,3 +81,13 @@ def is_wrapping_checkpoint_io(io: object) -> bool:
     """Whether ``io`` wraps another checkpoint IO (AsyncCheckpointIO does): Lightning's base
     class for those is private, and the strategy must put its own IO inside such a wrapper."""
     return isinstance(io, _WrappingCheckpointIO)
+
+
+def set_ddp_ignored_parameters(module: torch.nn.Module, names: list[str]) -> None:
+    """Make a later ``DistributedDataParallel(module)`` skip these parameters (by name).
+
+    DDP reads the list from an attribute of the module it wraps; its setter is a private
+    static method (TorchRec's DistributedModelParallel uses it the same way), and there is
+    no public argument that Lightning's DDPStrategy passes through.
+    """
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)

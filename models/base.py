@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import BinaryAUROC
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
@@ -40,6 +41,7 @@ from lightning_hotcache.guards import (
     finite_loss_or_skip,
 )
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
+from lightning_hotcache.sparse_ddp import average_sparse_gradients, keep_out_of_ddp
 from lightning_hotcache.table_init import draw_seed, materialize_tables
 from models.first_order import FirstOrderArch
 
@@ -189,6 +191,8 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         self.assemble()
         # Recorded now: strategies later swap the tables for other module types at these paths.
         self._embedding_paths = [p for p, m in self.named_modules() if isinstance(m, EmbeddingBagCollection)]
+        # Under plain DDP the model averages its tables' sparse gradients itself (see sparse_ddp).
+        keep_out_of_ddp(self, self.embedding_parameters())
 
     # ------------------------------------------------------------ architecture
     # A model is TorchRec's four blocks: sparse arch (here), dense arch, interaction and
@@ -346,11 +350,15 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # Runs after backward (and after DDP has reduced the sparse gradients, and after
-        # gradient accumulation), before the dense step: the same point TorchRec's fused
-        # optimizers update rows. Subclasses overriding this hook must call super().
-        if self.embedding_parameters():
-            self.embedding_optimizer.step()
+        # Runs after backward (and after gradient accumulation), before the dense step: the
+        # same point TorchRec's fused optimizers update rows. Subclasses overriding this hook
+        # must call super().
+        tables = self.embedding_parameters()
+        if not tables:
+            return
+        if isinstance(self.trainer.strategy.model, DistributedDataParallel) and self.trainer.world_size > 1:
+            average_sparse_gradients(tables)  # DDP left them out (keep_out_of_ddp)
+        self.embedding_optimizer.step()
 
     def _plain_table_weights(self) -> dict[str, Tensor]:
         """``"<module path>.<table>"`` -> weight of every plain table (the row-state key format)."""

@@ -20,16 +20,31 @@ SCRIPT = Path(__file__).with_name("ddp_train.py")
 REPO = SCRIPT.parents[1]
 
 
-def _train(tmp_path: Path, devices: int, batch_size: int, optimizer: str, strategy: str = "ddp", *extra: str) -> dict:
-    out = tmp_path / f"{strategy}{devices}_{optimizer}.pt"
+def _launch_env() -> dict[str, str]:
+    """This process's environment for a fresh launch of ``SCRIPT``."""
     # In-process tests of DDP-based strategies leave their rendezvous variables (and a live
     # store on MASTER_PORT) behind; a fresh launch must pick its own.
     stale = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED"}
-    env = {**{k: v for k, v in os.environ.items() if k not in stale}, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in stale}
+    # A rank that dies in native code says where (its Python stack) before the others time out.
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    return env
+
+
+def _assert_exited_cleanly(result: subprocess.CompletedProcess) -> None:
+    """Exit code 0, or the first error lines of any rank (the tail is usually another rank's
+    'connection reset' once one has died) and the tail."""
+    errors = [line for line in result.stderr.splitlines() if "Fatal Python error" in line or "Error:" in line]
+    assert result.returncode == 0, f"exit code {result.returncode}; first errors: {errors[:5]}\n{result.stderr[-4000:]}"
+
+
+def _train(tmp_path: Path, devices: int, batch_size: int, optimizer: str, strategy: str = "ddp", *extra: str) -> dict:
+    out = tmp_path / f"{strategy}{devices}_{optimizer}.pt"
+    env = _launch_env()
     cmd = [sys.executable, str(SCRIPT), f"--devices={devices}", f"--batch-size={batch_size}",
            f"--optimizer={optimizer}", f"--strategy={strategy}", f"--out={out}", *extra]  # fmt: skip
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    _assert_exited_cleanly(result)
     return torch.load(out)
 
 
@@ -96,12 +111,11 @@ def test_nan_loss_on_one_rank_stops_every_rank(tmp_path: Path, strategy: str) ->
     # Without agreeing across ranks, the rank with the NaN would stop and the others would
     # wait forever for it in backward's collectives.
     out = tmp_path / "nan"
-    env = {k: v for k, v in os.environ.items() if k not in {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"}}
+    env = _launch_env()
     cmd = [sys.executable, str(SCRIPT), "--devices=2", "--batch-size=128", f"--strategy={strategy}", "--big-tables", "--device-budget=0.05",
            "--nan-at-step=2", f"--out={out}"]  # fmt: skip
-    result = subprocess.run(cmd, cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    _assert_exited_cleanly(result)
     for rank in (0, 1):
         assert "global step 2 " in Path(f"{out}.rank{rank}").read_text()
 
@@ -115,8 +129,7 @@ def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path) -
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "nodes.pt"
-    stale = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED"}
-    env = {**{k: v for k, v in os.environ.items() if k not in stale}, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = _launch_env()
     split = ["--big-tables", "--device-budget=0.05"]
     nodes = [
         subprocess.Popen(

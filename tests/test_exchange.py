@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_hotcache.cache.device import sum_rows_by_index
 from lightning_hotcache.cache.exchange import RowSharding, exchange_table_rows, send_rows_to_owners
+from lightning_hotcache.sparse_ddp import average_sparse_gradients
 
 
 def _parts(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -43,6 +45,59 @@ def _collectives(rank: int) -> None:
         assert torch.equal(ids, torch.cat([i for i, _ in mine])) and torch.equal(rows, torch.cat([x for _, x in mine])), t
 
 
+def _sparse_gradients(rank: int) -> list[torch.Tensor | None]:
+    # Tables of widths 4, 4 and 2 (the first two stacked in one collective); repeated rows;
+    # rank 1 did not look the second table up, and no rank the fourth.
+    shapes = [(5, 4), (3, 4), (6, 2), (2, 4)]
+    rows = [[[0, 4, 0], [1, 2]], [[2], None], [[5, 5, 1], [0]], [None, None]]
+    grads = []
+    for t, (shape, per_rank) in enumerate(zip(shapes, rows)):
+        ids = per_rank[rank]
+        if ids is None:
+            grads.append(None)
+            continue
+        values = torch.arange(len(ids) * shape[1], dtype=torch.float32).view(len(ids), shape[1]) + 10 * t + rank
+        grads.append(torch.sparse_coo_tensor(torch.tensor([ids]), values, shape))
+    return grads
+
+
+def _averaged_sparse_gradients(rank: int) -> None:
+    shapes = [(5, 4), (3, 4), (6, 2), (2, 4)]
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    for param, grad in zip(params, _sparse_gradients(rank)):
+        param.grad = grad
+    average_sparse_gradients(params)
+    every = [_sparse_gradients(r) for r in range(2)]
+    for t, param in enumerate(params):
+        mine = [g[t] for g in every if g[t] is not None]
+        if not mine:
+            assert param.grad is None, f"table {t}: nobody looked it up, yet it got a gradient"
+            continue
+        expected = sum(g.to_dense() for g in mine) / 2
+        assert param.grad.is_sparse and param.grad.is_coalesced(), t
+        assert torch.equal(param.grad.to_dense(), expected), (t, param.grad.to_dense(), expected)
+
+
+def _tables_kept_out_of_ddp(rank: int) -> None:
+    # DeepFM has both kinds of tables: the embeddings and the first-order weights.
+    from torchrec import EmbeddingBagCollection
+
+    from models import create_model
+    from tests.conftest import tiny_synthetic
+
+    dm = tiny_synthetic()
+    model = create_model("deepfm", dm.tables, dm.num_dense_features)
+    tables = {
+        f"{path}.{name}"
+        for path, module in model.named_modules()
+        if isinstance(module, EmbeddingBagCollection)
+        for name, _ in module.named_parameters()
+    }
+    assert tables and any("first_order" in name for name in tables), tables
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    assert ddp.parameters_to_ignore == tables, ddp.parameters_to_ignore ^ tables
+
+
 def _worker(rank: int, check, init_file: str, failures) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
@@ -73,3 +128,24 @@ def test_rows_summed_by_index_table_by_table() -> None:
     ]
     for (ids, got), (want_ids, want) in zip(summed, expected):
         assert torch.equal(ids, want_ids) and torch.equal(got, want), (ids, got)
+
+
+def test_sparse_gradients_averaged_over_two_processes(tmp_path) -> None:
+    failures = mp.get_context("spawn").Queue()
+    mp.spawn(_worker, args=(_averaged_sparse_gradients, str(tmp_path / "rendezvous"), failures), nprocs=2, join=True)
+    assert failures.empty(), failures.get()
+
+
+def test_zoo_tables_are_kept_out_of_ddp(tmp_path) -> None:
+    """DDP's reducer corrupts the heap on sparse gradients now and then (see sparse_ddp): the
+    model averages its tables' gradients itself, so DDP must not see (and reduce) any table."""
+    failures = mp.get_context("spawn").Queue()
+    mp.spawn(_worker, args=(_tables_kept_out_of_ddp, str(tmp_path / "rendezvous"), failures), nprocs=2, join=True)
+    assert failures.empty(), failures.get()
+
+
+def test_dense_gradients_are_refused() -> None:
+    param = torch.nn.Parameter(torch.zeros(3, 2))
+    param.grad = torch.ones(3, 2)
+    with pytest.raises(ValueError, match="sparse=True"):
+        average_sparse_gradients([param])
