@@ -106,7 +106,7 @@ def test_hotcache_processes_match_one_with_their_batches_together(
     torch.testing.assert_close(many["state_dict"], one["state_dict"], rtol=1e-5, atol=atol)
 
 
-@pytest.mark.parametrize("strategy", ["hotcache"])
+@pytest.mark.parametrize("strategy", ["hotcache", "ddp"])
 def test_nan_loss_on_one_rank_stops_every_rank(tmp_path: Path, strategy: str) -> None:
     # Without agreeing across ranks, the rank with the NaN would stop and the others would
     # wait forever for it in backward's collectives.
