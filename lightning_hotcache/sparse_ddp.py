@@ -6,9 +6,10 @@ averages the dense ones. DDP's reducer can do that for sparse gradients, but wit
 corrupts the heap now and then (torch 2.13: ``malloc(): unaligned tcache chunk detected``
 or SIGSEGV inside ``loss.backward()``, about once in a few thousand steps; reproduced with
 a plain ``nn.EmbeddingBag(sparse=True)`` model under ``DistributedDataParallel``, no
-Lightning, no library code). The same sparse ``all_reduce`` called synchronously after
-backward ran 12,000 steps clean. So the tables stay out of DDP (`keep_out_of_ddp`) and
-`average_sparse_gradients` reduces their gradients right before the row-wise step.
+Lightning, no library code), while the same gradients reduced by a synchronous collective
+after backward ran 12,000 steps clean. So the tables stay out of DDP (`keep_out_of_ddp`) and
+`average_sparse_gradients` averages their gradients right before the row-wise step, with
+dense all-gathers that every backend has.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ def average_sparse_gradients(parameters: Sequence[Tensor], group: dist.ProcessGr
     """Replace each parameter's sparse gradient with its mean over the ranks of ``group``.
 
     Every rank must pass the same parameters in the same order (a rank whose gradient is
-    None takes part with an empty one). Tables of one width and dtype travel as one sparse
-    tensor, stacked by row offset: one collective per width, not per table. Each result is
-    coalesced (rows sorted, repeats summed).
+    None takes part with an empty one). Tables of one width and dtype travel together,
+    stacked by row offset: one all-gather of the rows' counts for all widths, then two per
+    width (row indices, gradient rows), however many tables. Dense all-gathers rather than a
+    sparse all-reduce: every backend has them (NCCL has no sparse all-reduce). Each result
+    is coalesced (rows sorted, repeats summed).
     """
     by_width: dict[tuple[int, torch.dtype], list[Tensor]] = defaultdict(list)
     for param in parameters:
@@ -47,24 +50,26 @@ def average_sparse_gradients(parameters: Sequence[Tensor], group: dist.ProcessGr
                 "parameter (build its table with nn.EmbeddingBag(sparse=True))"
             )
         by_width[(param.shape[1], param.dtype)].append(param)
-    world = dist.get_world_size(group)
-    for (width, dtype), params in by_width.items():
-        offsets = [0]
-        for param in params:
-            offsets.append(offsets[-1] + param.shape[0])
-        indices, values = [], []
-        for param, offset in zip(params, offsets):
-            if param.grad is not None:
-                indices.append(param.grad._indices()[0] + offset)  # uncoalesced: no sort needed here
-                values.append(param.grad._values())
-        device = params[0].device
-        stacked = torch.sparse_coo_tensor(
-            torch.cat(indices).unsqueeze(0) if indices else torch.empty(1, 0, dtype=torch.long, device=device),
-            torch.cat(values) if values else torch.empty(0, width, dtype=dtype, device=device),
+    if not by_width:
+        return
+    stacks = [_stack_gradients(params) for params in by_width.values()]
+    counts = _all_gather(torch.tensor([len(indices) for _, indices, _ in stacks], device=stacks[0][1].device), group)
+    world = len(counts)
+    for w, ((width, dtype), params) in enumerate(by_width.items()):
+        offsets, indices, values = stacks[w]
+        sizes = [int(c[w]) for c in counts]
+        longest = max(sizes)
+        padded_indices = indices.new_zeros(longest)
+        padded_indices[: len(indices)] = indices
+        padded_values = values.new_zeros(longest, width)
+        padded_values[: len(values)] = values
+        every_indices = _all_gather(padded_indices, group)
+        every_values = _all_gather(padded_values, group)
+        summed = torch.sparse_coo_tensor(
+            torch.cat([i[:n] for i, n in zip(every_indices, sizes)]).unsqueeze(0),
+            torch.cat([v[:n] for v, n in zip(every_values, sizes)]),
             (offsets[-1], width),
-        )
-        dist.all_reduce(stacked, group=group)
-        summed = stacked.coalesce()
+        ).coalesce()
         rows, row_values = summed.indices()[0], summed.values() / world
         bounds = torch.searchsorted(rows, torch.tensor(offsets, device=rows.device)).tolist()
         for param, offset, start, end in zip(params, offsets, bounds, bounds[1:]):
@@ -73,3 +78,25 @@ def average_sparse_gradients(parameters: Sequence[Tensor], group: dist.ProcessGr
             param.grad = torch.sparse_coo_tensor(
                 (rows[start:end] - offset).unsqueeze(0), row_values[start:end], param.shape, is_coalesced=True
             )
+
+
+def _stack_gradients(params: list[Tensor]) -> tuple[list[int], Tensor, Tensor]:
+    """Row offsets of ``params`` stacked, and their gradients' (uncoalesced) row indices,
+    shifted by those offsets, and rows."""
+    offsets = [0]
+    for param in params:
+        offsets.append(offsets[-1] + param.shape[0])
+    device, width, dtype = params[0].device, params[0].shape[1], params[0].dtype
+    indices = [torch.empty(0, dtype=torch.long, device=device)]
+    values = [torch.empty(0, width, dtype=dtype, device=device)]
+    for param, offset in zip(params, offsets):
+        if param.grad is not None:
+            indices.append(param.grad._indices()[0] + offset)  # uncoalesced: no sort needed here
+            values.append(param.grad._values())
+    return offsets, torch.cat(indices), torch.cat(values)
+
+
+def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None) -> list[Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
