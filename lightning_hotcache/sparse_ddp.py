@@ -14,6 +14,7 @@ dense all-gathers that every backend has.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
@@ -55,9 +56,9 @@ def average_sparse_gradients(parameters: Sequence[Tensor], group: dist.ProcessGr
     stacks = [_stack_gradients(params) for params in by_width.values()]
     counts = _all_gather(torch.tensor([len(indices) for _, indices, _ in stacks], device=stacks[0][1].device), group)
     world = len(counts)
-    for w, ((width, dtype), params) in enumerate(by_width.items()):
-        offsets, indices, values = stacks[w]
-        sizes = [int(c[w]) for c in counts]
+    sizes_by_width = torch.stack(counts, dim=1).tolist()  # [width group][rank]
+    for params, (offsets, indices, values), sizes in zip(by_width.values(), stacks, sizes_by_width):
+        width = params[0].shape[1]
         longest = max(sizes)
         padded_indices = indices.new_zeros(longest)
         padded_indices[: len(indices)] = indices
@@ -83,9 +84,7 @@ def average_sparse_gradients(parameters: Sequence[Tensor], group: dist.ProcessGr
 def _stack_gradients(params: list[Tensor]) -> tuple[list[int], Tensor, Tensor]:
     """Row offsets of ``params`` stacked, and their gradients' (uncoalesced) row indices,
     shifted by those offsets, and rows."""
-    offsets = [0]
-    for param in params:
-        offsets.append(offsets[-1] + param.shape[0])
+    offsets = list(itertools.accumulate((param.shape[0] for param in params), initial=0))
     device, width, dtype = params[0].device, params[0].shape[1], params[0].dtype
     indices = [torch.empty(0, dtype=torch.long, device=device)]
     values = [torch.empty(0, width, dtype=dtype, device=device)]

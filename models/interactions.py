@@ -115,13 +115,13 @@ class CompressedInteractionNetwork(nn.Module):
     def forward(self, fields: Tensor) -> Tensor:
         # The sum is taken over i first (a matmul of X^{k-1} with W^k), then over j against
         # X^0: the (B, H_{k-1} * m, D) tensor of every pair's product is never built. Same
-        # result, 1.4x faster forward and backward on CPU for 27 fields x 64 maps x dim 16.
+        # result, 1.2-1.4x faster forward and backward on CPU for 27 fields x 64 maps x dim 16.
         x, pooled = fields, []
-        num_fields = fields.shape[1]
+        batch, num_fields, dim = fields.shape
         for layer in self.layers:
             size, previous = layer.out_features, x.shape[1]
             by_i = layer.weight.view(size, previous, num_fields).transpose(0, 1).reshape(previous, size * num_fields)
-            partial = (x.transpose(1, 2) @ by_i).view(*x.shape[::2], size, num_fields)  # (B, D, H_k, m)
+            partial = (x.transpose(1, 2) @ by_i).view(batch, dim, size, num_fields)  # (B, D, H_k, m)
             x = torch.einsum("bdhj,bjd->bhd", partial, fields)  # (B, H_k, D)
             pooled.append(x.sum(dim=2))
         return torch.cat(pooled, dim=1)

@@ -280,7 +280,6 @@ def test_stacked_host_stores_route_rows_to_their_tables() -> None:
         stacked.load("weight", torch.zeros(4, 2), start=2)
 
 
-
 MEAN_TABLES = [EmbeddingBagConfig(**{**t.__dict__, "pooling": PoolingType.MEAN}) for t in TABLES]
 
 

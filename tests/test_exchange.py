@@ -45,13 +45,15 @@ def _collectives(rank: int) -> None:
         assert torch.equal(ids, torch.cat([i for i, _ in mine])) and torch.equal(rows, torch.cat([x for _, x in mine])), t
 
 
+# Tables of widths 4, 4, 2 and 4 (those of width 4 stacked in one collective).
+GRADIENT_SHAPES = [(5, 4), (3, 4), (6, 2), (2, 4)]
+
+
 def _sparse_gradients(rank: int) -> list[torch.Tensor | None]:
-    # Tables of widths 4, 4 and 2 (the first two stacked in one collective); repeated rows;
-    # rank 1 did not look the second table up, and no rank the fourth.
-    shapes = [(5, 4), (3, 4), (6, 2), (2, 4)]
+    # Repeated rows; rank 1 did not look the second table up, and no rank the fourth.
     rows = [[[0, 4, 0], [1, 2]], [[2], None], [[5, 5, 1], [0]], [None, None]]
     grads = []
-    for t, (shape, per_rank) in enumerate(zip(shapes, rows)):
+    for t, (shape, per_rank) in enumerate(zip(GRADIENT_SHAPES, rows)):
         ids = per_rank[rank]
         if ids is None:
             grads.append(None)
@@ -62,8 +64,7 @@ def _sparse_gradients(rank: int) -> list[torch.Tensor | None]:
 
 
 def _averaged_sparse_gradients(rank: int) -> None:
-    shapes = [(5, 4), (3, 4), (6, 2), (2, 4)]
-    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in GRADIENT_SHAPES]
     for param, grad in zip(params, _sparse_gradients(rank)):
         param.grad = grad
     average_sparse_gradients(params)
@@ -98,6 +99,13 @@ def _tables_kept_out_of_ddp(rank: int) -> None:
     assert ddp.parameters_to_ignore == tables, ddp.parameters_to_ignore ^ tables
 
 
+def _on_two_processes(check, tmp_path) -> None:
+    """Run ``check(rank)`` in two gloo processes; fail with the first rank's assertion."""
+    failures = mp.get_context("spawn").Queue()
+    mp.spawn(_worker, args=(check, str(tmp_path / "rendezvous"), failures), nprocs=2, join=True)
+    assert failures.empty(), failures.get()
+
+
 def _worker(rank: int, check, init_file: str, failures) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
@@ -109,9 +117,7 @@ def _worker(rank: int, check, init_file: str, failures) -> None:
 
 
 def test_row_collectives_on_two_processes(tmp_path) -> None:
-    failures = mp.get_context("spawn").Queue()
-    mp.spawn(_worker, args=(_collectives, str(tmp_path / "rendezvous"), failures), nprocs=2, join=True)
-    assert failures.empty(), failures.get()
+    _on_two_processes(_collectives, tmp_path)
 
 
 def test_rows_summed_by_index_table_by_table() -> None:
@@ -131,17 +137,13 @@ def test_rows_summed_by_index_table_by_table() -> None:
 
 
 def test_sparse_gradients_averaged_over_two_processes(tmp_path) -> None:
-    failures = mp.get_context("spawn").Queue()
-    mp.spawn(_worker, args=(_averaged_sparse_gradients, str(tmp_path / "rendezvous"), failures), nprocs=2, join=True)
-    assert failures.empty(), failures.get()
+    _on_two_processes(_averaged_sparse_gradients, tmp_path)
 
 
 def test_zoo_tables_are_kept_out_of_ddp(tmp_path) -> None:
     """DDP's reducer corrupts the heap on sparse gradients now and then (see sparse_ddp): the
     model averages its tables' gradients itself, so DDP must not see (and reduce) any table."""
-    failures = mp.get_context("spawn").Queue()
-    mp.spawn(_worker, args=(_tables_kept_out_of_ddp, str(tmp_path / "rendezvous"), failures), nprocs=2, join=True)
-    assert failures.empty(), failures.get()
+    _on_two_processes(_tables_kept_out_of_ddp, tmp_path)
 
 
 def test_dense_gradients_are_refused() -> None:
