@@ -96,6 +96,32 @@ def test_cold_cache_fills_empty_slots_before_evicting_anything(policy: str) -> N
     assert torch.equal(cache.weight[slots], host.weight[[1, 11]])
 
 
+def test_reserved_victims_go_in_lfu_order_and_never_a_row_read_since_the_scan() -> None:
+    from lightning_hotcache import RowWiseOptimizerConfig
+    from lightning_hotcache.cache import DeviceCache, HostStore
+
+    sgd = RowWiseOptimizerConfig(name="sgd")
+    host = HostStore("t", 100, 4, sgd.state_widths(4))
+    cache = DeviceCache("t", 100, 4, sgd, torch.tensor([0]), 10, "lfu", host, torch.device("cpu"))
+    for row in range(1, 11):  # fills the 10 dynamic slots; row k is read k times
+        for _ in range(row):
+            cache.release(cache.acquire(torch.tensor([row]))[1])
+
+    def resident() -> list[int]:
+        return [row for row in range(1, 20) if int(cache.slot_map.lookup(torch.tensor([row]))) >= 0]
+
+    cache.release(cache.acquire(torch.tensor([11]))[1])  # a scan: evicts row 1, reserves rows 2, 3, ...
+    assert 1 not in resident() and len(cache._reserve) > 0
+    for _ in range(3):  # row 2 is read more than row 3 since the scan: LFU now evicts 3 first
+        cache.release(cache.acquire(torch.tensor([2]))[1])
+    cache.release(cache.acquire(torch.tensor([12]))[1])
+    assert resident() == [2, *range(4, 13)]
+    _, locked = cache.acquire(torch.tensor([4]))  # the reserve's front, read and locked since the scan
+    cache.release(cache.acquire(torch.tensor([13]))[1])
+    assert resident() == [2, 4, *range(6, 14)]
+    cache.release(locked)
+
+
 def test_state_dict_interchanges_with_plain_ebc_and_survives_training() -> None:
     m = module(fraction=0.01)
     for batch, grad in zip(zipf_batches(), UPSTREAM):

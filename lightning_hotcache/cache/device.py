@@ -56,6 +56,9 @@ def check_cache_policy(policy: str) -> None:
         raise ValueError(f"Unknown cache policy {policy!r}; choose one of {', '.join(CACHE_POLICIES)}.")
 
 
+# A victim scan reserves slots for this many batches' misses (see `DeviceCache._choose_victims`).
+RESERVE_BATCHES = 8
+
 _LOOKUPS, _MISSES, _FETCHED, _EVICTED, _WRITTEN_BACK = range(5)  # rows of DeviceCache._segment_tally
 
 
@@ -140,6 +143,10 @@ class DeviceCache:
         # Dynamic slots never used yet are [num_static + _never_used_from, end): a cold cache
         # fills from there without scoring every slot.
         self._never_used_from = 0
+        # Victims reserved by the last scan of the dynamic slots (see `_choose_victims`), in
+        # eviction order, and the ticket during which that scan ran.
+        self._reserve = torch.empty(0, dtype=torch.int64, device=device)
+        self._reserve_ticket = 0
         self._released_upto = 0
         self._released_early: set[int] = set()
 
@@ -316,6 +323,16 @@ class DeviceCache:
         return distinct[~self.sharding.owned(self.ids_of_slots(distinct))]
 
     def _choose_victims(self, count: int) -> Tensor:
+        """``count`` unlocked dynamic slots to refill, emptiest first, then the least used.
+
+        Scoring every dynamic slot for every batch cost a full pass over the cache per step
+        (~1 ms of a 12 ms step at 100k slots on a 2-core CPU, more than the batch's own
+        bookkeeping), so a scan reserves the `RESERVE_BATCHES` x ``count`` lowest-scored slots
+        in order, and later batches take their victims from the front of that reserve. A
+        reserved slot read since the scan has a new score (and may be locked) and is dropped
+        from it; the others' scores have not moved, so the reserve stays in LFU/LRU order.
+        What it gives up: rows installed after the scan are not victims before the next one.
+        The ``static`` policy keeps the exact scan (its dynamic slots are emptied every batch)."""
         start = self.num_static
         if self._never_used_from + count <= self.num_dynamic:
             # Never-used slots are empty and unlocked: the scoring below would pick them first.
@@ -323,6 +340,11 @@ class DeviceCache:
             self._never_used_from += count
             return torch.arange(first, first + count, device=self.device)
         self._never_used_from = self.num_dynamic
+        if self.policy != "static" and len(self._reserve) >= count:
+            unread = self._reserve[self.last_used[self._reserve] < self._reserve_ticket]
+            if len(unread) >= count:
+                self._reserve = unread[count:]
+                return unread[:count]
         locked = self.last_used[start:] > self._released_upto
         free = int((~locked).sum())
         if count > free:
@@ -336,7 +358,12 @@ class DeviceCache:
         score = self.frequency[start:] * (self._issued + 1) + last_used if self.policy == "lfu" else last_used.clone()
         score[self.id_of_slot[start:] < 0] = -1  # empty slots first
         score[locked] = torch.iinfo(torch.int64).max
-        return torch.topk(score, count, largest=False).indices + start
+        if self.policy == "static":
+            return torch.topk(score, count, largest=False).indices + start
+        # One sort of every slot: cheaper than topk once k is more than a few percent of them.
+        ranked = score.sort().indices[: min(free, RESERVE_BATCHES * count)] + start
+        self._reserve, self._reserve_ticket = ranked[count:], self._issued
+        return ranked[:count]
 
     def _evict(self, slots: Tensor) -> None:
         if len(slots) == 0:
