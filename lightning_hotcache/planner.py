@@ -46,8 +46,9 @@ if TYPE_CHECKING:
 
 Budget = Union[int, float, str]
 PLAN_FORMAT_VERSION = 2
-# Per dynamic slot: id_of_slot, locks, last_used, frequency (int64) and dirty (bool).
-SLOT_BOOKKEEPING_BYTES = 4 * 8 + 1
+# Per slot of a split table, static ones included: id_of_slot, last_used, frequency (int64)
+# and dirty (bool) (see DeviceCache).
+SLOT_BOOKKEEPING_BYTES = 3 * 8 + 1
 # The profile's largest unique-rows-per-batch is a sample maximum: later batches exceed it
 # (by up to ~20% seen on Zipf data), and a batch that does not fit its cache cannot train.
 UNIQUE_ROWS_MARGIN = 1.5
@@ -614,7 +615,7 @@ class HotColdPlanner:
         # may be stacked into one cache (lightning_hotcache.cache.group), whose map is sorted
         # unless dense costs less for all of them together.
         id_map = (static_rows + cache_slots) * sorted_bytes_per_resident(table.num_embeddings)
-        return id_map + static_rows * per_row + cache_slots * (per_row + SLOT_BOOKKEEPING_BYTES)
+        return id_map + (static_rows + cache_slots) * (per_row + SLOT_BOOKKEEPING_BYTES)
 
     def _spread_dynamic(
         self,
@@ -660,7 +661,7 @@ class HotColdPlanner:
             lookups = stats.coverage(t.name, points) * stats.num_lookups[t.name]
             # Charged as if the id map were sorted (its bytes per resident row): never less than
             # what the cheaper map really costs, so the plan stays within the budget.
-            per_row = row_bytes(t, self.optimizer) + SORTED_BYTES_PER_RESIDENT
+            per_row = row_bytes(t, self.optimizer) + SORTED_BYTES_PER_RESIDENT + SLOT_BOOKKEEPING_BYTES
             for (k0, k1), (c0, c1) in zip(zip(points[:-1], points[1:]), zip(lookups[:-1], lookups[1:])):
                 cost = int(k1 - k0) * per_row
                 segments.append(((c1 - c0) / cost, t.name, int(k0), int(k1), per_row))

@@ -159,8 +159,8 @@ class DeviceCache:
         self.slots: dict[str, Tensor] = storage
         if self.identity:
             return
-        self.slot_map = make_slot_map(num_embeddings, static_ids.to(device), num_slots, device)
         self.id_of_slot = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
+        self.slot_map = make_slot_map(num_embeddings, static_ids.to(device), num_slots, device, self.id_of_slot)
         self.dirty = torch.zeros(num_slots, dtype=torch.bool, device=device)
         # Ticket of the latest batch that read each slot; tickets <= _released_upto are done.
         self.last_used = torch.zeros(num_slots, dtype=torch.int64, device=device)
