@@ -179,7 +179,7 @@ def test_every_slot_map_trains_exactly(kind: str, monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.parametrize("kind", ["hashed", "sorted"])
 def test_slot_maps_agree_under_random_edits(kind: str) -> None:
-    from lightning_hotcache.cache.slot_map import DenseSlotMap, HashedSlotMap, SortedSlotMap, sorted_bytes_per_resident
+    from lightning_hotcache.cache.slot_map import DenseSlotMap, HashedSlotMap, SortedSlotMap, sparse_map_bytes_per_resident
 
     g = torch.Generator().manual_seed(0)
     static = torch.randperm(1000, generator=g)[:50].sort().values
@@ -212,7 +212,7 @@ def test_slot_maps_agree_under_random_edits(kind: str) -> None:
         torch.testing.assert_close(maps[0].lookup(probe), maps[1].lookup(probe))
         # Evicted entries wait in the map, but never past the room the planner pays for.
         held = sum(t.numel() * t.element_size() for t in maps[1].tensors())
-        assert held <= 150 * sorted_bytes_per_resident(1000)
+        assert held <= 150 * sparse_map_bytes_per_resident(1000)
         merges += len(sparse.runs[1][0]) == 0 if kind == "sorted" else 0
     # Stale or evicted entries were dropped more than once along the way.
     assert (sparse.rebuilds if kind == "hashed" else merges) > 1
@@ -289,7 +289,7 @@ def test_device_bytes_stay_within_the_budget(optimizer, budget) -> None:
 
 @pytest.mark.parametrize("num_embeddings", [10_000, 2**31])
 def test_sorted_slot_map_holds_the_bytes_the_planner_counts(num_embeddings) -> None:
-    from lightning_hotcache.cache.slot_map import SortedSlotMap, sorted_bytes_per_resident
+    from lightning_hotcache.cache.slot_map import SortedSlotMap, sparse_map_bytes_per_resident
 
     static = torch.arange(0, 2000, 2)
     m = SortedSlotMap(num_embeddings, static, 1350, torch.device("cpu"))
@@ -298,7 +298,7 @@ def test_sorted_slot_map_holds_the_bytes_the_planner_counts(num_embeddings) -> N
     m.assign(torch.arange(3001, 3101, 2), torch.arange(1300, 1350))
     held = sum(t.numel() * t.element_size() for t in m.tensors())
     resident = len(static) + 300
-    assert held <= resident * sorted_bytes_per_resident(num_embeddings)
+    assert held <= resident * sparse_map_bytes_per_resident(num_embeddings)
     assert m.lookup(torch.tensor([0, 1, 101, 3001, 5])).tolist() == [0, -1, 1050, 1300, -1]
 
 

@@ -1,10 +1,10 @@
 """Id -> slot maps of a device cache: a dense array, a hash table, or sorted ids searched in O(log n).
 
 The dense map costs 4 bytes per row of the *whole* table, which at small budgets can cost
-more than the cached rows themselves (1.6% of a 64-wide float table); the sorted map costs
-10 bytes per *resident* row (15 for tables of 2**31 rows or more) but a binary search per
-lookup. `slot_map_kind` picks the cheaper one in bytes; the planner counts the sorted
-map's bytes, never less than either, so the budget is always honest.
+more than the cached rows themselves (1.6% of a 64-wide float table); a sparse map (sorted
+or hashed, below) costs at most 12 bytes per *resident* row (15 for tables of 2**31 rows or
+more). `slot_map_kind` picks the cheaper of dense and sparse in bytes; the planner counts
+the sparse map's bytes, never less than what the chosen map holds, so the budget is honest.
 
 The sorted map keeps the static ids (fixed for the whole run, int64, the slot being the
 position) apart from the dynamic ones (int32 id and int32 slot where ids fit). Dynamic ids
@@ -40,20 +40,20 @@ HASH_ROOM = 1.5
 HASH_MAX_LOAD = 0.8
 HASH_BYTES_PER_SLOT = int(SORTED_BYTES_PER_ENTRY * HASH_ROOM)
 # What the planner counts per resident row of a split table: no map costs more.
-SORTED_BYTES_PER_RESIDENT = max(int(SORTED_BYTES_PER_ENTRY * RUN_ROOM), HASH_BYTES_PER_SLOT)
+SPARSE_MAP_BYTES_PER_RESIDENT = max(int(SORTED_BYTES_PER_ENTRY * RUN_ROOM), HASH_BYTES_PER_SLOT)
 
 
-def sorted_bytes_per_resident(num_embeddings: int) -> int:
+def sparse_map_bytes_per_resident(num_embeddings: int) -> int:
     """Bytes per resident row the planner counts for a sparse map (sorted or hashed)."""
     if num_embeddings < INT32_IDS_BELOW:
-        return SORTED_BYTES_PER_RESIDENT
+        return SPARSE_MAP_BYTES_PER_RESIDENT
     # Tables too large for int32 ids keep sorted dynamic ids in int64 (with an int32 slot).
     return int((SORTED_BYTES_PER_ENTRY + 4) * RUN_ROOM)
 
 
 def slot_map_kind(num_embeddings: int, num_resident: int, device: torch.device | None = None) -> SlotMapKind:
     dense = num_embeddings * DENSE_BYTES_PER_ROW
-    if dense <= num_resident * sorted_bytes_per_resident(num_embeddings):
+    if dense <= num_resident * sparse_map_bytes_per_resident(num_embeddings):
         return "dense"
     hashable = device is not None and device.type == "cpu" and num_embeddings < INT32_IDS_BELOW
     return "hashed" if hashable and fbgemm_hash_table_available() else "sorted"
@@ -184,15 +184,18 @@ class HashedSlotMap:
     def tensors(self) -> list[Tensor]:
         return [self.table]
 
+    @staticmethod
+    def _one_bag(ids: Tensor) -> tuple[Tensor, Tensor]:
+        """``ids`` as FBGEMM's ops take them: int32 values and the offsets of one bag."""
+        return ids.to(torch.int32), torch.tensor([0, len(ids)], dtype=torch.int32)
+
     def _insert(self, ids: Tensor, slots: Tensor) -> None:
-        narrow = ids.to(torch.int32)
-        bag = torch.tensor([0, len(narrow)], dtype=torch.int32)
+        narrow, bag = self._one_bag(ids)
         torch.ops.fbgemm.pruned_hashmap_insert(narrow, slots.to(torch.int32), bag, self.table, self._table_offsets)
         self._cells_used += len(narrow)
 
     def lookup(self, ids: Tensor) -> Tensor:
-        narrow = ids.to(torch.int32)
-        bag = torch.tensor([0, len(narrow)], dtype=torch.int32)
+        narrow, bag = self._one_bag(ids)
         slots = torch.ops.fbgemm.pruned_hashmap_lookup(narrow, bag, self.table, self._table_offsets).long()
         holds = (slots >= 0) & (self.id_of_slot[slots.clamp(min=0)] == ids)  # a stale entry hides nothing
         return torch.where(holds, slots, -1)
