@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchrec import EmbeddingBagConfig
 
 from lightning_hotcache.cache.device import check_cache_policy
-from lightning_hotcache.cache.slot_map import SPARSE_MAP_BYTES_PER_RESIDENT, sparse_map_bytes_per_resident
+from lightning_hotcache.cache.slot_map import sparse_map_bytes_per_resident
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
 if TYPE_CHECKING:
@@ -614,7 +614,7 @@ class HotColdPlanner:
         # As a sparse map, even where a dense one would cost less: a collection's split tables
         # may be stacked into one cache (lightning_hotcache.cache.group), whose map is sparse
         # unless dense costs less for all of them together.
-        id_map = (static_rows + cache_slots) * sparse_map_bytes_per_resident(table.num_embeddings)
+        id_map = (static_rows + cache_slots) * sparse_map_bytes_per_resident(table.num_embeddings, self.device)
         return id_map + (static_rows + cache_slots) * (per_row + SLOT_BOOKKEEPING_BYTES)
 
     def _spread_dynamic(
@@ -662,7 +662,7 @@ class HotColdPlanner:
             # Charged as if the id map were sparse (its bytes per resident row) and the row split
             # (its slot's bookkeeping): never less than what it really costs, so the plan stays
             # within the budget.
-            per_row = row_bytes(t, self.optimizer) + SPARSE_MAP_BYTES_PER_RESIDENT + SLOT_BOOKKEEPING_BYTES
+            per_row = row_bytes(t, self.optimizer) + sparse_map_bytes_per_resident(t.num_embeddings, self.device) + SLOT_BOOKKEEPING_BYTES
             for (k0, k1), (c0, c1) in zip(zip(points[:-1], points[1:]), zip(lookups[:-1], lookups[1:])):
                 cost = int(k1 - k0) * per_row
                 segments.append(((c1 - c0) / cost, t.name, int(k0), int(k1), per_row))

@@ -63,6 +63,25 @@ def test_everything_fits_needs_no_stats() -> None:
     assert [line.split()[3] for line in str(plan).splitlines()[2:5]] == ["all"] * 3
 
 
+def test_split_tables_are_charged_the_id_map_their_device_uses() -> None:
+    from lightning_hotcache.cache.slot_map import fbgemm_hash_table_available, sparse_map_bytes_per_resident
+
+    if not fbgemm_hash_table_available():
+        pytest.skip("the hashed slot map needs FBGEMM's CPU ops")
+    # On CPU a split table's ids go to FBGEMM's hash table, with more bytes per resident row
+    # than the sorted runs a CUDA cache keeps: the same budget buys fewer rows there.
+    assert sparse_map_bytes_per_resident(20_000, "cpu") > sparse_map_bytes_per_resident(20_000, "cuda")
+    st = stats()
+    plans = {
+        device: HotColdPlanner(0.1, SGD, prefetch_depth=1, device=device, prefetch_thread=False).plan(TABLES, st)
+        for device in ("cpu", "cuda")
+    }
+    for plan in plans.values():
+        assert plan.device_bytes <= plan.budget_bytes
+    rows = {d: sum(len(t.static_ids) + t.cache_slots for t in p.tables if not t.on_device) for d, p in plans.items()}
+    assert rows["cpu"] < rows["cuda"]
+
+
 def test_split_prefers_coverage_per_byte_and_respects_budget() -> None:
     st = stats()
     plan = HotColdPlanner(0.1, SGD, prefetch_depth=1).plan(TABLES, st)

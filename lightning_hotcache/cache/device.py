@@ -236,12 +236,12 @@ class DeviceCache:
             self.counters.hits += ids.numel()
             self.last_used[slots] = self._issued
             return acquire
-        missed_lookups = counts[missing]
+        needed, missed_lookups = distinct[missing], counts[missing]
         self.counters.hits += ids.numel() - int(missed_lookups.sum())
-        self._tally(_MISSES, distinct[missing], missed_lookups, ascending=True)
+        self._tally(_MISSES, needed, missed_lookups, ascending=True)
         # Lock the hits first, so that fetching the misses cannot evict them.
         self.last_used[slots[~missing]] = self._issued
-        acquire.missing, acquire.needed = missing, distinct[missing]
+        acquire.missing, acquire.needed = missing, needed
         acquire.victims = self._choose_victims(num_missing)
         self._evict(acquire.victims[self.id_of_slot[acquire.victims] >= 0])
         return acquire

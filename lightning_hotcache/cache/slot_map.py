@@ -1,10 +1,11 @@
 """Id -> slot maps of a device cache: a dense array, a hash table, or sorted ids searched in O(log n).
 
 The dense map costs 4 bytes per row of the *whole* table, which at small budgets can cost
-more than the cached rows themselves (1.6% of a 64-wide float table); a sparse map (sorted
-or hashed, below) costs at most 12 bytes per *resident* row (15 for tables of 2**31 rows or
-more). `slot_map_kind` picks the cheaper of dense and sparse in bytes; the planner counts
-the sparse map's bytes, never less than what the chosen map holds, so the budget is honest.
+more than the cached rows themselves (1.6% of a 64-wide float table); a sparse map costs
+bytes per *resident* row: 16 hashed (below), 10 sorted (15 for tables of 2**31 rows or more).
+`slot_map_kind` picks the cheaper of dense and sparse in bytes; the planner counts the bytes
+of the sparse map the cache's device uses (`sparse_map_bytes_per_resident`), never less than
+what the chosen map holds, so the budget is honest.
 
 The sorted map keeps the static ids (fixed for the whole run, int64, the slot being the
 position) apart from the dynamic ones (int32 id and int32 slot where ids fit). Dynamic ids
@@ -15,7 +16,7 @@ merged into one. Merging the whole cache on every fetch would cost
 O(cache slots) per step, the largest cost of a split-budget step before.
 
 On CPU, where FBGEMM is importable, the resident ids go to FBGEMM's CPU hash table instead
-(`HashedSlotMap`, 12 bytes per slot): a lookup is one probe sequence per id in C++ rather
+(`HashedSlotMap`, 16 bytes per slot): a lookup is one probe sequence per id in C++ rather
 than a binary search per run, and a fetch one insert, with no merges (map work 1.66 -> 0.95
 ms a step at cache_micro's budget 0.1, 2.21 -> 0.92 ms at cpu_throughput's; in-process A/Bs).
 """
@@ -35,28 +36,36 @@ SORTED_BYTES_PER_ENTRY = 8  # a static int64 id (its slot is its position), or a
 RUN_ROOM = 1.25
 INT32_IDS_BELOW = 2**31
 # The hash table's cells (int32 id, int32 slot) per slot, and the share of them in use (stale
-# entries of evicted ids included) at which it is rebuilt from the resident ids.
-HASH_ROOM = 1.5
+# entries of evicted ids included) at which it is rebuilt from the resident ids. A full cache
+# refills 0.8 x 2.0 - 1 = 60% of its slots between rebuilds (1.5 cells: 20%, a rebuild every
+# ~3 steps at cache_micro's budget 0.01, map work 1.53 -> 1.22 ms a step with 2.0).
+HASH_ROOM = 2.0
 HASH_MAX_LOAD = 0.8
 HASH_BYTES_PER_SLOT = int(SORTED_BYTES_PER_ENTRY * HASH_ROOM)
-# What the planner counts per resident row of a split table: no map costs more.
-SPARSE_MAP_BYTES_PER_RESIDENT = max(int(SORTED_BYTES_PER_ENTRY * RUN_ROOM), HASH_BYTES_PER_SLOT)
 
 
-def sparse_map_bytes_per_resident(num_embeddings: int) -> int:
-    """Bytes per resident row the planner counts for a sparse map (sorted or hashed)."""
+def sparse_map_bytes_per_resident(num_embeddings: int, device: torch.device | str | None = None) -> int:
+    """Bytes per resident row of the sparse map a cache of ``num_embeddings`` rows on ``device``
+    uses (hashed where `hash_table_usable`, else sorted): what the planner counts."""
+    if hash_table_usable(num_embeddings, device):
+        return HASH_BYTES_PER_SLOT
     if num_embeddings < INT32_IDS_BELOW:
-        return SPARSE_MAP_BYTES_PER_RESIDENT
+        return int(SORTED_BYTES_PER_ENTRY * RUN_ROOM)
     # Tables too large for int32 ids keep sorted dynamic ids in int64 (with an int32 slot).
     return int((SORTED_BYTES_PER_ENTRY + 4) * RUN_ROOM)
 
 
-def slot_map_kind(num_embeddings: int, num_resident: int, device: torch.device | None = None) -> SlotMapKind:
-    dense = num_embeddings * DENSE_BYTES_PER_ROW
-    if dense <= num_resident * sparse_map_bytes_per_resident(num_embeddings):
+def slot_map_kind(num_embeddings: int, num_resident: int, device: torch.device | str | None = None) -> SlotMapKind:
+    if num_embeddings * DENSE_BYTES_PER_ROW <= num_resident * sparse_map_bytes_per_resident(num_embeddings, device):
         return "dense"
-    hashable = device is not None and device.type == "cpu" and num_embeddings < INT32_IDS_BELOW
-    return "hashed" if hashable and fbgemm_hash_table_available() else "sorted"
+    return "hashed" if hash_table_usable(num_embeddings, device) else "sorted"
+
+
+def hash_table_usable(num_embeddings: int, device: torch.device | str | None) -> bool:
+    """Whether a cache of ``num_embeddings`` rows on ``device`` keeps its ids in `HashedSlotMap`:
+    on CPU (FBGEMM's hash ops are CPU ops), for int32 ids, where FBGEMM is importable."""
+    on_cpu = device is not None and torch.device(device).type == "cpu"
+    return on_cpu and num_embeddings < INT32_IDS_BELOW and fbgemm_hash_table_available()
 
 
 def fbgemm_hash_table_available() -> bool:
@@ -165,7 +174,7 @@ class HashedSlotMap:
     id array, which the map only reads) still names that id at that slot, and lookups check
     it. Stale entries fill cells; when live and stale entries would pass `HASH_MAX_LOAD` of
     the table, it is rebuilt from the resident ids (one insert of each: ~2.5 ms for 100k ids
-    on a 2-core CPU, every ~8 steps at cache_micro's budget 0.1)."""
+    on a 2-core CPU, every ~35 steps at cache_micro's budget 0.1)."""
 
     def __init__(
         self, num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device, id_of_slot: Tensor
