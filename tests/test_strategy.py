@@ -74,6 +74,18 @@ def minimum_budget(stats_path: Path, depth: int = 1, device: str = "cpu") -> int
     return planner.minimum_bytes(stats.tables, stats)
 
 
+def assert_same_val_metrics(metrics: dict, expected: dict) -> None:
+    """Validation metrics of two trainings whose weights agree to float rounding.
+
+    The log loss is continuous in the weights and is held tight. The AUC is a rank statistic:
+    on ``data()``'s 512 validation samples it moves in steps of one positive-negative pair
+    (about 1.5e-5), so a rounding-level difference in the summation order (FBGEMM's kernel
+    against PyTorch's, or another CPU's SIMD path) may swap a near-tied pair or two; it
+    gets a few pairs' room, far below what a wrongly updated row would move it."""
+    assert metrics["val/logloss"] == pytest.approx(expected["val/logloss"], rel=1e-5, abs=1e-6)
+    assert metrics["val/auc"] == pytest.approx(expected["val/auc"], abs=1e-4)
+
+
 CASES = list(itertools.product(sorted(MODEL_REGISTRY), [1.0, 0.05, "minimum"], ["lfu", "lru", "static"]))
 
 
@@ -98,7 +110,7 @@ def assert_hotcache_matches_auto(
     # Float tolerance only: duplicate ids sum in another order when rows sit in other slots,
     # and Adagrad magnifies that rounding on rows whose accumulated gradient is tiny.
     torch.testing.assert_close(model.state_dict(), expected_state, rtol=1e-5, atol=1e-5)
-    assert metrics["val/auc"] == pytest.approx(expected_metrics["val/auc"], abs=1e-5)
+    assert_same_val_metrics(metrics, expected_metrics)
 
 
 def test_profiles_when_no_stats_and_logs_cache_metrics() -> None:
@@ -207,7 +219,7 @@ def test_torchrec_matches_auto(name, baselines, tmp_path) -> None:
     expected_state, expected_metrics = baselines[name]
     gathered = trainer.strategy.lightning_module_state_dict()
     torch.testing.assert_close(gathered, expected_state, rtol=1e-5, atol=1e-5)
-    assert metrics["val/auc"] == pytest.approx(expected_metrics["val/auc"], abs=1e-5)
+    assert_same_val_metrics(metrics, expected_metrics)
     if name == "dlrm":  # its checkpoint holds plain tables, so it evaluates under auto
         trainer.save_checkpoint(tmp_path / "torchrec.ckpt")
         dm = data()
