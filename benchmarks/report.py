@@ -21,10 +21,26 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def _cpu_model() -> str:
+    """The processor's name as the kernel reports it (``platform.processor()`` is often empty)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> dict[str, Any]:
+    """Where a result was measured: ratios between kernels move with the processor (a run on an
+    AVX-512 machine and one on an AVX2 machine are not one series), so the CPU model and the
+    SIMD level PyTorch dispatches to are recorded with the versions."""
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     return {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": _cpu_model(),
+        "arch": platform.machine(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -24,7 +24,11 @@ def test_smoke_mode_reports_every_strategy(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(report, "job_in_process", job_here)
     out = tmp_path / "gpu.json"
     gpu.main([*SMOKE, "--batch-size", "64", "--out", str(out)])
-    results = json.loads(out.read_text())["results"]
+    written = json.loads(out.read_text())
+    # Where it ran: the processor by name and the SIMD level torch's CPU kernels dispatch to.
+    capabilities = {"DEFAULT", "NO AVX", "AVX2", "AVX512", "SVE256", "VSX", "Z VECTOR"}  # get_cpu_capability's
+    assert written["machine"]["cpu"] and written["machine"]["torch_cpu_capability"] in capabilities
+    results = written["results"]
     assert list(results) == ["auto", "cpu-lookup", "hotcache@1", "hotcache@0.1", "hotcache@0.01"]
     assert all(r["samples_per_s"] > 0 and r["device_peak_bytes"] is None for r in results.values())
     assert results["auto"]["hit_rate"] is None and results["auto"]["h2d_bytes_per_step"] == 0
