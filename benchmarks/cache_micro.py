@@ -12,7 +12,7 @@ Data: SyntheticCTRDataModule (26 Criteo-shaped Zipf features). Stats for the pla
 from batches *before* the timed ones. Prints a table and JSON; writes
 benchmarks/results/cache_micro.json.
 
-    python benchmarks/cache_micro.py [--scale 0.05] [--batch-size 2048] [--steps 40]
+    python benchmarks/cache_micro.py [--scale 0.05] [--batch-size 2048] [--steps 40] [--optimizer rowwise_adagrad]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from clock import rss_bytes
 from report import write_report
 from torchrec import EmbeddingBagCollection
+from torchrec.optim import RowWiseAdagrad
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
 from datamodules import SyntheticCTRDataModule
@@ -60,6 +61,8 @@ def main() -> None:
     parser.add_argument("--profile-batches", type=int, default=50)
     parser.add_argument("--budgets", type=float, nargs="+", default=[1.0, 0.1, 0.01])
     parser.add_argument("--prefetch-depth", type=int, default=1)
+    parser.add_argument("--optimizer", choices=["sgd", "rowwise_adagrad"], default="sgd",
+                        help="the row-wise rule of every path (cpu_throughput trains row-wise Adagrad)")
     parser.add_argument("--out", type=Path, default=RESULTS / "cache_micro.json")
     args = parser.parse_args()
 
@@ -71,12 +74,14 @@ def main() -> None:
     timed = [source.batch(i * bs, (i + 1) * bs).sparse_features for i in range(args.profile_batches, args.profile_batches + args.steps)]
     width = args.dim * len(dm.tables)
     grads = [torch.randn(bs, width, generator=torch.Generator().manual_seed(i)) / bs for i in range(args.steps)]
-    config = RowWiseOptimizerConfig(name="sgd", lr=0.05)
+    config = RowWiseOptimizerConfig(name=args.optimizer, lr=0.05)
     stats = profile_batches(profile, dm.tables, progress=False)
     rows = sum(t.num_embeddings for t in dm.tables)
 
     steps: dict[str, Callable[[int], None]] = {}
-    fused = FusedEmbeddingBagCollection(tables=dm.tables, optimizer_type=torch.optim.SGD, optimizer_kwargs={"lr": 0.05}, device=torch.device("cpu"))
+    fused_rule = {"sgd": (torch.optim.SGD, {"lr": config.lr}), "rowwise_adagrad": (RowWiseAdagrad, {"lr": config.lr, "eps": config.eps})}
+    rule, kwargs = fused_rule[args.optimizer]
+    fused = FusedEmbeddingBagCollection(tables=dm.tables, optimizer_type=rule, optimizer_kwargs=kwargs, device=torch.device("cpu"))
     steps["fused"] = lambda i: fused(timed[i]).values().backward(grads[i])
 
     plain = EmbeddingBagCollection(tables=dm.tables)
@@ -140,7 +145,7 @@ def main() -> None:
             f"{name:<16}{r['step_ms']:>10.2f}{r['speed_vs_fused']:>9.2f}{r['speed_vs_plain']:>9.2f}{hit:>10}{fetched:>14}"
             f"{device:>22}"
         )
-    write_report("cache_micro", args, results, rows=rows, tables=len(dm.tables), optimizer="sgd", policy="lfu")
+    write_report("cache_micro", args, results, rows=rows, tables=len(dm.tables), optimizer=args.optimizer, policy="lfu")
 
 if __name__ == "__main__":
     main()
