@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -73,17 +74,34 @@ def rounds_of_jobs(script: str | Path, settings: Sequence[str], names: Sequence[
     """The median round (`median_round`) of each job of ``names``, run ``rounds`` times over
     all of them, every run a process of its own (`job_in_process`): a run's peak memory is then
     its own, memory one fit leaves behind cannot starve the next, and slow drift of the machine
-    hits every job alike."""
-    runs = [{name: job_in_process(script, settings, name) for name in names} for _ in range(rounds)]
-    return {name: median_round([r[name] for r in runs]) for name in names}
+    hits every job alike. Round ``r`` starts at job ``r mod len(names)`` (a rotation): a job's
+    place in the round then changes from round to round, so no job is always the one that
+    follows the largest process (on this 2-core machine the first job of every round ran a few
+    percent slower, which a fixed order hands to the same job every time). Each result also
+    gets ``round_ratios``: its samples/s over every job's in the same round (see `add_ratios`)."""
+    runs: list[dict[str, dict[str, Any]]] = []
+    for r in range(rounds):
+        shift = r % len(names)
+        runs.append({name: job_in_process(script, settings, name) for name in [*names[shift:], *names[:shift]]})
+    results = {name: median_round([run[name] for run in runs]) for name in names}
+    for name in names:
+        results[name]["round_ratios"] = {
+            other: [run[name]["samples_per_s"] / run[other]["samples_per_s"] for run in runs] for other in names
+        }
+    return results
 
 
 def add_ratios(results: dict[str, dict[str, Any]], baselines: Sequence[str]) -> None:
-    """``x_<baseline>``: each result's samples/s over the baseline's (NaN where it did not run)."""
+    """``x_<baseline>``: each result's samples/s over the baseline's (NaN where it did not run),
+    median rounds against each other; with ``round_ratios`` (`rounds_of_jobs`) also
+    ``x_<baseline>_paired``, the median of the per-round ratios, which the machine's drift
+    between rounds does not move."""
     for r in results.values():
         for baseline in baselines:
             base = results.get(baseline)
             r[f"x_{baseline}"] = r["samples_per_s"] / base["samples_per_s"] if base else float("nan")
+            if base and baseline in r.get("round_ratios", {}):
+                r[f"x_{baseline}_paired"] = statistics.median(r["round_ratios"][baseline])
 
 
 def write_report(name: str, args: argparse.Namespace, results: Any, echo: bool = True, **settings: Any) -> dict[str, Any]:
