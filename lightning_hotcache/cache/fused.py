@@ -22,6 +22,7 @@ from torch import Tensor
 from torchrec import EmbeddingBagConfig
 from torchrec.modules.embedding_configs import PoolingType
 
+from lightning_hotcache.cache.huge_pages import move_to_huge_pages
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
 KernelChoice = Literal["auto", "fbgemm", "pytorch"]
@@ -123,8 +124,14 @@ class FusedTables:
             output_dtype=SparseType.FP32,
             device=device,
         )
-        if feature_groups is not None and not on_cuda:
-            self._split_hash_space(feature_groups, slot_counts, feature_table_map)
+        if not on_cuda:
+            if feature_groups is not None:
+                self._split_hash_space(feature_groups, slot_counts, feature_table_map)
+            # The rows and their state, read and updated at random: on 2 MiB pages where the
+            # kernel grants them (see `huge_pages`; in place, so views stay valid).
+            for array in (self.tbe.weights_host, getattr(self.tbe, "momentum1_host", None)):
+                if isinstance(array, Tensor):
+                    move_to_huge_pages(array.data)
         weights = self.tbe.split_embedding_weights()
         states = self.tbe.split_optimizer_states() if optimizer.name == "rowwise_adagrad" else [[] for _ in weights]
         # Views of the TBE's memory through which the caches write rows. ``.data``, not

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_hotcache.cache.huge_pages import zeros_on_huge_pages
+
 # Copy tables into the store in chunks of this many bytes, so initializing a table larger
 # than RAM never materializes it twice (deferred tables are also made in chunks this size).
 CHUNK_BYTES = 64 * 2**20
@@ -172,8 +174,10 @@ class HostStore:
 
     def _allocate(self, key: str, width: int, pin_memory: bool) -> Tensor:
         if self.directory is None:
-            tensor = torch.zeros(self.num_embeddings, width, dtype=torch.float32)
-            return tensor.pin_memory() if pin_memory else tensor
+            if pin_memory:
+                return torch.zeros(self.num_embeddings, width, dtype=torch.float32).pin_memory()
+            # Misses and write-backs touch random rows: 2 MiB pages spare their TLB misses.
+            return zeros_on_huge_pages(self.num_embeddings, width)
         array = self.directory.create(f"{self.name}.{key}.f32", self.num_embeddings, width)
         self._maps.append(array)
         return torch.from_numpy(array)
