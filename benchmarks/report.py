@@ -75,10 +75,10 @@ def rounds_of_jobs(script: str | Path, settings: Sequence[str], names: Sequence[
     all of them, every run a process of its own (`job_in_process`): a run's peak memory is then
     its own, memory one fit leaves behind cannot starve the next, and slow drift of the machine
     hits every job alike. Round ``r`` starts at job ``r mod len(names)`` (a rotation): a job's
-    place in the round then changes from round to round, so no job is always the one that
-    follows the largest process (on this 2-core machine the first job of every round ran a few
-    percent slower, which a fixed order hands to the same job every time). Each result also
-    gets ``round_ratios``: its samples/s over every job's in the same round (see `add_ratios`)."""
+    place in the round changes from round to round, so whatever its place costs (following
+    the largest process, a warm or cold page cache) is spread over every job instead of
+    handed to the same one each time. Each result also gets ``round_ratios``: its samples/s
+    over every job's in the same round (see `add_ratios`)."""
     runs: list[dict[str, dict[str, Any]]] = []
     for r in range(rounds):
         shift = r % len(names)
