@@ -77,31 +77,26 @@ def rounds_of_jobs(script: str | Path, settings: Sequence[str], names: Sequence[
     hits every job alike. Round ``r`` starts at job ``r mod len(names)`` (a rotation): a job's
     place in the round changes from round to round, so whatever its place costs (following
     the largest process, a warm or cold page cache) is spread over every job instead of
-    handed to the same one each time. Each result also gets ``round_ratios``: its samples/s
-    over every job's in the same round (see `add_ratios`)."""
+    handed to the same one each time. Each result's ``rounds`` are in round order, so
+    `add_ratios` can pair them with another job's."""
     runs: list[dict[str, dict[str, Any]]] = []
     for r in range(rounds):
         shift = r % len(names)
         runs.append({name: job_in_process(script, settings, name) for name in [*names[shift:], *names[:shift]]})
-    results = {name: median_round([run[name] for run in runs]) for name in names}
-    for name in names:
-        results[name]["round_ratios"] = {
-            other: [run[name]["samples_per_s"] / run[other]["samples_per_s"] for run in runs] for other in names
-        }
-    return results
+    return {name: median_round([run[name] for run in runs]) for name in names}
 
 
 def add_ratios(results: dict[str, dict[str, Any]], baselines: Sequence[str]) -> None:
     """``x_<baseline>``: each result's samples/s over the baseline's (NaN where it did not run),
-    median rounds against each other; with ``round_ratios`` (`rounds_of_jobs`) also
-    ``x_<baseline>_paired``, the median of the per-round ratios, which the machine's drift
-    between rounds does not move."""
+    median rounds against each other; and ``x_<baseline>_paired``, the median over rounds of
+    the ratio within a round (`rounds_of_jobs`' results), which the machine's drift between
+    rounds does not move."""
     for r in results.values():
         for baseline in baselines:
             base = results.get(baseline)
             r[f"x_{baseline}"] = r["samples_per_s"] / base["samples_per_s"] if base else float("nan")
-            if base and baseline in r.get("round_ratios", {}):
-                r[f"x_{baseline}_paired"] = statistics.median(r["round_ratios"][baseline])
+            if base and "rounds" in r and "rounds" in base:
+                r[f"x_{baseline}_paired"] = statistics.median(a / b for a, b in zip(r["rounds"], base["rounds"], strict=True))
 
 
 def write_report(name: str, args: argparse.Namespace, results: Any, echo: bool = True, **settings: Any) -> dict[str, Any]:
