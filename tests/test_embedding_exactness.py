@@ -18,7 +18,9 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from lightning_hotcache import RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
+from lightning_hotcache.cache.exchange import RowSharding
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection
+from lightning_hotcache.embedding.update import OwnersUpdate
 from lightning_hotcache.planner import HotColdPlan, TablePlan
 
 TABLES = [
@@ -262,44 +264,44 @@ def test_stacked_tables_stay_separate_tables_to_fbgemm() -> None:
     assert starts[-1] - starts[-2] == rows
 
 
-def test_stacked_host_stores_route_rows_to_their_tables() -> None:
-    from lightning_hotcache.cache.group import StackedHostStores
+def test_a_tables_rows_of_a_stacks_host_store_share_its_memory() -> None:
     from lightning_hotcache.cache.host import HostStore
 
-    stores = [HostStore(f"t{k}", rows, 2, {"momentum": 1}) for k, rows in enumerate([3, 5, 4])]
-    for k, store in enumerate(stores):
-        store.load("weight", torch.arange(store.num_embeddings * 2, dtype=torch.float32).view(-1, 2) + 100 * k)
-    stacked = StackedHostStores(stores, [0, 3, 8, 12])
-    rows = stacked.read(torch.tensor([1, 3, 7, 11]))
-    torch.testing.assert_close(rows["weight"][:, 0], torch.tensor([2.0, 100.0, 108.0, 206.0]))
-    stacked.write(torch.tensor([11, 0, 4]), {"weight": torch.full((3, 2), -1.0), "momentum": torch.tensor([[1.0], [2.0], [3.0]])})
-    assert stores[2].arrays["momentum"][3, 0] == 1.0 and stores[0].arrays["momentum"][0, 0] == 2.0 and stores[1].arrays["momentum"][1, 0] == 3.0
-    assert (stores[1].weight[1] == -1).all() and (stores[0].weight[1] != -1).all()
-    assert stacked.read(torch.tensor([], dtype=torch.int64))["weight"].shape == (0, 2)
-    with pytest.raises(ValueError, match="within one table"):
-        stacked.load("weight", torch.zeros(4, 2), start=2)
+    stack = HostStore("stack", 12, 2, {"momentum": 1})
+    table = HostStore.rows_of(stack, "t1", 3, 5)
+    assert (table.name, table.num_embeddings) == ("t1", 5)
+    table.load("weight", torch.ones(5, 2))
+    table.write(torch.tensor([4]), {"weight": torch.full((1, 2), 7.0), "momentum": torch.tensor([[2.0]])})
+    assert stack.weight[:, 0].tolist() == [0, 0, 0, 1, 1, 1, 1, 7, 0, 0, 0, 0]
+    assert stack.arrays["momentum"][7, 0] == 2.0
+    torch.testing.assert_close(table.read(torch.tensor([4]))["weight"], torch.full((1, 2), 7.0))
 
 
 MEAN_TABLES = [EmbeddingBagConfig(**{**t.__dict__, "pooling": PoolingType.MEAN}) for t in TABLES]
 
 
 @pytest.mark.parametrize(("weighted", "tables"), [(True, SUM_TABLES), (False, MEAN_TABLES)], ids=["sum-weighted", "mean"])
-def test_row_gradients_formed_from_the_output_gradient_are_the_lookups(weighted, tables) -> None:
+def test_row_gradients_formed_from_the_output_gradient_are_the_kernels(weighted, tables) -> None:
     # Across ranks the fused kernel's lookup runs without its backward; the rows' gradients
-    # are formed by hand (per-sample weights, MEAN's 1/length, a table read by two features)
-    # and must be what autograd gives a plain EmbeddingBagCollection.
+    # are formed by hand (per-sample weights, MEAN's 1/length, a table read by two features,
+    # device tables of several widths) and must sum, row by row, to what FBGEMM's own backward
+    # applies: with SGD at lr 1 that is the change of every row it read.
     batch = zipf_batches(steps=1, weighted=weighted)[0]
     plan = make_plan([batch], 0.1, 0, "lfu", tables)
     module = HotColdEmbeddingBagCollection.from_ebc(
-        EmbeddingBagCollection(tables=tables, is_weighted=weighted), plan, RowWiseOptimizerConfig("sgd"), kernel="fbgemm"
+        EmbeddingBagCollection(tables=tables, is_weighted=weighted), plan, RowWiseOptimizerConfig("sgd", lr=1.0), kernel="fbgemm"
     )
-    assert any(not cache.identity for cache in module.caches.values())
+    assert any(not cache.identity for cache in module.caches.values()) and module.layout.stacked
+    owned = [module._owned_rows(k) for k in range(len(module.layout.device_rows))]
+    update = OwnersUpdate(module.layout, owned, module._staging, module._lock, module.optimizer, RowSharding(), weighted)
     width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
     grad = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(0))
-    staged = module._stage(batch)
-    slots, rows = module._row_gradients(staged, grad)
-    reference = EmbeddingBagCollection(tables=tables, is_weighted=weighted)
-    (reference(batch).values() * grad).sum().backward()
-    for (name, cache), table_slots, table_rows in zip(module._ticket_caches.items(), slots, rows):
-        got = torch.zeros_like(reference.embedding_bags[name].weight).index_add_(0, cache.ids_of_slots(table_slots), table_rows)
-        torch.testing.assert_close(got, reference.embedding_bags[name].weight.grad, msg=name)
+    staged = module._staging.stage(batch)
+    rows = update.value_gradients(staged.ours, grad)
+    positions = update._value_positions(staged.ours)
+    before = [o.storage["weight"].clone() for o in owned]
+    (module._lookup(staged) * grad).sum().backward()  # FBGEMM's backward, SGD fused in
+    for k, (o, value_rows, at) in enumerate(zip(owned, rows, positions)):
+        read = staged.indices if at is None else staged.indices[at]
+        expected = torch.zeros_like(before[k]).index_add_(0, read, value_rows)
+        torch.testing.assert_close(before[k] - o.storage["weight"], expected, msg=f"device table {k}")

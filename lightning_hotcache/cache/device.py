@@ -270,6 +270,16 @@ class DeviceCache:
             self.frequency.index_add_(0, slots, acquire.counts)
         return slots[acquire.inverse], acquire.ticket, slots
 
+    def count_lookups(self, count: int) -> None:
+        """Lookups served without an `acquire` (a table wholly on the device, read at its rows)."""
+        self.counters.lookups += count
+        self.counters.hits += count
+
+    def count_fetched(self, ids: Tensor) -> None:
+        """Rows ``ids`` were fetched into this cache from elsewhere (another rank's owner)."""
+        self.counters.fetched_rows += len(ids)
+        self._tally(_FETCHED, ids)
+
     def num_locked(self) -> int:
         return 0 if self.identity else int((self.last_used > self._released_upto).sum())
 

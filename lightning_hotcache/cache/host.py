@@ -182,6 +182,17 @@ class HostStore:
         self._maps.append(array)
         return torch.from_numpy(array)
 
+    @classmethod
+    def rows_of(cls, store: "HostStore", name: str, start: int, num_rows: int) -> "HostStore":
+        """Rows ``[start, start + num_rows)`` of ``store`` as a store of their own, sharing its
+        memory: a table's rows in the host store of a stack of tables (see
+        `lightning_hotcache.embedding.layout`), which reads and writes all of them at once."""
+        view = cls.__new__(cls)  # no arrays of its own to allocate
+        view.name, view.num_embeddings, view.embedding_dim, view.directory = name, num_rows, store.embedding_dim, None
+        view._maps = []  # the stack's store flushes the files
+        view.arrays = {key: array[start : start + num_rows] for key, array in store.arrays.items()}
+        return view
+
     @property
     def weight(self) -> Tensor:
         return self.arrays["weight"]

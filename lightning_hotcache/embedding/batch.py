@@ -1,0 +1,104 @@
+"""A batch on its way through a `HotColdEmbeddingBagCollection`: the KJT checks and reordering
+done once at staging, and the staged batch every later part reads (its slots and tickets).
+
+By hand with torch ops, not KeyedJaggedTensor.permute / offsets: those are FBGEMM ops, which
+the CPU build of FBGEMM (what a CUDA machine without FBGEMM's CUDA build has) lacks for CUDA
+tensors.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+
+@dataclass
+class StagedBatch:
+    """A batch whose rows are resident and locked: the slot of every value, feature-major in
+    the module's feature order (what FBGEMM's TBE reads)."""
+
+    features: KeyedJaggedTensor  # as given (to recognize the batch in forward)
+    ours: KeyedJaggedTensor  # its features of this module, in this module's order
+    indices: Tensor  # slot of every value of `ours` (at its region's place in a stacked TBE table)
+    tickets: dict[str, list[int]]  # cache key (table, or a stack) -> cache tickets to release
+    read: list[tuple[Any, Tensor]]  # each cache's distinct slots the batch read (to refresh across ranks)
+    output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
+    # What the update across ranks keeps from forward for backward (see `OwnedRows`).
+    exchange: list[Any] = field(default_factory=list)
+
+
+def same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
+    # Moving a batch to the device it is already on makes new KJT objects around the same
+    # tensors, so compare storage, not identity.
+    va, vb = a.values(), b.values()
+    return a is b or (va.data_ptr() == vb.data_ptr() and va.shape == vb.shape and a.keys() == b.keys())
+
+
+def bag_offsets(features: KeyedJaggedTensor) -> Tensor:
+    """Offsets of every bag, feature-major (what TBE reads)."""
+    offsets = features.offsets_or_none()
+    if offsets is not None:
+        return offsets
+    lengths = features.lengths()
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+
+
+def concat_spans(values: Tensor, spans: list[tuple[int, int]]) -> Tensor:
+    """``values[a:b]`` for each span, end to end (a view when there is one span)."""
+    return values[spans[0][0] : spans[0][1]] if len(spans) == 1 else torch.cat([values[a:b] for a, b in spans])
+
+
+def check_ids(features: KeyedJaggedTensor, tables: dict[str, EmbeddingBagConfig]) -> None:
+    """Every id of every feature (each a key of ``tables``, feature -> table) within its
+    table, checked in one pass over the batch's values (a check per feature costs a few small
+    ops each, which add up across 26 features on every step); the first bad id is named."""
+    values = features.values()
+    if values.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"Features {features.keys()} have ids of dtype {values.dtype}; expected int32/int64.")
+    if values.numel() == 0:
+        return
+    keys = features.keys()
+    limits = torch.tensor([tables[k].num_embeddings for k in keys], device=values.device)
+    per_value = torch.repeat_interleave(limits, torch.tensor(features.length_per_key(), device=values.device))
+    bad = (values < 0) | (values >= per_value)
+    if not bool(bad.any()):
+        return
+    position = int(bad.nonzero()[0])
+    feature = keys[int((position >= torch.tensor(features.offset_per_key()[1:])).sum())]
+    table = tables[feature]
+    raise ValueError(
+        f"Feature {feature!r} of table {table.name!r} has id {int(values[position])}, outside [0, "
+        f"{table.num_embeddings}). Hash or clip ids into the table's range (or enlarge num_embeddings); no row "
+        "was touched."
+    )
+
+
+def in_feature_order(features: KeyedJaggedTensor, order: list[str], table_of: dict[str, EmbeddingBagConfig]) -> KeyedJaggedTensor:
+    """``features`` restricted to the features ``order`` names, in that order (as given when it is)."""
+    keys = features.keys()
+    if keys == order:
+        return features
+    position = {f: k for k, f in enumerate(keys)}
+    for feature in order:
+        if feature not in position:
+            raise KeyError(f"Feature {feature!r} of table {table_of[feature].name!r} is missing from the batch (it has {keys}).")
+    picked = [position[f] for f in order]
+    batch, per_key = features.stride(), features.length_per_key()
+
+    def reordered(flat: Tensor, sizes: int | list[int]) -> Tensor:
+        parts = flat.split(sizes)
+        return torch.cat([parts[k] for k in picked])
+
+    weights = features.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=list(order),
+        values=reordered(features.values(), per_key),
+        lengths=reordered(features.lengths(), batch),
+        weights=None if weights is None else reordered(weights, per_key),
+        stride=batch,
+    )

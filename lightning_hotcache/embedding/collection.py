@@ -1,0 +1,403 @@
+"""HotColdEmbeddingBagCollection: torchrec's EmbeddingBagCollection, with rows in a device cache.
+
+Same input (KeyedJaggedTensor), same output (KeyedTensor), same ``state_dict`` keys as the
+EmbeddingBagCollection it replaces. Each table's rows live in a `DeviceCache` (hot rows
+pinned, others cached from a `HostStore`), or, for split tables of one width where FBGEMM
+runs, in one stacked cache (`lightning_hotcache.cache.group`), so that a step's bookkeeping
+does not grow with the number of tables.
+
+The module is a facade over three parts chosen once, when it is built, from the kernel
+(FBGEMM's fused TBE where it trains exactly, else PyTorch's ``embedding_bag``) and the
+number of processes:
+
+    forward = staging (`Staging`)  ->  lookup (`lookup.py`)  ->  update attached (`update.py`)
+
+| kernel  | processes | lookup               | update                                         |
+|---------|-----------|----------------------|------------------------------------------------|
+| fbgemm  | 1         | `FusedLookup`        | `FusedUpdate`: the kernel's backward           |
+| fbgemm  | several   | `LookupForOwners`    | `OwnersUpdate`: owners step a width's rows     |
+| pytorch | 1         | `EmbeddingBagLookup` | `LocalHookUpdate`: a hook per cache            |
+| pytorch | several   | `EmbeddingBagLookup` | `OwnersHookUpdate`: hooks, then owners         |
+
+Where the rows live (`Layout`) is decided alongside; nothing in a step tests the
+configuration again.
+
+Rules a caller must keep (Lightning's loops keep them): a training forward is followed by
+its backward before the next training forward; training batches are forwarded in the
+order they were prefetched. Forward in eval mode or under ``torch.no_grad()`` updates
+nothing and may come between prefetched training batches.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
+from torchrec.modules.embedding_configs import PoolingType
+
+from lightning_hotcache.cache import CachePolicy, DeviceCache, HostDirectory, HostStore
+from lightning_hotcache.cache.exchange import RowSharding
+from lightning_hotcache.cache.fused import FusedTables, KernelChoice, check_kernel_choice, fused_unavailable
+from lightning_hotcache.cache.group import TableInGroup
+from lightning_hotcache.cache.owned_rows import OwnedRows
+from lightning_hotcache.embedding.layout import Layout, build_layout
+from lightning_hotcache.embedding.lookup import EmbeddingBagLookup, FusedLookup, LookupForOwners
+from lightning_hotcache.embedding.staging import Staging
+from lightning_hotcache.embedding.update import FusedUpdate, LocalHookUpdate, OwnersHookUpdate, OwnersUpdate
+from lightning_hotcache.planner import HotColdPlan
+from lightning_hotcache.rowwise import RowWiseOptimizerConfig
+from lightning_hotcache.table_init import draw_seed, initial_rows, is_deferred
+
+
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a method under the module's lock: a background thread may be staging batches."""
+
+    @functools.wraps(method)
+    def wrapper(self: "HotColdEmbeddingBagCollection", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class HotColdEmbeddingBagCollection(nn.Module):
+    """Drop-in for ``torchrec.EmbeddingBagCollection`` whose rows live in a tiered cache.
+
+    Args:
+        tables: the tables, as for EmbeddingBagCollection (SUM or MEAN pooling).
+        plan: which rows of each table are static on the device and how many cache slots it gets.
+        optimizer: the row-wise rule applied in backward.
+        device: where the cached rows live.
+        cache_policy: ``lfu``, ``lru`` or ``static`` (see `DeviceCache`).
+        host_storage: ``"memory"`` (RAM, pinned when CUDA is present) or a directory for
+            memory-mapped host tables. The module locks the directory (see `HostDirectory`:
+            one owner at a time, files made fresh) until `release_host_storage`.
+        is_weighted: use the KJT's per-sample weights (SUM pooling), as torchrec's flag of that name.
+        kernel: ``"fbgemm"``: the device tier is FBGEMM's table-batched embedding with the
+            row-wise rule fused into backward (see `FusedTables`); ``"pytorch"``: one
+            ``embedding_bag`` per feature and the update in a gradient hook; ``"auto"``:
+            FBGEMM where it trains exactly (`fused_unavailable` says where not),
+            else PyTorch. ``kernel_note`` says which runs and why.
+        process_group: data-parallel ranks training the same tables (None: this process alone).
+            Host stores are sharded round-robin across the ranks, each rank caches the rows
+            its batches read, and each row's owner applies the ranks' mean gradient to it
+            (see `OwnersUpdate`); a forward first fetches the current copies of the other
+            ranks' rows it reads. Every rank must make the same calls (forward, prefetch,
+            state_dict) in the same order.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        plan: HotColdPlan,
+        optimizer: RowWiseOptimizerConfig | None = None,
+        device: torch.device | str | None = None,
+        cache_policy: CachePolicy = "lfu",
+        host_storage: str | Path = "memory",
+        is_weighted: bool = False,
+        process_group: Any = None,
+        kernel: KernelChoice = "auto",
+    ) -> None:
+        super().__init__()
+        check_kernel_choice(kernel)
+        self._is_weighted = is_weighted
+        self.process_group = process_group
+        # False while a strategy saves split tables shard by shard instead of gathering them.
+        self.gather_split_tables = True
+        # Staging (possibly on a prefetch thread), forward and the backward update all change
+        # the caches; one re-entrant lock keeps them from interleaving.
+        self._lock = threading.RLock()
+        self._tables = list(tables)
+        self.optimizer = optimizer or RowWiseOptimizerConfig()
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.plan = plan
+        plan.check_tables(self._tables, whole_model=False)  # one plan covers all of a model's collections
+        for table in self._tables:
+            if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+                raise ValueError(f"Table {table.name!r}: pooling {table.pooling} is not supported (SUM or MEAN).")
+        self.host_directory = None if str(host_storage) == "memory" else HostDirectory(host_storage)
+        sharding = RowSharding()
+        if process_group is not None:
+            sharding = RowSharding(dist.get_rank(process_group), dist.get_world_size(process_group), process_group)
+        self._sharding = sharding
+        slot_counts = {
+            t.name: DeviceCache.num_slots(t.num_embeddings, plan.table(t.name).static_ids, plan.table(t.name).cache_slots)
+            for t in self._tables
+        }
+        split = {t.name for t in self._tables if not plan.table(t.name).on_device}
+        reason = self._why_not_fused(kernel, min(slot_counts.values()))
+        self.layout = build_layout(self._tables, slot_counts, split, reason is None, sharding.world)
+        self._fused = None if reason is not None else self._fused_tables(self.layout)
+        # Every cache, by key (a stack, or a table of its own); `caches` is by table.
+        self._caches: dict[str, DeviceCache] = {}
+        self.caches: dict[str, DeviceCache | TableInGroup] = {}
+        for key, members in self.layout.stacks.items():
+            # One host store for the stack (a rank's rows of global id g are at g // world);
+            # each table's rows in it are a store of their own, sharing its memory.
+            host = self._host_store(f"split_tables_dim{members[0].embedding_dim}", self.layout.stack_ids[key] // sharding.world, members[0].embedding_dim)
+            self._caches[key] = self._stack(key, members, host, cache_policy)
+            for k, table in enumerate(members):
+                start = self.layout.id_starts[table.name]
+                rows = HostStore.rows_of(host, table.name, start // sharding.world, sharding.num_local(table.num_embeddings))
+                self.caches[table.name] = TableInGroup(self._caches[key], k, start, rows, table.num_embeddings)
+        if self.layout.stacks:
+            stacked = sum(len(m) for m in self.layout.stacks.values())
+            where = "one cache" if len(self.layout.stacks) == 1 else f"{len(self.layout.stacks)} caches (one per width)"
+            self.kernel_note += f", {stacked} split table(s) stacked in {where}"
+        for table in self._tables:
+            if table.name in self.caches:
+                continue
+            table_plan = plan.table(table.name)
+            cache = DeviceCache(
+                table.name,
+                table.num_embeddings,
+                table.embedding_dim,
+                self.optimizer,
+                torch.as_tensor(table_plan.static_ids, dtype=torch.int64),
+                table_plan.cache_slots,
+                cache_policy,
+                self._host_store(table.name, sharding.num_local(table.num_embeddings), table.embedding_dim) if table.name in split else None,
+                self.device,
+                sharding,
+                self._region(table.name),
+            )
+            self.caches[table.name] = self._caches[table.name] = cache
+        self.caches = {t.name: self.caches[t.name] for t in self._tables}  # in table order
+        self._caches = {key: self._caches[key] for key in self.layout.cache_keys}  # in layout order
+        self._staging = Staging(self.layout, self._caches, self.device)
+        self._lookup, self._update = self._step_parts()
+
+    def _step_parts(self) -> tuple[Callable[[Any], Tensor], Any]:
+        """The lookup and the update of this configuration (kernel x processes)."""
+        lock, staging, world = self._lock, self._staging, self._sharding.world
+        if self._fused is not None and world == 1:
+            return FusedLookup(self._fused, self._is_weighted, self.device), FusedUpdate(staging, lock)
+        if self._fused is not None:
+            owned = [self._owned_rows(k) for k in range(len(self.layout.device_rows))]
+            update = OwnersUpdate(self.layout, owned, staging, lock, self.optimizer, self._sharding, self._is_weighted)
+            return LookupForOwners(self._fused, self._is_weighted, self.device, update.on_output_gradient), update
+        hooks = (LocalHookUpdate if world == 1 else OwnersHookUpdate)(self._caches, staging, lock, self.optimizer)
+        return EmbeddingBagLookup(self.layout, self._caches, self._is_weighted, self.device), hooks
+
+    def _why_not_fused(self, kernel: KernelChoice, fewest_slots: int) -> str | None:
+        """Why the device tier cannot be FBGEMM's fused kernel here (None: it can); sets `kernel_note`."""
+        if kernel == "pytorch":
+            reason: str | None = "kernel='pytorch' was chosen"
+        elif fewest_slots == 0:
+            reason = "a table has no device rows"
+        else:
+            reason = fused_unavailable(self._tables, self.optimizer, self.device)
+        if reason is not None and kernel == "fbgemm":
+            raise ValueError(f"kernel='fbgemm' cannot train these tables exactly here: {reason}. Use kernel='auto'.")
+        if reason is not None:
+            self.kernel_note = f"pytorch embedding_bag ({reason})"
+        elif self._sharding.world == 1:
+            self.kernel_note = "fbgemm TBE, optimizer fused"
+        else:
+            self.kernel_note = "fbgemm TBE lookup, each row's owner applies the ranks' mean gradient"
+        return reason
+
+    def _fused_tables(self, layout: Layout) -> FusedTables:
+        """One TBE: a table per device table of the layout (one per width when stacked)."""
+        index = {t.name: k for k, t in enumerate(self._tables)}
+        table_of_feature = [index[layout.table_of[f].name] for f in layout.features]
+        return FusedTables(
+            layout.device_rows, layout.device_dims, layout.device_table_of_feature(), self._tables[0].pooling,
+            self.optimizer, self.device, table_of_feature if layout.stacked else None,
+        )  # fmt: skip
+
+    def _region(self, key: str) -> dict[str, Tensor] | None:
+        """Views of one cache's slots in the TBE's memory (None on the PyTorch path: its own arrays)."""
+        if self._fused is None:
+            return None
+        region = self.layout.regions[key]
+        return {name: array[region.start : region.start + region.rows] for name, array in self._fused.storage(region.table).items()}
+
+    def _host_store(self, name: str, rows: int, dim: int) -> HostStore:
+        """This rank's host rows (and optimizer state) of a split table, or of a stack of them."""
+        widths = self.optimizer.state_widths(dim)
+        return HostStore(name, rows, dim, widths, self.host_directory, pin_memory=self.device.type == "cuda")
+
+    def _stack(self, key: str, members: list[EmbeddingBagConfig], host: HostStore, policy: CachePolicy) -> DeviceCache:
+        """One cache over the global ids of ``members`` (see `Layout`)."""
+        starts = [self.layout.id_starts[t.name] for t in members] + [self.layout.stack_ids[key]]
+        table_plans = [self.plan.table(t.name) for t in members]
+        return DeviceCache(
+            f"stack of {', '.join(t.name for t in members)}",
+            starts[-1],
+            members[0].embedding_dim,
+            self.optimizer,
+            torch.cat([torch.as_tensor(p.static_ids, dtype=torch.int64) + start for p, start in zip(table_plans, starts)]),
+            sum(p.cache_slots for p in table_plans),
+            policy,
+            host,
+            self.device,
+            self._sharding,
+            storage=self._region(key),
+            segment_starts=starts,
+        )
+
+    def _owned_rows(self, table: int) -> OwnedRows:
+        """Device table ``table``'s rows as its owners step them (across ranks, stacked layout)."""
+        assert self._fused is not None
+        keys = [k for k, region in self.layout.regions.items() if region.table == table]
+        stacks = [k for k in keys if k in self.layout.stacks]
+        stack = self._caches[stacks[0]] if stacks else None
+        wholes = [(self._caches[k], self.layout.regions[k].start) for k in keys if k not in self.layout.stacks]
+        stack_keys = self.layout.stack_ids[stacks[0]] if stacks else 0
+        return OwnedRows(self._fused.storage(table), stack, stack_keys, wholes, self._sharding)
+
+    @classmethod
+    def from_ebc(
+        cls,
+        ebc: EmbeddingBagCollection,
+        plan: HotColdPlan,
+        optimizer: RowWiseOptimizerConfig | None = None,
+        device: torch.device | str | None = None,
+        cache_policy: CachePolicy = "lfu",
+        host_storage: str | Path = "memory",
+        process_group: Any = None,
+        seed: int | None = None,
+        kernel: KernelChoice = "auto",
+    ) -> "HotColdEmbeddingBagCollection":
+        """Replace ``ebc``: same tables, its current weights, rows placed by ``plan``. When
+        ``ebc`` is deferred (declared on the meta device) its rows are initialized where they
+        live, from ``seed`` (every rank must pass the same; None draws one), never all in memory."""
+        module = cls(
+            ebc.embedding_bag_configs(), plan, optimizer, device, cache_policy, host_storage, ebc.is_weighted(),
+            process_group, kernel,
+        )  # fmt: skip
+        if is_deferred(ebc):
+            module.initialize(draw_seed() if seed is None else seed)
+        else:
+            module.load_state_dict(ebc.state_dict())
+        return module
+
+    @_locked
+    def initialize(self, seed: int) -> None:
+        """Every table's initial rows (see `initial_rows`), written chunk by chunk into its tiers."""
+        for table in self._tables:
+            for start, rows in initial_rows(table, seed):
+                self.caches[table.name].load_rows("weight", start, rows)
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return list(self._tables)
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def reads(self, features: KeyedJaggedTensor) -> bool:
+        """Whether ``features`` has every feature this module looks up."""
+        return set(self.layout.table_of) <= set(features.keys())
+
+    # -------------------------------------------------------------- a step
+    @_locked
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Make a future batch's rows resident and lock them (call in forward order)."""
+        self._staging.queue.append(self._staging.stage(features))
+
+    @_locked
+    def clear_prefetched(self) -> None:
+        """Drop (and unlock) batches prefetched but never forwarded, e.g. when an epoch was cut short."""
+        self._staging.clear()
+
+    @_locked
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        staged = self._staging.take(features, training=self.training and torch.is_grad_enabled())
+        self._update.before_lookup(staged)
+        values = self._lookup(staged)
+        if torch.is_grad_enabled() and values.requires_grad:
+            self._update.attach(staged, values)
+        else:
+            self._staging.release(staged)
+        return KeyedTensor(
+            keys=self.layout.features,
+            length_per_key=[self.layout.table_of[f].embedding_dim for f in self.layout.features],
+            values=values,
+        )
+
+    # ---------------------------------------------------------- whole tables
+    @_locked
+    def flush(self) -> None:
+        """Write every changed cached row back to its host store."""
+        for cache in self._caches.values():
+            cache.flush()
+
+    def device_bytes(self) -> int:
+        """Bytes the tables hold on the device now (see `DeviceCache.device_bytes`)."""
+        return sum(cache.device_bytes() for cache in self._caches.values())
+
+    def lock_host_storage(self) -> None:
+        """Own the host storage directory again (after `release_host_storage`), e.g. for another fit."""
+        if self.host_directory is not None:
+            self.host_directory.acquire()
+
+    def release_host_storage(self) -> None:
+        """Let another run use the host storage directory; this module's rows stay readable."""
+        if self.host_directory is not None:
+            self.host_directory.release()
+
+    @_locked
+    def optimizer_state(self) -> dict[str, dict[str, Tensor]]:
+        """Current row-wise optimizer state of every table: table -> state name -> (rows, width).
+        Tables whose rows are split over host stores are left out while `gather_split_tables`
+        is False (their state is in `host_shards`)."""
+        return {
+            name: {key: cache.full(key) for key in cache.slots if key != "weight"}
+            for name, cache in self.caches.items()
+            if cache.identity or self.gather_split_tables
+        }
+
+    @_locked
+    def host_shards(self) -> dict[str, dict[str, Tensor]]:
+        """This rank's host rows (round-robin shard) of every split table, current: table ->
+        array name -> (local rows, width). No collective."""
+        shards = {}
+        for name, cache in self.caches.items():
+            if cache.host is not None:
+                cache.flush()
+                shards[name] = dict(cache.host.arrays)
+        return shards
+
+    @_locked
+    def load_optimizer_state(self, state: dict[str, dict[str, Tensor]]) -> None:
+        for name, arrays in state.items():
+            for key, values in arrays.items():
+                self.caches[name].load_full(key, values)
+
+    @_locked
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        # The keys of the EmbeddingBagCollection this replaces, so checkpoints interchange.
+        for name, cache in self.caches.items():
+            if cache.identity or self.gather_split_tables:
+                destination[f"{prefix}embedding_bags.{name}.weight"] = cache.full("weight")
+
+    @_locked
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        for table in self._tables:
+            key = f"{prefix}embedding_bags.{table.name}.weight"
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            values = state_dict[key]
+            expected = (table.num_embeddings, table.embedding_dim)
+            if tuple(values.shape) != expected:
+                error_msgs.append(f"{key}: shape {tuple(values.shape)} in the checkpoint, {expected} in the model.")
+                continue
+            self.caches[table.name].load_full("weight", values)
+

@@ -1,0 +1,133 @@
+"""Where a collection's rows live on the device, decided once when it is built.
+
+A `Layout` names the caches (one per table, or one stack per embedding width holding every
+split table of that width), the device tables that hold their slots (FBGEMM TBE tables, or
+a cache's own arrays on the PyTorch path) and each cache's region in them, and the column
+of every feature in the output. The parts of a step (staging, lookup, update) read it and
+never test the configuration again.
+
+Stacked layout (FBGEMM's kernel; across processes always, in one process when some tables
+are split): one device table per width, holding that width's stack of split tables first,
+then each whole table of that width ("regions"). A stack is one `DeviceCache` over global
+ids: a table's id plus where its table starts, and tables start at multiples of the world
+size, so that a global id's owner (``id % world``) is its table row's owner (see
+`RowSharding`). Per-table layout (the PyTorch path, and FBGEMM in one process where nothing
+is split or a stack would need ids past int32): one device table per table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+from torchrec import EmbeddingBagConfig
+
+from lightning_hotcache.cache.slot_map import INT32_IDS_BELOW
+
+
+def stack_key(dim: int) -> str:
+    """Cache key of the stack of split tables of width ``dim``."""
+    return f"<split tables of dim {dim}>"
+
+
+@dataclass(frozen=True)
+class Region:
+    """A cache's slots inside a device table: rows ``[start, start + rows)`` of table ``table``."""
+
+    table: int
+    start: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    features: list[str]  # the module's features, in its output order
+    table_of: dict[str, EmbeddingBagConfig]  # feature -> its table
+    columns: list[int]  # where each feature's pooled rows start in the output (and the end)
+    stacked: bool
+    stacks: dict[str, list[EmbeddingBagConfig]]  # stack key -> its split tables, in order
+    id_starts: dict[str, int]  # split table in a stack -> its first global id there
+    stack_ids: dict[str, int]  # stack key -> global ids it spans (last table's end)
+    regions: dict[str, Region]  # cache key -> its slots in a device table
+    device_rows: list[int]  # rows of each device table
+    device_dims: list[int]  # width of each device table
+    cache_of_feature: dict[str, str]  # feature -> key of the cache its ids go to
+
+    @property
+    def cache_keys(self) -> list[str]:
+        return list(self.regions)
+
+    def positions(self, key: str) -> list[int]:
+        """Positions (in feature order) of the features cache ``key`` reads."""
+        return [k for k, f in enumerate(self.features) if self.cache_of_feature[f] == key]
+
+    def device_table_of_feature(self) -> list[int]:
+        return [self.regions[self.cache_of_feature[f]].table for f in self.features]
+
+    def value_base(self) -> Tensor | None:
+        """Added to each feature's ids to give what its cache and the lookup read (stacked: a
+        split feature's global id, a whole table's row in its device table); None when ids
+        are read as they are."""
+        if not self.stacked:
+            return None
+        base = [
+            self.id_starts[t.name] if t.name in self.id_starts else self.regions[t.name].start
+            for t in (self.table_of[f] for f in self.features)
+        ]
+        return torch.tensor(base, dtype=torch.int64)
+
+
+def padded(rows: int, world: int) -> int:
+    return math.ceil(rows / world) * world
+
+
+def build_layout(
+    tables: Sequence[EmbeddingBagConfig], slots: dict[str, int], split: set[str], fused: bool, world: int
+) -> Layout:
+    """The layout of ``tables`` whose caches hold ``slots[table]`` rows, the ``split`` ones
+    cached from host stores, on FBGEMM's kernel (``fused``) or PyTorch's, across ``world`` ranks."""
+    features = [f for t in tables for f in t.feature_names]
+    table_of = {f: t for t in tables for f in t.feature_names}
+    columns = np.cumsum([0] + [table_of[f].embedding_dim for f in features]).tolist()
+    dims = sorted({t.embedding_dim for t in tables})
+    stacks = {stack_key(d): [t for t in tables if t.name in split and t.embedding_dim == d] for d in dims}
+    stacks = {key: members for key, members in stacks.items() if members}
+    id_starts: dict[str, int] = {}
+    stack_ids: dict[str, int] = {}
+    for key, members in stacks.items():
+        starts = np.cumsum([0] + [padded(t.num_embeddings, world) for t in members]).tolist()
+        id_starts.update({t.name: s for t, s in zip(members, starts)})
+        stack_ids[key] = starts[-1]
+    # Across ranks the owners' update reads one device table per width as one set of rows
+    # (`OwnedRows`), so the stacked layout is the only one there; in one process a stack pays
+    # only where there is something to stack, and keeps FBGEMM's int32 hash map.
+    stacked = fused and (world > 1 or (bool(stacks) and max(stack_ids.values()) < INT32_IDS_BELOW))
+    if not stacked:
+        regions = {t.name: Region(k, 0, slots[t.name]) for k, t in enumerate(tables)}
+        return Layout(
+            features, table_of, columns, False, {}, {}, {}, regions,
+            [slots[t.name] for t in tables], [t.embedding_dim for t in tables], {f: table_of[f].name for f in features},
+        )  # fmt: skip
+    regions = {}
+    device_rows, device_dims = [], []
+    for d in dims:
+        members = [t for t in tables if t.embedding_dim == d]
+        if not members:
+            continue
+        table, start = len(device_rows), 0
+        if stack_key(d) in stacks:
+            rows = sum(slots[t.name] for t in stacks[stack_key(d)])
+            regions[stack_key(d)] = Region(table, 0, rows)
+            start = rows
+        for t in members:
+            if t.name not in split:
+                regions[t.name] = Region(table, start, slots[t.name])
+                start += slots[t.name]
+        device_rows.append(start)
+        device_dims.append(d)
+    cache_of = {f: stack_key(table_of[f].embedding_dim) if table_of[f].name in split else table_of[f].name for f in features}
+    return Layout(features, table_of, columns, True, stacks, id_starts, stack_ids, regions, device_rows, device_dims, cache_of)

@@ -1,0 +1,137 @@
+"""Staging: a batch's ids checked, put in the module's feature order, and turned into locked
+slots of the device tables, ahead of its forward (`prefetch`) or at its start.
+
+The caches that lock rows are acquired all at once (`acquire_all`: every cache's misses
+are read before any is installed, so a prefetch thread never leaves one half-staged). Tables
+wholly on the device in the stacked layout lock nothing (slot == row): their ids become rows
+by the layout's per-feature base alone, and only their lookups are counted.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+
+import torch
+from torch import Tensor
+from torchrec import KeyedJaggedTensor
+
+from lightning_hotcache.cache.device import DeviceCache, acquire_all
+from lightning_hotcache.embedding.batch import StagedBatch, check_ids, concat_spans, in_feature_order, same_batch
+from lightning_hotcache.embedding.layout import Layout
+from lightning_hotcache.guards import check_not_empty
+
+
+class Staging:
+    """Stages batches into ``caches`` (cache key -> cache) laid out by ``layout``, and keeps
+    the staged batches until their rows may be unlocked."""
+
+    def __init__(self, layout: Layout, caches: dict[str, DeviceCache], device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        self.caches = caches
+        # In the stacked layout whole tables are read at their rows directly; elsewhere every
+        # cache is acquired (a whole table's acquire only counts: slot == id).
+        self._acquired = [key for key in caches if not (layout.stacked and caches[key].identity)]
+        self._counted_only = [key for key in caches if key not in self._acquired]
+        self._positions = {key: layout.positions(key) for key in caches}
+        # Each acquired cache's features as runs of consecutive ones (first, end): a batch's
+        # values of a run are one slice (a stack of every table is one run, not one per table).
+        self._runs = {key: _runs(self._positions[key]) for key in self._acquired}
+        self._value_base = layout.value_base()
+        self.queue: deque[StagedBatch] = deque()
+        self.in_flight: list[StagedBatch] = []
+
+    def stage(self, features: KeyedJaggedTensor) -> StagedBatch:
+        check_not_empty(features)
+        ours = in_feature_order(features, self.layout.features, self.layout.table_of)
+        check_ids(ours, self.layout.table_of)  # everything validated before any row is touched
+        values = ours.values().to(self.device, torch.int64)
+        bounds, per_key = ours.offset_per_key(), ours.length_per_key()
+        if self._value_base is None:
+            indices = values.clone()  # the caches' slots are written into it
+        else:
+            base = torch.repeat_interleave(self._value_base, torch.tensor(per_key), output_size=len(values))
+            indices = values + base.to(self.device)
+        spans = {key: [(bounds[a], bounds[b]) for a, b in self._runs[key]] for key in self._acquired}
+        # A stack reads global ids (in `indices`); a table of its own reads its ids.
+        ids = [concat_spans(indices if self.layout.stacked else values, spans[key]) for key in self._acquired]
+        acquired = acquire_all([self.caches[k] for k in self._acquired], ids)
+        tickets: dict[str, list[int]] = {}
+        read: list[tuple[DeviceCache, Tensor]] = []
+        for key, (cache_slots, ticket, distinct) in zip(self._acquired, acquired):
+            cache = self.caches[key]
+            tickets[key] = [ticket]
+            read.append((cache, distinct))
+            if cache.identity:  # slot == id: `indices` holds it already
+                continue
+            start = self.layout.regions[key].start  # the kernel reads slots at their place in its table
+            parts = (cache_slots + start if start else cache_slots).split([b - a for a, b in spans[key]])
+            for (a, b), part in zip(spans[key], parts):
+                indices[a:b] = part
+        for key in self._counted_only:
+            self.caches[key].count_lookups(sum(per_key[k] for k in self._positions[key]))
+        return StagedBatch(features, ours, indices, tickets, read)
+
+    def take(self, features: KeyedJaggedTensor, training: bool) -> StagedBatch:
+        """The staged batch of ``features``: the next prefetched one, or staged now."""
+        self.release_abandoned()
+        if self.queue and same_batch(self.queue[0].features, features):
+            return self.queue.popleft()
+        if self.queue and training:
+            raise RuntimeError(
+                "forward() got a different training batch than the next prefetched one; prefetch batches in the "
+                "order they are forwarded."
+            )
+        return self.stage(features)  # not prefetched (or an evaluation batch between prefetched training batches)
+
+    def release(self, staged: StagedBatch) -> None:
+        for key, tickets in staged.tickets.items():
+            for ticket in tickets:
+                self.caches[key].release(ticket)
+
+    def keep(self, staged: StagedBatch, output: Tensor) -> None:
+        """Keep ``staged`` locked until its backward (or until ``output`` is gone without one)."""
+        staged.output = weakref.ref(output)
+        self.in_flight.append(staged)
+
+    def finish(self, staged: StagedBatch) -> None:
+        """``staged``'s rows are updated: unlock them."""
+        self.release(staged)
+        self.in_flight = [s for s in self.in_flight if s is not staged]
+
+    def finish_tables(self, keys: list[str]) -> None:
+        """Every in-flight batch's gradient for caches ``keys`` has been applied: unlock their rows."""
+        for staged in self.in_flight:
+            for key in keys:
+                for ticket in staged.tickets.pop(key, []):
+                    self.caches[key].release(ticket)
+        self.in_flight = [s for s in self.in_flight if s.tickets]
+
+    def release_abandoned(self) -> None:
+        # A training forward whose output is gone without its backward having come (e.g. a
+        # skipped step) never gets one: its rows may be unlocked. One whose output is alive
+        # stays locked. Called only from forward, never while a backward may be running.
+        alive = []
+        for staged in self.in_flight:
+            if staged.output is not None and staged.output() is not None:
+                alive.append(staged)
+            else:
+                self.release(staged)
+        self.in_flight = alive
+
+    def clear(self) -> None:
+        """Drop (and unlock) batches prefetched but never forwarded."""
+        while self.queue:
+            self.release(self.queue.popleft())
+
+
+def _runs(positions: list[int]) -> list[tuple[int, int]]:
+    """``positions`` (ascending) as runs ``(first, end)`` of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs

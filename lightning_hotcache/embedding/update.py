@@ -1,0 +1,246 @@
+"""Updates: how the rows a training batch read get the row-wise step, and when they unlock.
+
+- `FusedUpdate` (FBGEMM, one process): the kernel's backward steps the rows; a post-hook on
+  its autograd node unlocks them once it has (not when the output is freed: autograd frees
+  it before the TBE's own backward runs, and a prefetch thread could then evict rows about
+  to be updated).
+- `LocalHookUpdate` (PyTorch, one process): a post-accumulate hook on each cache's slot
+  weights applies the rule to the sparse slot gradient.
+- `OwnersHookUpdate` (PyTorch, several processes): those hooks wait until every cache's
+  gradient is in, then each row's owner applies the ranks' mean gradient, per cache.
+- `OwnersUpdate` (FBGEMM, several processes): before the lookup, the other ranks' rows the
+  batch reads are fetched from their owners; in backward every read row's gradient goes to
+  its owner, which applies the ranks' mean, one device table (one width) at a time
+  (`OwnedRows`): the step's ops do not grow with the number of tables.
+
+Every update runs under the module's lock (a prefetch thread may be staging).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torchrec import KeyedJaggedTensor
+from torchrec.modules.embedding_configs import PoolingType
+
+from lightning_hotcache.cache.device import DeviceCache, apply_updates_across_ranks, refresh_remote_rows, sum_rows_by_index
+from lightning_hotcache.cache.exchange import RowSharding, exchange_table_rows, send_rows_to_owners
+from lightning_hotcache.cache.owned_rows import OwnedRows
+from lightning_hotcache.embedding.batch import StagedBatch
+from lightning_hotcache.embedding.layout import Layout
+from lightning_hotcache.embedding.staging import Staging
+from lightning_hotcache.rowwise import RowWiseOptimizerConfig
+
+
+def _weak_call(obj: object, method: str) -> Callable[..., None]:
+    # Weak: a hook lives inside a tensor (the cache's weights, or an autograd node), where the
+    # garbage collector cannot see it, so a strong reference would keep the tables alive
+    # after training, one leaked model per fit.
+    ref = weakref.ref(obj)
+
+    def call(*args: object) -> None:
+        target = ref()
+        if target is not None:
+            getattr(target, method)(*args)
+
+    return call
+
+
+class FusedUpdate:
+    def __init__(self, staging: Staging, lock: threading.RLock) -> None:
+        self.staging = staging
+        self.lock = lock
+
+    def before_lookup(self, staged: StagedBatch) -> None:
+        pass
+
+    def attach(self, staged: StagedBatch, output: Tensor) -> None:
+        self.staging.keep(staged, output)
+        for cache, slots in staged.read:  # written back on eviction
+            cache.mark_updated(slots)
+        # Should another node (a view) ever come after the lookup's, the rows wait for the
+        # next forward instead, which comes after this backward for sure (`release_abandoned`).
+        if output.grad_fn is not None and "Lookup" in output.grad_fn.name():
+            hook = _weak_call(self, "_updated")
+            output.grad_fn.register_hook(lambda grad_inputs, grad_outputs: hook(staged))
+
+    def _updated(self, staged: StagedBatch) -> None:
+        with self.lock:
+            self.staging.finish(staged)
+
+
+class LocalHookUpdate:
+    def __init__(self, caches: dict[str, DeviceCache], staging: Staging, lock: threading.RLock, optimizer: RowWiseOptimizerConfig) -> None:
+        self.caches = caches
+        self.staging = staging
+        self.lock = lock
+        self.optimizer = optimizer
+        for key, cache in caches.items():
+            cache.weight.requires_grad_(True)
+            hook = _weak_call(self, "_on_gradient")
+            cache.weight.register_post_accumulate_grad_hook(lambda weight, key=key: hook(key, weight))
+
+    def before_lookup(self, staged: StagedBatch) -> None:
+        pass
+
+    def attach(self, staged: StagedBatch, output: Tensor) -> None:
+        self.staging.keep(staged, output)
+
+    def _on_gradient(self, key: str, weight: Tensor) -> None:
+        """Backward of one cache (the gradient is taken, not copied)."""
+        with self.lock:
+            grad, weight.grad = weight.grad, None
+            if grad is not None:
+                self._apply(key, grad)
+
+    def _apply(self, key: str, grad: Tensor) -> None:
+        self.caches[key].apply_update(grad, self.optimizer)
+        self.staging.finish_tables([key])
+
+
+class OwnersHookUpdate(LocalHookUpdate):
+    def __init__(self, caches: dict[str, DeviceCache], staging: Staging, lock: threading.RLock, optimizer: RowWiseOptimizerConfig) -> None:
+        super().__init__(caches, staging, lock, optimizer)
+        self._pending: dict[str, Tensor] = {}  # gradients of the caches whose hooks have run
+
+    def before_lookup(self, staged: StagedBatch) -> None:
+        refresh_remote_rows(*zip(*staged.read))
+
+    def _apply(self, key: str, grad: Tensor) -> None:
+        # Every cache's pooled output is part of the one tensor forward returns, so a backward
+        # that reaches one cache reaches them all: wait for all, then one exchange.
+        self._pending[key] = grad
+        if len(self._pending) < len(self.caches):
+            return
+        grads = [self._pending.pop(k) for k in self.caches]
+        # Uncoalesced (public .indices() would sort): the sum over repeats is made for all tables at once.
+        slots, rows = [g._indices()[0] for g in grads], [g._values() for g in grads]
+        apply_updates_across_ranks(list(self.caches.values()), slots, rows, self.optimizer)
+        self.staging.finish_tables(list(self.caches))
+
+
+@dataclass(frozen=True)
+class _DeviceTableReads:
+    """What a forward across ranks keeps for backward, per device table."""
+
+    values: Tensor | None  # positions of its features' values in the batch (None: all of them)
+    inverse: Tensor  # distinct row of each of those values
+    keys: Tensor  # key of each distinct row
+
+
+class OwnersUpdate:
+    def __init__(
+        self,
+        layout: Layout,
+        owned: list[OwnedRows],
+        staging: Staging,
+        lock: threading.RLock,
+        optimizer: RowWiseOptimizerConfig,
+        sharding: RowSharding,
+        is_weighted: bool,
+    ) -> None:
+        self.owned = owned
+        self.staging = staging
+        self.lock = lock
+        self.optimizer = optimizer
+        self.sharding = sharding
+        self.is_weighted = is_weighted
+        self.mean = layout.table_of[layout.features[0]].pooling == PoolingType.MEAN  # one pooling (the kernel's condition)
+        feature_table = layout.device_table_of_feature()
+        num_features = len(layout.features)
+        # Per device table: which features read it, and their output columns (one device
+        # table: all of them, and the output needs no selection).
+        self._features = [torch.tensor([t == k for t in feature_table]) for k in range(len(owned))]
+        self._position = [torch.cumsum(f.long(), 0) - 1 for f in self._features]
+        self._columns = [
+            torch.cat([torch.arange(layout.columns[f], layout.columns[f + 1]) for f in range(num_features) if feature_table[f] == k])
+            for k in range(len(owned))
+        ]
+        self._everything = len(owned) == 1
+
+    def before_lookup(self, staged: StagedBatch) -> None:
+        """Fetch the current weights of the other ranks' rows the batch reads (one exchange for
+        all device tables), and keep each read row's key for backward."""
+        positions = self._value_positions(staged.ours)
+        reads, requests, remote_rows = [], [], []
+        for owned, values in zip(self.owned, positions):
+            rows = staged.indices if values is None else staged.indices[values]
+            distinct, inverse = rows.unique(return_inverse=True)
+            regions = owned.regions_of_rows(distinct)
+            keys = owned.keys_of_rows(distinct, regions)
+            remote = ~self.sharding.owned(keys)
+            reads.append(_DeviceTableReads(values, inverse, keys))
+            requests.append(keys[remote])
+            remote_rows.append((distinct[remote], regions[remote]))
+        fetched = exchange_table_rows(requests, [o.serve for o in self.owned], [o.width for o in self.owned], self.sharding)
+        for owned, weights, keys, (rows, regions) in zip(self.owned, fetched, requests, remote_rows):
+            owned.storage["weight"][rows] = weights
+            per_region = torch.bincount(regions, minlength=len(owned.wholes) + 1).tolist()
+            for cache, count in zip(owned.wholes, per_region[1:]):
+                cache.counters.fetched_rows += count
+            if owned.stack is not None and per_region[0]:
+                owned.stack.count_fetched(keys[regions == 0])
+        staged.exchange = reads
+
+    def attach(self, staged: StagedBatch, output: Tensor) -> None:
+        self.staging.keep(staged, output)
+
+    def on_output_gradient(self, staged: StagedBatch, grad: Tensor) -> None:
+        """Backward: every row ``staged`` read gets the ranks' mean gradient from its owner; then unlock."""
+        with self.lock:
+            rows = self.value_gradients(staged.ours, grad)
+            parts = []
+            for read, value_rows in zip(staged.exchange, rows):
+                summed = torch.zeros(len(read.keys), value_rows.shape[1], dtype=torch.float32, device=value_rows.device)
+                summed.index_add_(0, read.inverse, value_rows)
+                parts.append((read.keys, summed / self.sharding.world))  # DDP's average
+            received = send_rows_to_owners(parts, self.sharding)
+            totals = sum_rows_by_index([k for k, _ in received], [r for _, r in received], [o.num_keys for o in self.owned])
+            for owned, (keys, total) in zip(self.owned, totals):
+                owned.apply(keys, total, self.optimizer)
+            self.staging.finish(staged)
+
+    def _value_positions(self, ours: KeyedJaggedTensor) -> list[Tensor | None]:
+        if self._everything:
+            return [None]
+        feature = self._feature_of_value(ours)
+        return [in_table.to(feature.device)[feature].nonzero().squeeze(1) for in_table in self._features]
+
+    @staticmethod
+    def _bag_of_value(ours: KeyedJaggedTensor, device: torch.device) -> Tensor:
+        lengths = ours.lengths().to(device)
+        return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=ours.offset_per_key()[-1])
+
+    def _feature_of_value(self, ours: KeyedJaggedTensor) -> Tensor:
+        return self._bag_of_value(ours, ours.values().device) // ours.stride()
+
+    def value_gradients(self, ours: KeyedJaggedTensor, grad: Tensor) -> list[Tensor]:
+        """Per device table, the gradient row of every value of its features that ``ours``
+        read (in batch order; repeats not summed), from the output's gradient ``grad`` (batch,
+        sum of dims): what FBGEMM's backward forms before it updates."""
+        batch, lengths = ours.stride(), ours.lengths().to(grad.device)
+        bag_of_value = self._bag_of_value(ours, grad.device)  # feature-major, as TBE numbers bags
+        scale = ours.weights().to(grad.device, grad.dtype) if self.is_weighted else None
+        if self.mean:
+            mean = 1.0 / lengths.clamp(min=1).to(grad.dtype)[bag_of_value]
+            scale = mean if scale is None else scale * mean
+        out = []
+        for k, owned in enumerate(self.owned):
+            dim = owned.width
+            if self._everything:
+                per_bag = grad.reshape(batch, -1, dim).transpose(0, 1).reshape(-1, dim)
+                rows, value_scale = per_bag[bag_of_value], scale
+            else:
+                columns = self._columns[k].to(grad.device)
+                per_bag = grad.index_select(1, columns).reshape(batch, -1, dim).transpose(0, 1).reshape(-1, dim)
+                feature = bag_of_value // batch
+                values = self._features[k].to(grad.device)[feature].nonzero().squeeze(1)
+                bag = self._position[k].to(grad.device)[feature[values]] * batch + bag_of_value[values] % batch
+                rows, value_scale = per_bag[bag], None if scale is None else scale[values]
+            out.append(rows if value_scale is None else rows * value_scale[:, None])
+        return out
