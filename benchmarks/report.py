@@ -10,7 +10,7 @@ import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -59,10 +59,12 @@ def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**middle, "rounds": [r["samples_per_s"] for r in runs]}
 
 
-def job_in_process(script: str | Path, settings: Sequence[str], name: str) -> dict[str, Any]:
-    """Run ``script settings --job name`` in a process of its own and return the JSON line it
-    printed last (also echoed, so a long run's log keeps every finished job)."""
-    done = subprocess.run([sys.executable, str(script), *settings, "--job", name], capture_output=True, text=True)
+def job_in_process(script: str | Path, settings: Sequence[str], name: str, wrapper: Sequence[str] = ()) -> dict[str, Any]:
+    """Run ``script settings --job name`` in a process of its own (under ``wrapper``, a command
+    prefix) and return the JSON line it printed last (also echoed, so a long run's log keeps
+    every finished job)."""
+    command = [*wrapper, sys.executable, str(script), *settings, "--job", name]
+    done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     line = done.stdout.strip().splitlines()[-1]
@@ -70,7 +72,13 @@ def job_in_process(script: str | Path, settings: Sequence[str], name: str) -> di
     return json.loads(line)
 
 
-def rounds_of_jobs(script: str | Path, settings: Sequence[str], names: Sequence[str], rounds: int) -> dict[str, Any]:
+def rounds_of_jobs(
+    script: str | Path,
+    settings: Sequence[str],
+    names: Sequence[str],
+    rounds: int,
+    wrapper: Callable[[str], Sequence[str]] = lambda name: (),
+) -> dict[str, Any]:
     """The median round (`median_round`) of each job of ``names``, run ``rounds`` times over
     all of them, every run a process of its own (`job_in_process`): a run's peak memory is then
     its own, memory one fit leaves behind cannot starve the next, and slow drift of the machine
@@ -82,7 +90,7 @@ def rounds_of_jobs(script: str | Path, settings: Sequence[str], names: Sequence[
     runs: list[dict[str, dict[str, Any]]] = []
     for r in range(rounds):
         shift = r % len(names)
-        runs.append({name: job_in_process(script, settings, name) for name in [*names[shift:], *names[:shift]]})
+        runs.append({name: job_in_process(script, settings, name, wrapper(name)) for name in [*names[shift:], *names[:shift]]})
     return {name: median_round([run[name] for run in runs]) for name in names}
 
 

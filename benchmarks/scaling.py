@@ -5,13 +5,20 @@ DLRM (row-wise Adagrad on the tables, Adam on the dense layers) on SyntheticCTRD
 step (weak scaling: N processes train a global batch N times as large). Every (strategy,
 processes) pair runs in its own job, launched by Lightning as ``Trainer(devices=N)`` would be
 by a user, with the cores split evenly between the processes. Reported: global samples/s
-over the steps after ``--warmup`` (median of ``--rounds`` rounds over all jobs), and the
-bytes the processes sent each other per step, read from the loopback interface's counter
-(``/proc/net/dev``), which every gloo message between local processes crosses: an outside
-measure, the same for both strategies.
-Writes benchmarks/results/scaling.json.
+over the steps after ``--warmup`` (median of ``--rounds`` rounds over all jobs, each round
+in another order: see report.rounds_of_jobs), each job's ratio to torchrec at the same
+number of processes (median rounds, and paired within rounds), and the bytes the processes
+sent each other per step, read from the loopback interface's counter (``/proc/net/dev``),
+which every gloo message between local processes crosses: an outside measure, the same for
+both strategies.
 
-    python benchmarks/scaling.py [--scale 0.1] [--dim 16] [--batch-size 2048] [--steps 60] [--rounds 3] [--world-sizes 1 2 4]
+Each job runs in a network namespace of its own (``unshare --net --map-root-user``, where
+it works), so its loopback counter holds its bytes alone. ``--link-gbit X`` also shapes that
+loopback to X Gbit/s per process (``tc qdisc add dev lo root tbf``): a job's processes share
+the one qdisc, so it gets N x X. Writes benchmarks/results/scaling.json (``--out``).
+
+    python benchmarks/scaling.py [--scale 0.1] [--dim 16] [--batch-size 2048] [--steps 60] [--rounds 3]
+                                 [--world-sizes 1 2 4] [--link-gbit X]
 """
 
 from __future__ import annotations
@@ -19,15 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
+import shutil
+import statistics
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from clock import StepClock
-from report import median_round, write_report
+from report import rounds_of_jobs, write_report
 
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotCacheStrategy  # importing the package registers "torchrec" too
@@ -83,6 +90,22 @@ def run_job(args: argparse.Namespace) -> dict[str, Any] | None:
     }
 
 
+def namespace_wrapper(procs: int, link_gbit: float | None) -> list[str]:
+    """A command prefix that runs a job in a network namespace of its own, its loopback shaped
+    to ``procs x link_gbit`` Gbit/s when given; none where ``unshare`` is not available."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        if link_gbit is not None:
+            raise SystemExit("--link-gbit needs `unshare`, `ip` and `tc` (util-linux, iproute2).")
+        return []
+    setup = "ip link set lo up"
+    if link_gbit is not None:
+        setup += f" && tc qdisc add dev lo root tbf rate {procs * link_gbit * 1000:g}mbit burst 256kb latency 50ms"
+    # Lightning launches the other ranks itself (stale rendezvous settings would misdirect
+    # them), and gloo must use the namespace's only interface.
+    env = ["env", "-u", "MASTER_ADDR", "-u", "MASTER_PORT", "-u", "WORLD_SIZE", "-u", "RANK", "-u", "LOCAL_RANK", "GLOO_SOCKET_IFNAME=lo"]
+    return ["unshare", "--net", "--map-root-user", "sh", "-c", f'{setup} && exec "$@"', "sh", *env]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=0.1)
@@ -91,43 +114,40 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3, help="runs of every job; the median is reported")
-    parser.add_argument("--strategy", choices=STRATEGIES, help="run one job (used by the driver)")
-    parser.add_argument("--procs", type=int, default=1, help="processes of that job")
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4], help="processes of the jobs (1 first)")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4], help="processes of the jobs")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES), help="jobs to run")
+    parser.add_argument("--link-gbit", type=float, help="shape each job's loopback to this many Gbit/s per process")
     parser.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
+    parser.add_argument("--job", help=argparse.SUPPRESS)  # "<strategy> x<procs>": one job in this process
     args = parser.parse_args()
 
-    if args.strategy:
+    if args.job:
+        args.strategy, procs = args.job.rsplit(" x", 1)
+        args.procs = int(procs)
         result = run_job(args)
         if result is not None:
-            print("RESULT " + json.dumps(result), flush=True)
+            print(json.dumps(result), flush=True)
         return
-    # Lightning launches the other ranks itself; stale rendezvous settings would misdirect them.
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    # Rounds over all jobs, so slow drift of this shared machine hits them alike; the median
-    # round counts.
-    rounds: dict[str, list[dict[str, Any]]] = {}
-    for _ in range(args.rounds):
-        for strategy in args.strategies:
-            for procs in args.world_sizes:
-                command = [sys.executable, __file__, *sys.argv[1:], "--strategy", strategy, "--procs", str(procs)]
-                lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout.splitlines()
-                result = json.loads(next(line for line in lines if line.startswith("RESULT "))[len("RESULT "):])
-                rounds.setdefault(f"{strategy} x{procs}", []).append(result)
-                print(f"{strategy} x{procs}: {result}", flush=True)
-    results = {name: median_round(runs) for name, runs in rounds.items()}
-    for strategy in args.strategies:
-        for procs in args.world_sizes:
-            results[f"{strategy} x{procs}"]["x_one_process"] = (
-                results[f"{strategy} x{procs}"]["samples_per_s"] / results[f"{strategy} x{args.world_sizes[0]}"]["samples_per_s"]
-            )
-    print(f"{'strategy':<14}{'procs':>6}{'samples/s':>11}{'x 1 proc':>10}{'sent KiB/step':>15}  rounds")
+    if "torchrec" not in args.strategies:
+        parser.error("torchrec is the baseline: keep it in --strategies")
+    settings = ["--scale", str(args.scale), "--dim", str(args.dim), "--batch-size", str(args.batch_size),
+                "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
+    names = [f"{strategy} x{procs}" for procs in args.world_sizes for strategy in args.strategies]
+    wrapper = lambda name: namespace_wrapper(int(name.rsplit(" x", 1)[1]), args.link_gbit)  # noqa: E731
+    results = rounds_of_jobs(__file__, settings, names, args.rounds, wrapper)
+    for name, r in results.items():
+        procs = name.rsplit(" x", 1)[1]
+        base = results[f"torchrec x{procs}"]
+        r["x_torchrec"] = r["samples_per_s"] / base["samples_per_s"]
+        r["x_torchrec_paired"] = statistics.median(a / b for a, b in zip(r["rounds"], base["rounds"], strict=True))
+    link = "unshaped loopback" if args.link_gbit is None else f"loopback shaped to {args.link_gbit:g} Gbit/s per process"
+    print(f"{link}; 'paired': the median over rounds of the ratio within a round")
+    print(f"{'strategy':<22}{'procs':>6}{'samples/s':>11}{'x torchrec':>12}{'paired':>8}{'sent KiB/step':>15}  rounds")
     for name, r in results.items():
         strategy, procs = name.rsplit(" x", 1)
-        print(f"{strategy:<14}{procs:>6}{r['samples_per_s']:>11.0f}{r.get('x_one_process', 1.0):>10.2f}"
+        print(f"{strategy:<22}{procs:>6}{r['samples_per_s']:>11.0f}{r['x_torchrec']:>12.2f}{r['x_torchrec_paired']:>8.2f}"
               f"{r['sent_kib_per_step']:>15.1f}  {' '.join(f'{x:.0f}' for x in r['rounds'])}")  # fmt: skip
-    write_report("scaling", args, results, cpus=os.cpu_count())
+    write_report("scaling", args, results, cpus=os.cpu_count(), link_gbit_per_process=args.link_gbit)
 
 
 if __name__ == "__main__":

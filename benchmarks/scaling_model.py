@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import re
 import shutil
 import subprocess
 import sys
@@ -110,21 +108,18 @@ def measure_loopback(strategy: str, procs: int, args: argparse.Namespace) -> flo
     read off the loopback counter of a network namespace of the job's own."""
     if shutil.which("unshare") is None or shutil.which("ip") is None:
         raise RuntimeError("--validate needs `unshare` and `ip` (util-linux, iproute2) to count one job's bytes alone.")
+    from scaling import namespace_wrapper
+
     job = [
         sys.executable, str(Path(__file__).with_name("scaling.py")), "--scale", str(args.validate_scale),
         "--dim", str(args.validate_dim), "--batch-size", str(args.validate_batch_size), "--steps",
-        str(args.validate_steps), "--warmup", str(args.validate_warmup), "--strategy", strategy, "--procs", str(procs),
+        str(args.validate_steps), "--warmup", str(args.validate_warmup), "--job", f"{strategy} x{procs}",
     ]  # fmt: skip
-    # Lightning launches the other ranks itself; stale rendezvous settings would misdirect them,
-    # and gloo must use the namespace's only interface.
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env["GLOO_SOCKET_IFNAME"] = "lo"
-    command = ["unshare", "--net", "--map-root-user", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *job]
-    out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
-    match = re.search(r"^RESULT (.*)$", out, re.MULTILINE)
-    if match is None:
-        raise RuntimeError(f"{' '.join(job)} printed no RESULT line:\n{out}")
-    return json.loads(match.group(1))["sent_kib_per_step"] * 1024
+    out = subprocess.run([*namespace_wrapper(procs, None), *job], check=True, stdout=subprocess.PIPE, text=True).stdout
+    lines = out.strip().splitlines()
+    if not lines:
+        raise RuntimeError(f"{' '.join(job)} printed no result")
+    return json.loads(lines[-1])["sent_kib_per_step"] * 1024
 
 
 # benchmarks/scaling.py's strategies, the design that models each, and its device budget.

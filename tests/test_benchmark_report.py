@@ -16,7 +16,7 @@ def test_rounds_rotate_the_order_and_ratios_pair_within_rounds(monkeypatch) -> N
     # A machine that runs 10% slower in odd rounds, and "fast" 1.25x "base" in every round.
     speed = {"base": 100.0, "fast": 125.0, "other": 90.0}
 
-    def job(script, settings, name):
+    def job(script, settings, name, wrapper=()):
         order.append(name)
         round_index = (len(order) - 1) // len(speed)
         return {"samples_per_s": speed[name] * (0.9 if round_index % 2 else 1.0)}
@@ -29,3 +29,25 @@ def test_rounds_rotate_the_order_and_ratios_pair_within_rounds(monkeypatch) -> N
     assert results["fast"]["x_base_paired"] == pytest.approx(1.25)
     assert results["other"]["x_base_paired"] == pytest.approx(0.9)
     assert results["base"]["x_base_paired"] == pytest.approx(1.0)
+
+
+def test_scaling_jobs_run_behind_a_shaped_loopback_of_their_own() -> None:
+    """scaling.py --link-gbit X: a job of N processes shares one tbf qdisc of N x X Gbit/s on
+    the loopback of a network namespace of its own."""
+    import shutil
+    import subprocess
+
+    import scaling
+
+    wrapper = scaling.namespace_wrapper(2, 1.0)
+    if not wrapper:
+        pytest.skip("no unshare/ip here")
+    if shutil.which("tc") is None:
+        pytest.skip("no tc here")
+    shown = subprocess.run([*wrapper, "tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True)
+    if shown.returncode != 0 and "unshare" in shown.stderr:
+        pytest.skip(f"no user namespaces here: {shown.stderr.strip()}")
+    assert shown.returncode == 0, shown.stderr
+    assert "tbf" in shown.stdout and "rate 2Gbit" in shown.stdout, shown.stdout
+    unshaped = subprocess.run([*scaling.namespace_wrapper(2, None), "tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True)
+    assert "tbf" not in unshaped.stdout

@@ -19,7 +19,6 @@ work uses (state_dict, checkpoints, initialization, metrics).
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from lightning_hotcache.cache.device import CacheCounters, DeviceCache
