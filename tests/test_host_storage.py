@@ -136,6 +136,17 @@ def test_symlinked_lock_file_is_refused(tmp_path) -> None:
     assert victim.read_bytes() == b"precious"
 
 
+def test_hard_linked_lock_file_is_refused(tmp_path) -> None:
+    # Issue 23 item 8: before, the lock truncated the linked file and wrote its pid line into it.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (tmp_path / "rows").mkdir()
+    os.link(victim, tmp_path / "rows" / HostDirectory.LOCK_NAME)
+    with pytest.raises(ValueError, match="is a hard link.*Remove it"):
+        HostDirectory(tmp_path / "rows")
+    assert victim.read_bytes() == b"precious"
+
+
 def test_host_storage_that_is_a_file_is_refused_early(tmp_path) -> None:
     file = tmp_path / "not_a_dir"
     file.write_text("x")

@@ -47,8 +47,9 @@ class HostDirectory:
 
     Files are never reused: `create` unlinks an existing file and makes a new one, so a run
     starts from zeroed row state (a checkpoint restores state explicitly), and a model of an
-    earlier run that still maps the old file keeps its own rows. Symlinks are refused: in a
-    shared directory a planted link would make training write wherever it points.
+    earlier run that still maps the old file keeps its own rows. Symlinks and hard-linked lock
+    files are refused: in a shared directory a planted link would make training write
+    wherever it points.
     """
 
     LOCK_NAME = ".hotcache.lock"
@@ -75,6 +76,15 @@ class HostDirectory:
             return
         lock = self.path / self.LOCK_NAME
         fd = _open_no_symlink(lock, os.O_RDWR | os.O_CREAT)
+        # Checked on the open file, before it is truncated: a second name for the same inode
+        # (a hard link, which O_NOFOLLOW cannot see) would let the lock overwrite a file anywhere.
+        links = os.fstat(fd).st_nlink
+        if links > 1:
+            os.close(fd)
+            raise ValueError(
+                f"{lock} is a hard link ({links} names for one file); hotcache would overwrite the linked file "
+                "with its lock. Remove it (the other names keep their data) or use another directory."
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
