@@ -8,7 +8,9 @@ shards of its own save. Every file is written under a temporary name, synced, an
 over its target, so a file under its final name is always whole. A save writes the shards
 first, then, once every rank's are in place, the main file; only then are the previous
 save's shards of that path removed: until the new main file replaces the old one, the old
-one's shards are still there under their own names.
+one's shards are still there under their own names. Every shard carries a CRC-32 of its
+tables, checked when it is read: torch's loader checks no data, and a flipped bit would
+otherwise be trained on or consolidated without a word.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import pickle
 import re
 import secrets
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,22 @@ SHARDS_KEY = "hotcache_shards"
 
 def new_save_id(step: int) -> str:
     return f"{step}-{secrets.token_hex(4)}"
+
+
+def tables_crc32(tables: dict[str, dict[str, torch.Tensor]]) -> int:
+    """CRC-32 of a shard's tables: every table and array name, shape and byte of data."""
+    crc = 0
+    for key in sorted(tables):
+        for name in sorted(tables[key]):
+            tensor = tables[key][name].detach().cpu().contiguous()
+            crc = zlib.crc32(f"{key}/{name}/{tuple(tensor.shape)}/{tensor.dtype}".encode(), crc)
+            crc = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def shard_contents(save_id: str, tables: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """What one rank's shard file holds: its save's id, its tables and their checksum."""
+    return {"id": save_id, "tables": tables, "crc32": tables_crc32(tables)}
 
 
 def shard_path(checkpoint_path: _PATH, save_id: str, rank: int, world: int) -> Path:
@@ -124,7 +143,9 @@ def consolidated(checkpoint: dict[str, Any], path: _PATH) -> dict[str, Any]:
     world = int(meta["world_size"])
     # A link (ModelCheckpoint(save_last="link")) has its target's shards.
     main_file = Path(os.path.realpath(path))
-    shards = [_load_shard(main_file, meta["id"], rank, world) for rank in range(world)]
+    # Saves from before shard checksums have none to check (their main file does not ask for them).
+    checksummed = bool(meta.get("crc32"))
+    shards = [_load_shard(main_file, meta["id"], rank, world, checksummed) for rank in range(world)]
     row_state = checkpoint.setdefault(ROW_STATE_KEY, {})
     for key, rows in meta["num_embeddings"].items():
         arrays = {}
@@ -139,7 +160,7 @@ def consolidated(checkpoint: dict[str, Any], path: _PATH) -> dict[str, Any]:
     return checkpoint
 
 
-def _load_shard(main_file: Path, save_id: str, rank: int, world: int) -> dict[str, Any]:
+def _load_shard(main_file: Path, save_id: str, rank: int, world: int, checksummed: bool) -> dict[str, Any]:
     file = shard_path(main_file, save_id, rank, world)
     if not file.is_file():
         others = sorted(other.name for other, other_id in _own_files(main_file) if other_id)
@@ -159,5 +180,11 @@ def _load_shard(main_file: Path, save_id: str, rank: int, world: int) -> dict[st
         raise ValueError(
             f"{file} holds save {shard.get('id')}, but {main_file} is save {save_id}: the main file and the shard "
             "files are from different saves. Use another checkpoint."
+        )
+    if checksummed and shard.get("crc32") != tables_crc32(shard["tables"]):
+        raise ValueError(
+            f"{file} is corrupt: its tables do not match their checksum (bytes changed on disk or in transfer since "
+            f"the save); the checkpoint {main_file} needs it. Use another checkpoint, or a copy of this file from "
+            "where it was written."
         )
     return shard["tables"]

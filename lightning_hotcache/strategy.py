@@ -53,6 +53,7 @@ from lightning_hotcache.checkpoint import (
     consolidated,
     new_save_id,
     remove_shards,
+    shard_contents,
     shard_path,
     write_atomically,
 )
@@ -413,12 +414,14 @@ class HotCacheStrategy(LikeAutoInOneProcess):
                 for table, arrays in m.host_shards().items():
                     shards[f"{path}.{table}"] = arrays
                     rows[f"{path}.{table}"] = m.caches[table].num_embeddings
-            checkpoint[SHARDS_KEY] = {"id": save_id, "world_size": self.world_size, "num_embeddings": rows}
+            checkpoint[SHARDS_KEY] = {
+                "id": save_id, "world_size": self.world_size, "num_embeddings": rows, "crc32": True  # shards checked
+            }  # fmt: skip
             # Every rank writes its own shard; the main file (rank 0's) only once all are in
             # place, so that no main file is ever without its shards (see lightning_hotcache.checkpoint).
             target = shard_path(filepath, save_id, self.global_rank, self.world_size)
             target.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically({"id": save_id, "tables": shards}, target)
+            write_atomically(shard_contents(save_id, shards), target)
             self.barrier("hotcache shards saved")
         super().save_checkpoint(checkpoint, filepath, storage_options)
         if self.is_global_zero:  # the main file no longer refers to the previous save's shards

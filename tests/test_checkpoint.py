@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import struct
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -19,7 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins import AsyncCheckpointIO
 
 from lightning_hotcache import HotCacheStrategy
-from lightning_hotcache.checkpoint import AtomicCheckpointIO, write_atomically
+from lightning_hotcache.checkpoint import SHARDS_KEY, AtomicCheckpointIO, write_atomically
 from lightning_hotcache.cli import main
 from lightning_hotcache.rowwise import ROW_STATE_KEY
 from models import create_model
@@ -162,6 +164,32 @@ def _delete_shard(folder: Path) -> None:
     shard.unlink()
 
 
+def _shard(folder: Path) -> Path:
+    [shard] = folder.glob("a.ckpt.*rank0-of-*")
+    return shard
+
+
+def _edit_main_file(folder: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    checkpoint = torch.load(folder / "a.ckpt", weights_only=False)
+    edit(checkpoint[SHARDS_KEY])
+    torch.save(checkpoint, folder / "a.ckpt")
+
+
+def _flip_table_bytes(folder: Path) -> None:
+    """4 bytes inverted in the middle of the shard's largest tensor (a bad disk or copy):
+    the file still loads, with other numbers."""
+    shard = _shard(folder)
+    with zipfile.ZipFile(shard) as archive:
+        record = max(archive.infolist(), key=lambda info: info.file_size)
+    with open(shard, "r+b") as f:
+        f.seek(record.header_offset + 26)  # the zip local header's name and extra field lengths
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        f.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
+        data = f.read(4)
+        f.seek(-4, os.SEEK_CUR)
+        f.write(bytes(byte ^ 0xFF for byte in data))
+
+
 @pytest.mark.parametrize(
     ("damage", "error", "message"),
     [
@@ -170,9 +198,12 @@ def _delete_shard(folder: Path) -> None:
         (_truncate_shard(lambda size: 0), ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 cannot be read"),
         (_truncate_shard(lambda size: size // 2), ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 cannot be read"),
         (_delete_shard, FileNotFoundError, r"a\.ckpt\.2-\w+\.rank0-of-1 is missing"),
+        # Issue 23 item 9: before, read without a word.
+        (_flip_table_bytes, ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 is corrupt: its tables do not match their checksum"),
     ],
-    ids=["main-of-another-save", "shard-of-another-save", "empty-shard", "truncated-shard", "missing-shard"],
-)
+    ids=["main-of-another-save", "shard-of-another-save", "empty-shard", "truncated-shard", "missing-shard",
+         "flipped-bytes"],
+)  # fmt: skip
 def test_a_main_file_without_its_own_whole_shards_is_a_clear_error(run, tmp_path, damage, error, message) -> None:
     trainer, saved = run
     folder = _copy(saved, tmp_path / "run")
@@ -227,3 +258,15 @@ def test_a_failed_write_leaves_the_previous_file_and_no_temporary_one(tmp_path, 
         write_atomically({"step": 2}, path)
     assert [p.name for p in tmp_path.iterdir()] == ["x.ckpt"]
     assert torch.load(path) == {"step": 1}
+
+
+def test_a_save_from_before_shard_checksums_still_loads(run, tmp_path) -> None:
+    trainer, saved = run
+    folder = _copy(saved, tmp_path / "run", prefix="a.ckpt")
+    expected = _content(trainer.strategy.load_checkpoint(folder / "a.ckpt"))
+    _edit_main_file(folder, lambda meta: meta.pop("crc32"))
+    shard = torch.load(_shard(folder), weights_only=True)
+    del shard["crc32"]
+    torch.save(shard, _shard(folder))
+    torch.testing.assert_close(_content(trainer.strategy.load_checkpoint(folder / "a.ckpt")), expected, rtol=0, atol=0)
+
