@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 import struct
 import zipfile
@@ -190,6 +191,26 @@ def _flip_table_bytes(folder: Path) -> None:
         f.write(bytes(byte ^ 0xFF for byte in data))
 
 
+def _pickle_shard(folder: Path) -> None:
+    shard = _shard(folder)
+    shard.write_bytes(pickle.dumps(torch.load(shard, weights_only=True)))
+
+
+def _foreign_torch_file_as_shard(folder: Path) -> None:
+    torch.save({"weight": torch.ones(3)}, _shard(folder))
+
+
+def _delete_one_of_two_shards(folder: Path) -> None:
+    """As a 2-rank save whose rank 1 shard was deleted: rank 0's is there, of the same save."""
+    _edit_main_file(folder, lambda meta: meta.update(world_size=2))
+    shard = _shard(folder)
+    shard.rename(shard.with_name(shard.name.replace("rank0-of-1", "rank0-of-2")))
+
+
+def _forge_save_id(folder: Path) -> None:
+    _edit_main_file(folder, lambda meta: meta.update(id="../../outside"))
+
+
 @pytest.mark.parametrize(
     ("damage", "error", "message"),
     [
@@ -197,12 +218,18 @@ def _flip_table_bytes(folder: Path) -> None:
         (_replace_shard_file, ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 holds save 4-\w+.*different saves"),
         (_truncate_shard(lambda size: 0), ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 cannot be read"),
         (_truncate_shard(lambda size: size // 2), ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 cannot be read"),
-        (_delete_shard, FileNotFoundError, r"a\.ckpt\.2-\w+\.rank0-of-1 is missing"),
-        # Issue 23 item 9: before, read without a word.
+        (_delete_shard, FileNotFoundError, r"a\.ckpt\.2-\w+\.rank0-of-1 is missing.*none of its shard files is there"),
+        # Issue 23 items 9 and 10: each was read without a word, or reported as another fault.
         (_flip_table_bytes, ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 is corrupt: its tables do not match their checksum"),
+        (_pickle_shard, ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 is not a hotcache shard file"),
+        (_foreign_torch_file_as_shard, ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 is not a hotcache shard file"),
+        (_delete_one_of_two_shards, FileNotFoundError,
+         r"a\.ckpt\.2-\w+\.rank1-of-2 is missing.*other shard files \(a\.ckpt\.2-\w+\.rank0-of-2\) are there, so it was "
+         "deleted or moved"),
+        (_forge_save_id, ValueError, r"a\.ckpt is damaged or not a hotcache checkpoint: .* names save '\.\./\.\./outside'"),
     ],
     ids=["main-of-another-save", "shard-of-another-save", "empty-shard", "truncated-shard", "missing-shard",
-         "flipped-bytes"],
+         "flipped-bytes", "pickled-shard", "foreign-shard", "one-of-two-shards-missing", "forged-save-id"],
 )  # fmt: skip
 def test_a_main_file_without_its_own_whole_shards_is_a_clear_error(run, tmp_path, damage, error, message) -> None:
     trainer, saved = run
@@ -270,3 +297,20 @@ def test_a_save_from_before_shard_checksums_still_loads(run, tmp_path) -> None:
     torch.save(shard, _shard(folder))
     torch.testing.assert_close(_content(trainer.strategy.load_checkpoint(folder / "a.ckpt")), expected, rtol=0, atol=0)
 
+
+def test_a_sharded_checkpoint_under_another_strategy_says_to_consolidate(run, tmp_path) -> None:
+    # Issue 23 item 10: before, a bare "Missing key(s) in state_dict" for the split tables.
+    _, saved = run
+    dm = tiny_synthetic(scale=0.004, num_embeddings_cap=None, num_train_samples=8 * 64, batch_size=64)
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad"})
+    trainer = cpu_trainer(strategy="auto", max_steps=6, limit_val_batches=0)
+    with pytest.raises(ValueError, match=r"checkpoint_shards=True.*`hotcache consolidate <checkpoint> --out plain\.ckpt`"):
+        trainer.fit(model, dm, ckpt_path=saved / "a.ckpt")
+
+
+def test_consolidate_into_a_missing_folder_says_so(run, tmp_path) -> None:
+    # Issue 23 item 10: before, a FileNotFoundError naming a hidden temporary file, after the whole load.
+    _, saved = run
+    out = tmp_path / "missing" / "plain.ckpt"
+    with pytest.raises(FileNotFoundError, match=f"cannot save {out}: the output folder {out.parent} does not exist"):
+        main(["consolidate", str(saved / "a.ckpt"), "--out", str(out)])
