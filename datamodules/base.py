@@ -71,9 +71,21 @@ def check_fractions(val_fraction: float, test_fraction: float) -> None:
         )
 
 
-def split_ranges(n: int, val_fraction: float, test_fraction: float) -> dict[Split, tuple[int, int]]:
-    """Consecutive [start, stop) ranges of n items: train first, then val, then test (the tail)."""
+def split_ranges(n: int, val_fraction: float, test_fraction: float, data: str) -> dict[Split, tuple[int, int]]:
+    """Consecutive [start, stop) ranges of n items: train first, then val, then test (the tail).
+
+    A split asked for (fraction > 0) that rounds down to no rows is an error naming the sizes
+    (``data`` says whose): an empty validation split would quietly skip validation, and a
+    checkpoint monitoring a val metric would fail only at the first epoch's end.
+    """
     num_val, num_test = math.floor(n * val_fraction), math.floor(n * test_fraction)
+    for split, fraction, rows in (("validation", val_fraction, num_val), ("test", test_fraction, num_test)):
+        if fraction > 0 and rows == 0:
+            raise ValueError(
+                f"{data} has {n} rows: {split} fraction {fraction} of them is {n * fraction:g}, so {split} would get "
+                f"no rows. Use more data (at least {math.ceil(1 / fraction)} rows), a larger fraction, or 0 for no "
+                f"{split} split."
+            )
     bounds = (0, n - num_val - num_test, n - num_test, n)
     return {split: (bounds[i], bounds[i + 1]) for i, split in enumerate(SPLITS)}
 

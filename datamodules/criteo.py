@@ -238,5 +238,6 @@ class CriteoDataModule(CTRDataModule):
         self.setup()
         assert self._parts is not None
         total = sum(p.num_rows for p in self._parts)
-        start, stop = split_ranges(total, self.val_fraction, self.test_fraction)[split]
+        data = f"Criteo data at {', '.join(map(str, self.paths))}"
+        start, stop = split_ranges(total, self.val_fraction, self.test_fraction, data)[split]
         return _CriteoSplit(self._parts, start, stop, self.rows)

@@ -165,13 +165,19 @@ class MovieLensDataModule(CTRDataModule):
         if zip_prefix_length < 1:
             raise ValueError(f"zip_prefix_length must be >= 1, got {zip_prefix_length}")
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+        if self.data_dir.is_file():  # e.g. a Criteo TSV given to the MovieLens module
+            raise NotADirectoryError(
+                f"MovieLens data_dir {self.data_dir} is a file, not a directory: {HOW_TO_GET}. A Criteo click log "
+                "goes to datamodules.CriteoDataModule's path."
+            )
         if not self.data_dir.is_dir():
             raise FileNotFoundError(f"MovieLens data directory {self.data_dir} does not exist: {HOW_TO_GET}")
         self.data, self.feature_cardinalities = self._encode(read_movielens(self.data_dir), zip_prefix_length)
         self.num_dense_features = 2
         n = len(self.data["label"])
         order = np.random.default_rng(seed).permutation(n)
-        self.split_rows = {s: order[a:b] for s, (a, b) in split_ranges(n, val_fraction, test_fraction).items()}
+        ranges = split_ranges(n, val_fraction, test_fraction, f"MovieLens data in {self.data_dir}")
+        self.split_rows = {s: order[a:b] for s, (a, b) in ranges.items()}
 
     def _encode(self, raw: _Raw, zip_prefix_length: int) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         """Integer-code users, items and attributes; vocabularies in file order (users, items) or sorted."""

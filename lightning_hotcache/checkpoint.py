@@ -8,7 +8,9 @@ shards of its own save. Every file is written under a temporary name, synced, an
 over its target, so a file under its final name is always whole. A save writes the shards
 first, then, once every rank's are in place, the main file; only then are the previous
 save's shards of that path removed: until the new main file replaces the old one, the old
-one's shards are still there under their own names.
+one's shards are still there under their own names. Every shard carries a CRC-32 of its
+tables, checked when it is read: torch's loader checks no data, and a flipped bit would
+otherwise be trained on or consolidated without a word.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import pickle
 import re
 import secrets
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +33,31 @@ from typing_extensions import override
 from lightning_hotcache.rowwise import ROW_STATE_KEY
 
 SHARDS_KEY = "hotcache_shards"
+# What `new_save_id` makes. A main file's id becomes part of its shards' file names, so one
+# that does not match (a damaged or forged file) must not be used to build a path.
+SAVE_ID = re.compile(r"\d+-[0-9a-f]+")
+# torch.save's format (a zip archive): a shard file that does not start with it was not written by hotcache.
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 def new_save_id(step: int) -> str:
     return f"{step}-{secrets.token_hex(4)}"
+
+
+def tables_crc32(tables: dict[str, dict[str, torch.Tensor]]) -> int:
+    """CRC-32 of a shard's tables: every table and array name, shape and byte of data."""
+    crc = 0
+    for key in sorted(tables):
+        for name in sorted(tables[key]):
+            tensor = tables[key][name].detach().cpu().contiguous()
+            crc = zlib.crc32(f"{key}/{name}/{tuple(tensor.shape)}/{tensor.dtype}".encode(), crc)
+            crc = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def shard_contents(save_id: str, tables: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """What one rank's shard file holds: its save's id, its tables and their checksum."""
+    return {"id": save_id, "tables": tables, "crc32": tables_crc32(tables)}
 
 
 def shard_path(checkpoint_path: _PATH, save_id: str, rank: int, world: int) -> Path:
@@ -83,7 +107,7 @@ def _own_files(checkpoint_path: _PATH) -> list[tuple[Path, str | None]]:
     path = Path(checkpoint_path)
     if not path.parent.is_dir():
         return []
-    pattern = re.compile(rf"{re.escape(path.name)}(?:\.(\d+-[0-9a-f]+)\.rank\d+-of-\d+)?(\.tmp-[0-9a-f]+)?")
+    pattern = re.compile(rf"{re.escape(path.name)}(?:\.({SAVE_ID.pattern})\.rank\d+-of-\d+)?(\.tmp-[0-9a-f]+)?")
     found = []
     with os.scandir(path.parent) as entries:
         for entry in entries:
@@ -105,10 +129,27 @@ def consolidate_checkpoint(path: _PATH, out: _PATH | None = None) -> dict[str, A
     """A plain checkpoint from one saved with ``checkpoint_shards=True``: the shard files of
     every rank are interleaved back into whole tables (state_dict) and row state. Needs the
     whole tables in memory. Saves to ``out`` when given."""
+    # Checked before the long load, and since the write's own error names its hidden temporary file.
+    if out is not None and not Path(out).parent.is_dir():
+        raise FileNotFoundError(f"cannot save {out}: the output folder {Path(out).parent} does not exist; create it first.")
     checkpoint = consolidated(torch.load(path, map_location="cpu", weights_only=True), path)
     if out is not None:
         write_atomically(checkpoint, out)
     return checkpoint
+
+
+def check_not_sharded(checkpoint: dict[str, Any]) -> None:
+    """Refuse a ``checkpoint_shards`` checkpoint that reached a model without its shard files
+    merged in (any strategy but ``hotcache`` loads the main file alone): its split tables would
+    surface as a bare ``Missing key(s)`` that names neither cause nor fix."""
+    meta = checkpoint.get(SHARDS_KEY)
+    if meta is not None:
+        raise ValueError(
+            f"This checkpoint was saved with HotCacheStrategy(checkpoint_shards=True) by {meta.get('world_size')} "
+            "rank(s): its split tables are in per-rank shard files beside it, which only the hotcache strategies "
+            "read. Resume it with a hotcache strategy, or make a plain checkpoint of it for any strategy: "
+            "`hotcache consolidate <checkpoint> --out plain.ckpt`."
+        )
 
 
 def consolidated(checkpoint: dict[str, Any], path: _PATH) -> dict[str, Any]:
@@ -121,10 +162,17 @@ def consolidated(checkpoint: dict[str, Any], path: _PATH) -> dict[str, Any]:
             f"{path} was saved by an older lightning-hotcache, whose shard files cannot be told from those of "
             "another save; load it with that version and save it again, or use another checkpoint."
         )
-    world = int(meta["world_size"])
+    save_id, world = meta["id"], meta.get("world_size")
+    if not (isinstance(save_id, str) and SAVE_ID.fullmatch(save_id) and isinstance(world, int) and world >= 1):
+        raise ValueError(
+            f"{path} is damaged or not a hotcache checkpoint: its shard record names save {save_id!r} of "
+            f"{world!r} rank(s), where hotcache writes '<step>-<hex>' and a number of ranks. Use another checkpoint."
+        )
     # A link (ModelCheckpoint(save_last="link")) has its target's shards.
     main_file = Path(os.path.realpath(path))
-    shards = [_load_shard(main_file, meta["id"], rank, world) for rank in range(world)]
+    # Saves from before shard checksums have none to check (their main file does not ask for them).
+    checksummed = bool(meta.get("crc32"))
+    shards = [_load_shard(main_file, save_id, rank, world, checksummed) for rank in range(world)]
     row_state = checkpoint.setdefault(ROW_STATE_KEY, {})
     for key, rows in meta["num_embeddings"].items():
         arrays = {}
@@ -139,25 +187,50 @@ def consolidated(checkpoint: dict[str, Any], path: _PATH) -> dict[str, Any]:
     return checkpoint
 
 
-def _load_shard(main_file: Path, save_id: str, rank: int, world: int) -> dict[str, Any]:
+def _load_shard(main_file: Path, save_id: str, rank: int, world: int, checksummed: bool) -> dict[str, Any]:
     file = shard_path(main_file, save_id, rank, world)
     if not file.is_file():
-        others = sorted(other.name for other, other_id in _own_files(main_file) if other_id)
-        mixed = f"; beside it are {', '.join(others)}: {main_file.name} and its shard files are from different saves"
+        found = _own_files(main_file)
+        same_save = sorted(other.name for other, other_id in found if other_id == save_id)
+        other_saves = sorted(other.name for other, other_id in found if other_id not in (None, save_id))
+        if other_saves:
+            why = f"beside it are {', '.join(other_saves)}: {main_file.name} and its shard files are from different saves"
+        elif same_save:
+            why = f"the save's other shard files ({', '.join(same_save)}) are there, so it was deleted or moved"
+        else:
+            why = "none of its shard files is there (deleted or moved, or the main file was copied without them)"
         raise FileNotFoundError(
             f"{file} is missing: the checkpoint {main_file} (save {save_id}) needs the shard files of all its "
-            f"{world} rank(s){mixed if others else ''}. Use another checkpoint."
+            f"{world} rank(s); {why}. Put it back, or use another checkpoint."
         )
+    not_ours = (
+        f"{file} is not a hotcache shard file (hotcache writes torch.save archives of a save id, tables and their "
+        f"checksum); the checkpoint {main_file} needs its own shard of rank {rank} there. Use another checkpoint."
+    )
+    with open(file, "rb") as f:
+        magic = f.read(len(ZIP_MAGIC))
+    if magic and magic != ZIP_MAGIC:  # empty: a truncated write, reported below
+        raise ValueError(not_ours)
     try:
         shard = torch.load(file, map_location="cpu", weights_only=True)
-    except (EOFError, RuntimeError, pickle.UnpicklingError) as err:  # torch's names neither the file nor what to do
+    except pickle.UnpicklingError as err:  # objects other than tensors, or a damaged pickle
+        raise ValueError(f"{not_ours} It holds objects other than tensors, or is corrupt.") from err
+    except (EOFError, RuntimeError) as err:  # torch's names neither the file nor what to do
         raise ValueError(
             f"{file} cannot be read (truncated or corrupt: {err}); the checkpoint {main_file} needs it. "
             "Use another checkpoint."
         ) from err
-    if shard.get("id") != save_id:
+    if not (isinstance(shard, dict) and "id" in shard and isinstance(shard.get("tables"), dict)):
+        raise ValueError(not_ours)
+    if shard["id"] != save_id:
         raise ValueError(
-            f"{file} holds save {shard.get('id')}, but {main_file} is save {save_id}: the main file and the shard "
+            f"{file} holds save {shard['id']}, but {main_file} is save {save_id}: the main file and the shard "
             "files are from different saves. Use another checkpoint."
+        )
+    if checksummed and shard.get("crc32") != tables_crc32(shard["tables"]):
+        raise ValueError(
+            f"{file} is corrupt: its tables do not match their checksum (bytes changed on disk or in transfer since "
+            f"the save); the checkpoint {main_file} needs it. Use another checkpoint, or a copy of this file from "
+            "where it was written."
         )
     return shard["tables"]

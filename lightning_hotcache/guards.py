@@ -37,19 +37,25 @@ def finite_loss_or_skip(loss: Tensor, trainer: pl.Trainer, batch_idx: int, actio
     """Whether the step may go on to backward. Every rank decides together (one rank's NaN
     stops or skips the step everywhere, so no rank waits in a collective that never comes).
 
-    ``action="raise"`` raises `NonFiniteLossError` naming the step and batch; ``"skip"``
-    warns and returns False: the caller returns None from ``training_step``, which makes
+    ``action="raise"`` raises `NonFiniteLossError` naming the step, the batch and (with
+    several processes) the ranks whose loss is not finite; ``"skip"`` warns and returns False: the caller returns None from ``training_step``, which makes
     Lightning skip backward and the optimizer step.
     """
-    bad = trainer.strategy.reduce_boolean_decision(not bool(torch.isfinite(loss.detach()).all()), all=False)
-    if not bad:
+    # Every rank's loss, not a yes/no: the error then names the rank(s) that went non-finite
+    # and their loss, where rank 0 used to quote its own finite one. Still one scalar per rank.
+    losses = trainer.strategy.all_gather(loss.detach().float().mean().reshape(1)).reshape(-1)
+    bad_ranks = (~torch.isfinite(losses)).nonzero().reshape(-1).tolist()
+    if not bad_ranks:
         return True
     where = f"global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {batch_idx})"
+    which = f"({', '.join(str(losses[rank].item()) for rank in bad_ranks)})"
+    if len(losses) > 1:
+        which = f"on rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))} {which}"
     if action == "skip":
-        rank_zero_warn(f"Skipped the batch at {where}: its training loss is not finite.")
+        rank_zero_warn(f"Skipped the batch at {where}: its training loss is not finite {which}.")
         return False
     raise NonFiniteLossError(
-        f"The training loss is not finite ({loss.detach().float().mean().item()}) at {where}, on at least one rank. "
+        f"The training loss is not finite {which} at {where}. "
         "Stopped before backward: no embedding row or dense weight learned from it. Look for NaN/inf in that "
         "batch's dense features or labels, or lower the learning rates; `non_finite_loss='skip'` skips such "
         "batches instead."

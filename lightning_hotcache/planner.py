@@ -93,6 +93,18 @@ def row_bytes(table: EmbeddingBagConfig, optimizer: RowWiseOptimizerConfig) -> i
     return 4 * (table.embedding_dim + sum(optimizer.state_widths(table.embedding_dim).values()))
 
 
+# A budget in plain bytes this many times below the minimum is refused even with
+# grow_budget_to_minimum: no one sizes device memory in bytes a thousandfold short, but
+# `device_budget: 2` meant as 2 GB or as "all" (2 bytes) would otherwise train at the minimum
+# with only a warning.
+BYTES_BUDGET_GROWTH_LIMIT = 1000
+
+
+def _bytes_without_unit(budget: Budget) -> bool:
+    """Whether ``budget`` is a number of bytes with no unit (an int, or digits on a command line)."""
+    return re.fullmatch(r"\s*[0-9]+\s*", str(budget)) is not None
+
+
 def resolve_budget(budget: Budget, total_bytes: int, device: torch.device | str = "cpu") -> int:
     """Bytes from a budget: an int, a string like ``"2GB"``/``"512MiB"``, a fraction in (0, 1]
     of the model's embedding bytes, or ``"auto"`` (half the free device memory)."""
@@ -101,6 +113,8 @@ def resolve_budget(budget: Budget, total_bytes: int, device: torch.device | str 
     if isinstance(budget, int):
         if budget <= 0:
             raise ValueError(f"device_budget must be positive, got {budget} bytes.")
+        if budget == 1:  # YAML's `device_budget: 1` is an int: meant as the whole tables, never as one byte
+            raise ValueError("device_budget=1 means 1 byte; write 1.0 for the whole tables or '1GB'.")
         return budget
     if isinstance(budget, float):
         if not 0.0 < budget <= 1.0:
@@ -360,7 +374,8 @@ class HotColdPlanner:
 
     Args:
         device_budget: bytes, a size string ("2GB"), a fraction in (0, 1] of the tables'
-            bytes (rows + optimizer state), or "auto".
+            bytes (rows + optimizer state), or "auto". An int is bytes: 1 is refused (write
+            1.0 for the whole tables), and so is growing one far below the minimum.
         optimizer: the row-wise rule (its state is part of every row's bytes).
         world_size: data-parallel processes (recorded; device tables are replicated).
         prefetch_depth: batches prefetched ahead of the one training (the strategy's).
@@ -426,6 +441,7 @@ class HotColdPlanner:
             on_device, split, required, fixed = self._smallest_layout(tables, stats)
         minimum = fixed
         if fixed > budget and self.grow_budget_to_minimum:
+            self._check_growable(budget, fixed)
             rank_zero_warn(
                 f"The device budget of {format_bytes(budget)} ({self.device_budget!r}) is below the minimum "
                 f"{format_bytes(fixed)} for {self.batches_in_flight} batches in flight: planning with the minimum."
@@ -482,6 +498,16 @@ class HotColdPlanner:
             sharding_plan=torchrec_sharding_plan(device_tables, self.world_size, self.device),
         )
 
+    def _check_growable(self, budget: int, minimum: int) -> None:
+        """Refuse to grow a budget given in plain bytes from far below the minimum (see
+        `BYTES_BUDGET_GROWTH_LIMIT`): that is a unit mistake, not a size."""
+        if _bytes_without_unit(self.device_budget) and minimum > BYTES_BUDGET_GROWTH_LIMIT * budget:
+            raise ValueError(
+                f"device_budget={self.device_budget!r} means {budget} bytes, {minimum // budget:,}x below the minimum "
+                f"{format_bytes(minimum)}: too far to be a size meant in bytes, so it is not grown to the minimum. "
+                "Write the size with a unit ('2GB') or a fraction of the tables (0.1; 1.0 for the whole tables)."
+            )
+
     def check_plan(self, plan: HotColdPlan, tables: Sequence[EmbeddingBagConfig], batch_size: int | None = None) -> None:
         """Raise ValueError, saying what differs, unless ``plan`` (made earlier, e.g. by
         ``hotcache plan``) can train ``tables`` in this planner's run: the same tables, world
@@ -491,8 +517,9 @@ class HotColdPlanner:
         plan.check_tables(tables)
         whole = sum(t.num_embeddings * row_bytes(t, self.optimizer) for t in tables)
         budget = resolve_budget(self.device_budget, whole, self.device)
-        if self.grow_budget_to_minimum:  # as `plan` would have grown it
-            budget = max(budget, plan.minimum_bytes)
+        if self.grow_budget_to_minimum and plan.minimum_bytes > budget:  # as `plan` would have grown it
+            self._check_growable(budget, plan.minimum_bytes)
+            budget = plan.minimum_bytes
         problems = []
         if plan.world_size != self.world_size:
             problems.append(f"it was made for world size {plan.world_size} but this run has {self.world_size}")

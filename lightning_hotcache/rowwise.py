@@ -22,6 +22,10 @@ import torch
 from torch import Tensor
 
 RowWiseOptimizerName = Literal["sgd", "rowwise_adagrad", "adam"]
+# ``eps`` when none is given: the default of the optimizer each rule claims to be, so "the same
+# rule" holds without setting it: TorchRec's RowWiseAdagrad (1e-10) and torch.optim.Adam (1e-8).
+# SGD reads no eps; it gets Adagrad's so every config carries a valid one.
+DEFAULT_EPS: dict[str, float] = {"sgd": 1e-10, "rowwise_adagrad": 1e-10, "adam": 1e-8}
 # Checkpoint key of the row-wise optimizer state: {"<module path>.<table>": {state name: (rows, width)}}.
 # One format for every strategy, so training resumes under another strategy than it started.
 ROW_STATE_KEY = "embedding_row_state"
@@ -38,14 +42,16 @@ class RowWiseOptimizerConfig:
             (lazy Adam: per-element moments updated only for rows looked up, bias correction
             by the number of updates that row has had).
         lr: learning rate.
-        eps: added to the denominator (Adagrad, Adam).
+        eps: added to the denominator (Adagrad, Adam). ``None`` (the default) takes the
+            default of the optimizer the rule matches: 1e-10 for ``rowwise_adagrad`` (TorchRec's
+            ``RowWiseAdagrad``), 1e-8 for ``adam`` (``torch.optim.Adam``); SGD has none.
         beta1: Adam's first-moment decay.
         beta2: Adam's second-moment decay.
     """
 
     name: RowWiseOptimizerName = "rowwise_adagrad"
     lr: float = 0.05
-    eps: float = 1e-8
+    eps: float | None = None
     beta1: float = 0.9
     beta2: float = 0.999
 
@@ -54,10 +60,12 @@ class RowWiseOptimizerConfig:
             raise ValueError(
                 f"Unknown row-wise optimizer {self.name!r}; choose one of {', '.join(ROWWISE_OPTIMIZERS)}."
             )
+        eps = DEFAULT_EPS[self.name] if self.eps is None else self.eps
+        object.__setattr__(self, "eps", eps)  # frozen: resolved once, here
         if not self.lr > 0:
             raise ValueError(f"Row-wise optimizer lr must be > 0, got {self.lr}.")
-        if not self.eps > 0:
-            raise ValueError(f"Row-wise optimizer eps must be > 0, got {self.eps}.")
+        if not eps > 0:
+            raise ValueError(f"Row-wise optimizer eps must be > 0, got {eps}.")
         for beta_name in ("beta1", "beta2"):
             beta = getattr(self, beta_name)
             if not 0.0 <= beta < 1.0:

@@ -53,13 +53,21 @@ from lightning_hotcache.checkpoint import (
     consolidated,
     new_save_id,
     remove_shards,
+    shard_contents,
     shard_path,
     write_atomically,
 )
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
 from lightning_hotcache.guards import finite_loss_or_skip
 from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
-from lightning_hotcache.planner import Budget, HotColdPlan, HotColdPlanner, StatsNeededError, prefetch_thread_used
+from lightning_hotcache.planner import (
+    Budget,
+    HotColdPlan,
+    HotColdPlanner,
+    StatsNeededError,
+    prefetch_thread_used,
+    resolve_budget,
+)
 from lightning_hotcache.profiling import AccessStats, first_batch_size, profile_batches
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
 from lightning_hotcache.table_init import draw_seed, is_deferred
@@ -181,7 +189,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
     Args:
         device_budget: device memory for embedding rows, optimizer state and cache
             bookkeeping: bytes, a size like ``"2GB"``, a fraction in (0, 1] of the tables'
-            bytes, or ``"auto"`` (half the free device memory).
+            bytes, or ``"auto"`` (half the free device memory). An int is bytes: ``1`` is
+            refused (``1.0`` is the whole tables), and so is growing one far below the minimum.
         stats_path: access stats from ``hotcache profile``; without them the first
             ``profile_batches`` training batches are profiled when the plan needs stats.
             They must be for the model's tables and this run's batch size.
@@ -247,6 +256,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             raise FileNotFoundError(f"plan_path {plan_path} does not exist; make it with `hotcache plan --out`.")
         if plan_path is not None and stats_path is not None:
             raise ValueError("Give plan_path or stats_path, not both: a plan from `hotcache plan` is already made from stats.")
+        if device_budget != "auto":  # its form, now: a CLI run builds the model before setup needs the bytes
+            resolve_budget(device_budget, total_bytes=1)
         self.device_budget = device_budget
         self.grow_budget_to_minimum = grow_budget_to_minimum
         self.stats_path = stats_path
@@ -413,12 +424,14 @@ class HotCacheStrategy(LikeAutoInOneProcess):
                 for table, arrays in m.host_shards().items():
                     shards[f"{path}.{table}"] = arrays
                     rows[f"{path}.{table}"] = m.caches[table].num_embeddings
-            checkpoint[SHARDS_KEY] = {"id": save_id, "world_size": self.world_size, "num_embeddings": rows}
+            checkpoint[SHARDS_KEY] = {
+                "id": save_id, "world_size": self.world_size, "num_embeddings": rows, "crc32": True  # shards checked
+            }  # fmt: skip
             # Every rank writes its own shard; the main file (rank 0's) only once all are in
             # place, so that no main file is ever without its shards (see lightning_hotcache.checkpoint).
             target = shard_path(filepath, save_id, self.global_rank, self.world_size)
             target.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically({"id": save_id, "tables": shards}, target)
+            write_atomically(shard_contents(save_id, shards), target)
             self.barrier("hotcache shards saved")
         super().save_checkpoint(checkpoint, filepath, storage_options)
         if self.is_global_zero:  # the main file no longer refers to the previous save's shards

@@ -34,6 +34,7 @@ from torchrec.models.dlrm import SparseArch
 from torchrec.modules.embedding_configs import PoolingType
 from typing_extensions import override
 
+from lightning_hotcache.checkpoint import check_not_sharded
 from lightning_hotcache.guards import (
     NonFiniteLossAction,
     check_non_finite_loss_action,
@@ -390,6 +391,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_not_sharded(checkpoint)
         saved = checkpoint.get(ROW_STATE_KEY, {})
         for key, weight in self._plain_table_weights().items():
             if key in saved:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
+import struct
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -19,7 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins import AsyncCheckpointIO
 
 from lightning_hotcache import HotCacheStrategy
-from lightning_hotcache.checkpoint import AtomicCheckpointIO, write_atomically
+from lightning_hotcache.checkpoint import SHARDS_KEY, AtomicCheckpointIO, write_atomically
 from lightning_hotcache.cli import main
 from lightning_hotcache.rowwise import ROW_STATE_KEY
 from models import create_model
@@ -162,6 +165,52 @@ def _delete_shard(folder: Path) -> None:
     shard.unlink()
 
 
+def _shard(folder: Path) -> Path:
+    [shard] = folder.glob("a.ckpt.*rank0-of-*")
+    return shard
+
+
+def _edit_main_file(folder: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    checkpoint = torch.load(folder / "a.ckpt", weights_only=False)
+    edit(checkpoint[SHARDS_KEY])
+    torch.save(checkpoint, folder / "a.ckpt")
+
+
+def _flip_table_bytes(folder: Path) -> None:
+    """4 bytes inverted in the middle of the shard's largest tensor (a bad disk or copy):
+    the file still loads, with other numbers."""
+    shard = _shard(folder)
+    with zipfile.ZipFile(shard) as archive:
+        record = max(archive.infolist(), key=lambda info: info.file_size)
+    with open(shard, "r+b") as f:
+        f.seek(record.header_offset + 26)  # the zip local header's name and extra field lengths
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        f.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
+        data = f.read(4)
+        f.seek(-4, os.SEEK_CUR)
+        f.write(bytes(byte ^ 0xFF for byte in data))
+
+
+def _pickle_shard(folder: Path) -> None:
+    shard = _shard(folder)
+    shard.write_bytes(pickle.dumps(torch.load(shard, weights_only=True)))
+
+
+def _foreign_torch_file_as_shard(folder: Path) -> None:
+    torch.save({"weight": torch.ones(3)}, _shard(folder))
+
+
+def _delete_one_of_two_shards(folder: Path) -> None:
+    """As a 2-rank save whose rank 1 shard was deleted: rank 0's is there, of the same save."""
+    _edit_main_file(folder, lambda meta: meta.update(world_size=2))
+    shard = _shard(folder)
+    shard.rename(shard.with_name(shard.name.replace("rank0-of-1", "rank0-of-2")))
+
+
+def _forge_save_id(folder: Path) -> None:
+    _edit_main_file(folder, lambda meta: meta.update(id="../../outside"))
+
+
 @pytest.mark.parametrize(
     ("damage", "error", "message"),
     [
@@ -169,10 +218,19 @@ def _delete_shard(folder: Path) -> None:
         (_replace_shard_file, ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 holds save 4-\w+.*different saves"),
         (_truncate_shard(lambda size: 0), ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 cannot be read"),
         (_truncate_shard(lambda size: size // 2), ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 cannot be read"),
-        (_delete_shard, FileNotFoundError, r"a\.ckpt\.2-\w+\.rank0-of-1 is missing"),
+        (_delete_shard, FileNotFoundError, r"a\.ckpt\.2-\w+\.rank0-of-1 is missing.*none of its shard files is there"),
+        # Issue 23 items 9 and 10: each was read without a word, or reported as another fault.
+        (_flip_table_bytes, ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 is corrupt: its tables do not match their checksum"),
+        (_pickle_shard, ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 is not a hotcache shard file"),
+        (_foreign_torch_file_as_shard, ValueError, r"a\.ckpt\.2-\w+\.rank0-of-1 is not a hotcache shard file"),
+        (_delete_one_of_two_shards, FileNotFoundError,
+         r"a\.ckpt\.2-\w+\.rank1-of-2 is missing.*other shard files \(a\.ckpt\.2-\w+\.rank0-of-2\) are there, so it was "
+         "deleted or moved"),
+        (_forge_save_id, ValueError, r"a\.ckpt is damaged or not a hotcache checkpoint: .* names save '\.\./\.\./outside'"),
     ],
-    ids=["main-of-another-save", "shard-of-another-save", "empty-shard", "truncated-shard", "missing-shard"],
-)
+    ids=["main-of-another-save", "shard-of-another-save", "empty-shard", "truncated-shard", "missing-shard",
+         "flipped-bytes", "pickled-shard", "foreign-shard", "one-of-two-shards-missing", "forged-save-id"],
+)  # fmt: skip
 def test_a_main_file_without_its_own_whole_shards_is_a_clear_error(run, tmp_path, damage, error, message) -> None:
     trainer, saved = run
     folder = _copy(saved, tmp_path / "run")
@@ -227,3 +285,32 @@ def test_a_failed_write_leaves_the_previous_file_and_no_temporary_one(tmp_path, 
         write_atomically({"step": 2}, path)
     assert [p.name for p in tmp_path.iterdir()] == ["x.ckpt"]
     assert torch.load(path) == {"step": 1}
+
+
+def test_a_save_from_before_shard_checksums_still_loads(run, tmp_path) -> None:
+    trainer, saved = run
+    folder = _copy(saved, tmp_path / "run", prefix="a.ckpt")
+    expected = _content(trainer.strategy.load_checkpoint(folder / "a.ckpt"))
+    _edit_main_file(folder, lambda meta: meta.pop("crc32"))
+    shard = torch.load(_shard(folder), weights_only=True)
+    del shard["crc32"]
+    torch.save(shard, _shard(folder))
+    torch.testing.assert_close(_content(trainer.strategy.load_checkpoint(folder / "a.ckpt")), expected, rtol=0, atol=0)
+
+
+def test_a_sharded_checkpoint_under_another_strategy_says_to_consolidate(run, tmp_path) -> None:
+    # Issue 23 item 10: before, a bare "Missing key(s) in state_dict" for the split tables.
+    _, saved = run
+    dm = tiny_synthetic(scale=0.004, num_embeddings_cap=None, num_train_samples=8 * 64, batch_size=64)
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad"})
+    trainer = cpu_trainer(strategy="auto", max_steps=6, limit_val_batches=0)
+    with pytest.raises(ValueError, match=r"checkpoint_shards=True.*`hotcache consolidate <checkpoint> --out plain\.ckpt`"):
+        trainer.fit(model, dm, ckpt_path=saved / "a.ckpt")
+
+
+def test_consolidate_into_a_missing_folder_says_so(run, tmp_path) -> None:
+    # Issue 23 item 10: before, a FileNotFoundError naming a hidden temporary file, after the whole load.
+    _, saved = run
+    out = tmp_path / "missing" / "plain.ckpt"
+    with pytest.raises(FileNotFoundError, match=f"cannot save {out}: the output folder {out.parent} does not exist"):
+        main(["consolidate", str(saved / "a.ckpt"), "--out", str(out)])

@@ -276,6 +276,16 @@ def test_criteo_missing_path_and_bad_args(tmp_path: Path) -> None:
         CriteoDataModule("x", val_fraction=0.6, test_fraction=0.5)
 
 
+@pytest.mark.parametrize(("val_fraction", "test_fraction", "split"), [(0.05, 0.0, "validation"), (0.0, 0.1, "test")])
+def test_criteo_file_too_small_for_a_split_says_so(tmp_path: Path, val_fraction: float, test_fraction: float, split: str) -> None:
+    # Issue 23 item 10: before, 5 rows at val_fraction 0.05 gave an empty validation split without a word.
+    path = write_tsv(tmp_path / "tiny.tsv", CRITEO_ROWS)
+    dm = CriteoDataModule(str(path), val_fraction=val_fraction, test_fraction=test_fraction)
+    with pytest.raises(ValueError, match=rf"Criteo data at {path} has 5 rows: {split} fraction .* so {split} would get "
+                                         r"no rows\. Use more data \(at least \d+ rows\)"):  # fmt: skip
+        dm.dataloader("train")
+
+
 # ---------------------------------------------------------------- movielens
 
 ML_USERS = [("7", 24, "M", "technician", "85711"), ("3", 53, "F", "other", "94043"), ("9", 17, "M", "writer", "T8H1N")]
@@ -354,21 +364,27 @@ def test_movielens_layouts(tmp_path: Path, layout) -> None:
 
 
 def test_movielens_layouts_agree_and_split_is_seeded(tmp_path: Path) -> None:
-    raw = MovieLensDataModule(str(write_grouplens(tmp_path / "raw")), seed=3)
-    atomic = MovieLensDataModule(str(write_atomic(tmp_path / "atomic")), seed=3)
+    splits = {"val_fraction": 0.25, "test_fraction": 0.25}  # 8 ratings: the defaults leave val and test empty
+    raw = MovieLensDataModule(str(write_grouplens(tmp_path / "raw")), seed=3, **splits)
+    atomic = MovieLensDataModule(str(write_atomic(tmp_path / "atomic")), seed=3, **splits)
     assert_same(concat(*raw.dataloader("train")), concat(*atomic.dataloader("train")))
-    other = MovieLensDataModule(str(tmp_path / "raw"), seed=4, val_fraction=0.5)
-    again = MovieLensDataModule(str(tmp_path / "raw"), seed=4, val_fraction=0.5)
+    other = MovieLensDataModule(str(tmp_path / "raw"), seed=4, **splits)
+    again = MovieLensDataModule(str(tmp_path / "raw"), seed=4, **splits)
     np.testing.assert_array_equal(other.split_rows["val"], again.split_rows["val"])
     assert not np.array_equal(
-        other.split_rows["train"],
-        MovieLensDataModule(str(tmp_path / "raw"), seed=5, val_fraction=0.5).split_rows["train"],
+        other.split_rows["train"], MovieLensDataModule(str(tmp_path / "raw"), seed=5, **splits).split_rows["train"]
     )
 
 
 def test_movielens_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="pip install --no-deps recbole"):
         MovieLensDataModule(str(tmp_path))
+    # Issue 23 item 10: a file (here a Criteo log) was reported as a directory that "does not exist".
+    criteo = write_tsv(tmp_path / "train.txt", CRITEO_ROWS)
+    with pytest.raises(NotADirectoryError, match=rf"MovieLens data_dir {criteo} is a file, not a directory.*CriteoDataModule"):
+        MovieLensDataModule(str(criteo))
+    with pytest.raises(ValueError, match=r"MovieLens data in .* has 8 rows: validation fraction 0\.1 .* no rows"):
+        MovieLensDataModule(str(write_grouplens(tmp_path / "tiny")))
     d = write_grouplens(tmp_path / "ml")
     (d / "u.data").write_text("7\t99\t5\t1\n")
     with pytest.raises(ValueError, match="'99'"):

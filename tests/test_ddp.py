@@ -116,8 +116,8 @@ def test_nan_loss_on_one_rank_stops_every_rank(tmp_path: Path, strategy: str) ->
            "--nan-at-step=2", f"--out={out}"]  # fmt: skip
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     _assert_exited_cleanly(result)
-    for rank in (0, 1):
-        assert "global step 2 " in Path(f"{out}.rank{rank}").read_text()
+    for rank in (0, 1):  # both name the rank whose loss went NaN (the last), not their own loss
+        assert "not finite on rank 1 (nan) at global step 2 " in Path(f"{out}.rank{rank}").read_text()
 
 
 def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -134,6 +135,53 @@ def test_symlinked_lock_file_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="symlink"):
         HostDirectory(tmp_path / "rows")
     assert victim.read_bytes() == b"precious"
+
+
+def test_hard_linked_lock_file_is_refused(tmp_path) -> None:
+    # Issue 23 item 8: before, the lock truncated the linked file and wrote its pid line into it.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (tmp_path / "rows").mkdir()
+    os.link(victim, tmp_path / "rows" / HostDirectory.LOCK_NAME)
+    with pytest.raises(ValueError, match="is a hard link.*Remove it"):
+        HostDirectory(tmp_path / "rows")
+    assert victim.read_bytes() == b"precious"
+
+
+def test_host_files_have_their_disk_space_reserved(tmp_path) -> None:
+    # Issue 23 item 7: sparse files took their blocks on first write, and a full disk then
+    # killed training with SIGBUS; now every block is allocated when the file is made.
+    directory = HostDirectory(tmp_path / "rows")
+    array = directory.create("t.weight.f32", 1000, 16)
+    directory.release()
+    stat = (tmp_path / "rows" / "t.weight.f32").stat()
+    assert stat.st_size == array.nbytes == 1000 * 16 * 4
+    assert stat.st_blocks * 512 >= stat.st_size
+
+
+def test_full_disk_is_a_clear_error_before_training(tmp_path, monkeypatch) -> None:
+    def disk_full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", disk_full)
+    rows = tmp_path / "rows"
+    with pytest.raises(OSError, match=rf"host_storage {rows} has too little disk for t_[\w.]+\.f32: it needs [\d,]+ bytes, "
+                       r"[\d,]+ are free.*larger disk") as raised:  # fmt: skip
+        train(rows)
+    assert raised.value.errno == errno.ENOSPC
+    assert not list(rows.glob("*.f32"))  # the file that did not fit is not left behind
+
+
+def test_filesystem_that_cannot_reserve_gets_a_sparse_file_and_a_warning(tmp_path, monkeypatch) -> None:
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    directory = HostDirectory(tmp_path / "rows")
+    with pytest.warns(UserWarning, match="cannot reserve space.*SIGBUS"):
+        array = directory.create("t.weight.f32", 10, 4)
+    directory.release()
+    assert array.shape == (10, 4) and not array.any()
 
 
 def test_host_storage_that_is_a_file_is_refused_early(tmp_path) -> None:

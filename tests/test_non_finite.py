@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -12,7 +14,7 @@ from torchrec.datasets.utils import Batch
 
 from lightning_hotcache import HotCacheStrategy
 from lightning_hotcache.embedding import hot_cold_modules
-from lightning_hotcache.guards import NonFiniteLossError
+from lightning_hotcache.guards import NonFiniteLossError, finite_loss_or_skip
 from models import DLRM
 
 OPTIMIZER = {"name": "rowwise_adagrad", "lr": 0.05}
@@ -120,3 +122,22 @@ def test_empty_batch_gets_a_clear_error(strategy) -> None:
     )
     with pytest.raises(ValueError, match="empty batch"):
         fit(DLRM, strategy, data[:2] + [empty], dm)
+
+
+def _two_ranks_with_nan_on_rank_1() -> SimpleNamespace:
+    """What finite_loss_or_skip reads of a trainer of 2 processes whose rank 1 has a NaN loss."""
+    strategy = SimpleNamespace(
+        all_gather=lambda loss: torch.stack([loss, torch.full_like(loss, float("nan"))]),
+        reduce_boolean_decision=lambda decision, all=True: True,  # rank 1's NaN
+    )
+    return SimpleNamespace(strategy=strategy, global_step=7, current_epoch=0, world_size=2)
+
+
+def test_error_names_the_rank_whose_loss_is_not_finite() -> None:
+    # Issue 23 item 10: before, rank 0 said "not finite (0.693...)", quoting its own finite loss.
+    own_loss = torch.tensor(0.6931)
+    with pytest.raises(NonFiniteLossError, match=r"not finite on rank 1 \(nan\) at global step 7 ") as raised:
+        finite_loss_or_skip(own_loss, _two_ranks_with_nan_on_rank_1(), 3, "raise")  # type: ignore[arg-type]
+    assert "0.693" not in str(raised.value)
+    with pytest.warns(UserWarning, match=r"Skipped the batch at global step 7 .*not finite on rank 1 \(nan\)"):
+        assert not finite_loss_or_skip(own_loss, _two_ranks_with_nan_on_rank_1(), 3, "skip")  # type: ignore[arg-type]

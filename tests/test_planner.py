@@ -7,7 +7,7 @@ import pytest
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
-from lightning_hotcache import RowWiseOptimizerConfig
+from lightning_hotcache import HotCacheStrategy, RowWiseOptimizerConfig
 from lightning_hotcache.planner import HotColdPlan, HotColdPlanner, batches_in_flight, resolve_budget, row_bytes
 from lightning_hotcache.profiling import AccessProfiler
 
@@ -49,6 +49,35 @@ def test_budget_forms(budget, expected) -> None:
 def test_bad_budgets_are_clear_errors(budget) -> None:
     with pytest.raises(ValueError, match="device_budget"):
         resolve_budget(budget, TOTAL)
+
+
+@pytest.mark.parametrize("budget", [1, "1", " 1 "])
+def test_budget_of_one_is_refused_not_read_as_one_byte(budget) -> None:
+    # Issue 23 item 11: YAML's `device_budget: 1` is an int, which meant 1 byte (and, with
+    # grow_budget_to_minimum, training at the minimum with only a warning).
+    message = r"device_budget=1 means 1 byte; write 1\.0 for the whole tables or '1GB'"
+    with pytest.raises(ValueError, match=message):
+        resolve_budget(budget, TOTAL)
+    with pytest.raises(ValueError, match=message):  # at construction, before a CLI run builds the model
+        HotCacheStrategy(device_budget=budget, grow_budget_to_minimum=True)
+
+
+def test_budget_in_bytes_far_below_the_minimum_is_not_grown() -> None:
+    # Issue 23 item 11: `device_budget: 2` (meant as 2 GB, or as everything) was grown to the
+    # minimum with a warning; bytes a thousandfold short are a unit mistake, refused.
+    minimum = HotColdPlanner(1000, SGD, prefetch_depth=2).minimum_bytes(TABLES, stats())
+    far_below = HotColdPlanner(2, SGD, prefetch_depth=2, grow_budget_to_minimum=True)
+    message = r"device_budget=2 means 2 bytes, [\d,]+x below the minimum .*Write the size with a unit \('2GB'\)"
+    with pytest.raises(ValueError, match=message):
+        far_below.plan(TABLES, stats())
+    plan = HotColdPlanner(0.5, SGD, prefetch_depth=2).plan(TABLES, stats())
+    with pytest.raises(ValueError, match=message):  # a plan file is held to the same rule
+        far_below.check_plan(plan, TABLES)
+    # Bytes a little short, and fractions however short, still grow to the minimum.
+    for budget in (minimum // 2, str(minimum // 2), 1e-9):
+        with pytest.warns(UserWarning, match="planning with the minimum"):
+            grown = HotColdPlanner(budget, SGD, prefetch_depth=2, grow_budget_to_minimum=True).plan(TABLES, stats())
+        assert grown.budget_bytes == minimum
 
 
 def test_auto_budget_is_positive() -> None:

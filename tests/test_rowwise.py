@@ -6,6 +6,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from lightning_hotcache import RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
@@ -86,6 +87,25 @@ def test_same_result_as_torchrec_in_backward_optimizer(name: str) -> None:
         after_backward(kjt).values().backward(upstream)
         optimizer.step()
     torch.testing.assert_close(in_backward.state_dict(), after_backward.state_dict())
+
+
+@pytest.mark.parametrize(("name", "reference"), [("rowwise_adagrad", RowWiseAdagrad), ("adam", torch.optim.Adam)])
+def test_default_eps_is_the_reference_optimizers(name: str, reference: type[torch.optim.Optimizer]) -> None:
+    """Issue 23 item 5: without eps set, our rule steps as TorchRec's RowWiseAdagrad (eps 1e-10)
+    and torch's Adam (1e-8) do with theirs unset. Gradients of 1e-9 make eps count: with
+    1e-8 for Adagrad the step came out 10x too small."""
+    config = RowWiseOptimizerConfig(name=name, lr=0.05)
+    ours = torch.nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True)
+    theirs = torch.nn.Parameter(ours.weight.detach().clone())
+    optimizer, reference_optimizer = RowWiseOptimizer([ours.weight], config), reference([theirs], lr=0.05)
+    ids, offsets = torch.tensor([3]), torch.tensor([0])
+    upstream = torch.full((1, DIM), 1e-9)
+    for _ in range(2):
+        ours(ids, offsets).backward(upstream)
+        optimizer.step()
+        theirs.grad = torch.zeros(ROWS, DIM).index_copy_(0, ids, upstream)
+        reference_optimizer.step()
+    torch.testing.assert_close(ours.weight.detach()[3], theirs.detach()[3], rtol=1e-6, atol=0.0)
 
 
 def test_state_round_trips_through_state_dict() -> None:

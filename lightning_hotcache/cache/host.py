@@ -3,8 +3,8 @@
 Every row lives here; the device cache holds copies of some rows and writes changed ones
 back. Rows travel together with their optimizer state, so a row's update never depends on
 which tier it was in. For tables bigger than RAM the arrays are memory-mapped files in a
-directory (created sparse and zero-filled by the OS, so creation is instant and only the
-pages that are touched take disk space or page cache).
+directory, zero-filled by the OS, their disk space reserved when they are made (see
+`map_rows`); only the pages that are touched take page cache.
 
 A run owns its directory (`HostDirectory`): it holds an exclusive lock on it while it
 trains, and its files start fresh, so nothing (row optimizer state above all) leaks in from
@@ -19,6 +19,7 @@ import mmap
 import os
 import socket
 import sys
+import warnings
 import weakref
 from pathlib import Path
 
@@ -47,8 +48,9 @@ class HostDirectory:
 
     Files are never reused: `create` unlinks an existing file and makes a new one, so a run
     starts from zeroed row state (a checkpoint restores state explicitly), and a model of an
-    earlier run that still maps the old file keeps its own rows. Symlinks are refused: in a
-    shared directory a planted link would make training write wherever it points.
+    earlier run that still maps the old file keeps its own rows. Symlinks and hard-linked lock
+    files are refused: in a shared directory a planted link would make training write
+    wherever it points.
     """
 
     LOCK_NAME = ".hotcache.lock"
@@ -75,6 +77,15 @@ class HostDirectory:
             return
         lock = self.path / self.LOCK_NAME
         fd = _open_no_symlink(lock, os.O_RDWR | os.O_CREAT)
+        # Checked on the open file, before it is truncated: a second name for the same inode
+        # (a hard link, which O_NOFOLLOW cannot see) would let the lock overwrite a file anywhere.
+        links = os.fstat(fd).st_nlink
+        if links > 1:
+            os.close(fd)
+            raise ValueError(
+                f"{lock} is a hard link ({links} names for one file); hotcache would overwrite the linked file "
+                "with its lock. Remove it (the other names keep their data) or use another directory."
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -123,8 +134,8 @@ def _open_no_symlink(path: Path, flags: int) -> int:
 
 
 def map_rows(path: Path, num_rows: int, width: int) -> np.ndarray:
-    """A ``(num_rows, width)`` float32 array memory-mapped from ``path`` (created sparse if
-    missing; never through a symlink), advised for random access.
+    """A ``(num_rows, width)`` float32 array memory-mapped from ``path`` (created if missing;
+    never through a symlink), its disk space reserved (`_reserve`), advised for random access.
 
     Rows are read one at a time in no order, so the kernel's read-around (up to 128 KiB read
     per page fault, the default for mappings) would fetch mostly rows nobody asked for and
@@ -134,12 +145,46 @@ def map_rows(path: Path, num_rows: int, width: int) -> np.ndarray:
     size = num_rows * width * 4
     with os.fdopen(_open_no_symlink(path, os.O_RDWR | os.O_CREAT), "r+b") as file:
         if size:
-            file.truncate(size)
+            _reserve(file.fileno(), path, size)
             mapping = mmap.mmap(file.fileno(), size)
             mapping.madvise(mmap.MADV_RANDOM)
         else:  # mmap cannot map zero bytes
             return np.zeros((0, width), dtype=np.float32)
     return np.ndarray((num_rows, width), dtype=np.float32, buffer=mapping)
+
+
+def _reserve(fd: int, path: Path, size: int) -> None:
+    """Extend the file to ``size`` bytes with all of its disk blocks allocated now.
+
+    A sparse file takes a block when a page is first written through the mapping; on a full
+    disk that write faults and the kernel kills the process with SIGBUS, mid-training and
+    with no message. Reserving fails here instead, before any row is written, naming what is
+    needed. Filesystems that cannot reserve get the sparse file and a warning.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            os.ftruncate(fd, 0)  # give back what was reserved before the disk filled
+            path.unlink()
+            disk = os.statvfs(path.parent)
+            free = disk.f_bavail * disk.f_frsize
+            what = "disk quota" if err.errno == errno.EDQUOT else "disk"
+            raise OSError(
+                err.errno,
+                f"host_storage {path.parent} has too little {what} for {path.name}: it needs {size:,} bytes, "
+                f"{free:,} are free. The memory-mapped host tables reserve their whole size when they are made, "
+                "so a full disk cannot kill training later; free space there, or set host_storage to a directory "
+                "on a larger disk (or 'memory').",
+            ) from None
+        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        warnings.warn(
+            f"host_storage {path.parent}: this filesystem cannot reserve space ({err.strerror}); {path.name} is a "
+            "sparse file, and if the disk fills during training the process dies with SIGBUS.",
+            stacklevel=3,
+        )
+        os.ftruncate(fd, size)
 
 
 class HostStore:
