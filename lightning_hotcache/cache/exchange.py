@@ -42,8 +42,9 @@ class RowSharding:
 
 
 @dataclass(frozen=True)
-class _Routed:
-    """Ids of several tables after one all-to-all to their owners (see `_route_to_owners`)."""
+class Routed:
+    """Ids of several tables after one all-to-all to their owners (see `route_to_owners`): what
+    a later exchange along the same route (`send_rows_along`) needs instead of the ids again."""
 
     orders: list[Tensor]  # per table: the permutation that groups its ids by owner
     sent: list[list[int]]  # [dst][table]: ids this rank sent
@@ -51,7 +52,7 @@ class _Routed:
     ids: list[Tensor]  # per table: the ids this rank got, in source-rank order
 
 
-def _route_to_owners(ids_of: Sequence[Tensor], sharding: RowSharding) -> _Routed:
+def route_to_owners(ids_of: Sequence[Tensor], sharding: RowSharding) -> Routed:
     """Send each table's ids to their owners: two all-to-alls (counts, then ids)."""
     world, group, tables = sharding.world, sharding.group, range(len(ids_of))
     device = ids_of[0].device
@@ -67,7 +68,7 @@ def _route_to_owners(ids_of: Sequence[Tensor], sharding: RowSharding) -> _Routed
     got = torch.empty(int(recv_counts.sum()), dtype=send_ids.dtype, device=device)
     dist.all_to_all_single(got, send_ids, list(map(sum, received)), list(map(sum, sent)), group=group)
     parts = got.split([received[src][t] for src in range(world) for t in tables])
-    return _Routed(orders, sent, received, [torch.cat(parts[t :: len(tables)]) for t in tables])
+    return Routed(orders, sent, received, [torch.cat(parts[t :: len(tables)]) for t in tables])
 
 
 def _all_to_all_floats(
@@ -96,7 +97,13 @@ def exchange_table_rows(
     rows of table ``t`` this rank owns with ``(n, widths[t])`` floats. Returns the rows of
     ``requests[t]`` in request order. Every rank must call it with the same tables, with or
     without ids."""
-    routed = _route_to_owners(requests, sharding)
+    return fetch_rows(route_to_owners(requests, sharding), serves, widths, sharding)
+
+
+def fetch_rows(
+    routed: Routed, serves: Sequence[Callable[[Tensor], Tensor]], widths: Sequence[int], sharding: RowSharding
+) -> list[Tensor]:
+    """`exchange_table_rows` for requests already routed: one collective."""
     answers = [serves[t](asked).to(asked.device, torch.float32) for t, asked in enumerate(routed.ids)]
     # The answers go back the way the requests came: the counts swap roles.
     rows = _all_to_all_floats(answers, routed.received, routed.sent, widths, sharding.group)
@@ -112,11 +119,19 @@ def send_rows_to_owners(parts: Sequence[tuple[Tensor, Tensor]], sharding: RowSha
     """Each table's ``(ids, float32 rows)`` to the owners of the ids, in three collectives
     however many tables. Returns per table the ``(ids, rows)`` this rank got (all owned here),
     from rank 0's first; every rank passes the same tables, with or without ids."""
-    routed = _route_to_owners([ids for ids, _ in parts], sharding)
+    routed = route_to_owners([ids for ids, _ in parts], sharding)
     rows = [r[order] for (_, r), order in zip(parts, routed.orders)]
     widths = [r.shape[1] for _, r in parts]
     got = _all_to_all_floats(rows, routed.sent, routed.received, widths, sharding.group)
     return list(zip(routed.ids, got))
+
+
+def send_rows_along(routed: Routed, rows: Sequence[Tensor], sharding: RowSharding) -> list[Tensor]:
+    """Rows for the ids of a routed request (``rows[t]`` in the order of the ids routed for
+    table ``t``) to those ids' owners, in one collective: the ids went there already. Returns
+    per table the rows this rank got, in the order of ``routed.ids[t]``."""
+    ordered = [r[order] for r, order in zip(rows, routed.orders)]
+    return _all_to_all_floats(ordered, routed.sent, routed.received, [r.shape[1] for r in rows], sharding.group)
 
 
 def gather_table(local: Tensor, num_embeddings: int, sharding: RowSharding) -> Tensor:

@@ -9,7 +9,7 @@ tensors.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,8 +28,8 @@ class StagedBatch:
     tickets: dict[str, list[int]]  # cache key (table, or a stack) -> cache tickets to release
     read: list[tuple[Any, Tensor]]  # each cache's distinct slots the batch read (to refresh across ranks)
     output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
-    # What the update across ranks keeps from forward for backward (see `OwnedRows`).
-    exchange: list[Any] = field(default_factory=list)
+    # What the update across ranks keeps from forward for backward (see `OwnersUpdate`).
+    exchange: Any = None
 
 
 def same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:

@@ -29,7 +29,7 @@ from torchrec import KeyedJaggedTensor
 from torchrec.modules.embedding_configs import PoolingType
 
 from lightning_hotcache.cache.device import DeviceCache, apply_updates_across_ranks, refresh_remote_rows, sum_rows_by_index
-from lightning_hotcache.cache.exchange import RowSharding, exchange_table_rows, send_rows_to_owners
+from lightning_hotcache.cache.exchange import RowSharding, Routed, fetch_rows, route_to_owners, send_rows_along
 from lightning_hotcache.cache.owned_rows import OwnedRows
 from lightning_hotcache.embedding.batch import StagedBatch
 from lightning_hotcache.embedding.layout import Layout
@@ -131,6 +131,16 @@ class _DeviceTableReads:
     values: Tensor | None  # positions of its features' values in the batch (None: all of them)
     inverse: Tensor  # distinct row of each of those values
     keys: Tensor  # key of each distinct row
+    remote: Tensor  # which of them another rank owns (fetched from it, in this order)
+
+
+@dataclass(frozen=True)
+class _Reads:
+    """What a forward across ranks keeps for backward: per device table its reads, and the
+    route its fetch took, along which the gradients of the fetched rows go back."""
+
+    tables: list[_DeviceTableReads]
+    route: Routed
 
 
 class OwnersUpdate:
@@ -165,7 +175,7 @@ class OwnersUpdate:
 
     def before_lookup(self, staged: StagedBatch) -> None:
         """Fetch the current weights of the other ranks' rows the batch reads (one exchange for
-        all device tables), and keep each read row's key for backward."""
+        all device tables), and keep each read row's key, and the fetch's route, for backward."""
         positions = self._value_positions(staged.ours)
         reads, requests, remote_rows = [], [], []
         for owned, values in zip(self.owned, positions):
@@ -174,10 +184,11 @@ class OwnersUpdate:
             regions = owned.regions_of_rows(distinct)
             keys = owned.keys_of_rows(distinct, regions)
             remote = ~self.sharding.owned(keys)
-            reads.append(_DeviceTableReads(values, inverse, keys))
+            reads.append(_DeviceTableReads(values, inverse, keys, remote))
             requests.append(keys[remote])
             remote_rows.append((distinct[remote], regions[remote]))
-        fetched = exchange_table_rows(requests, [o.serve for o in self.owned], [o.width for o in self.owned], self.sharding)
+        route = route_to_owners(requests, self.sharding)
+        fetched = fetch_rows(route, [o.serve for o in self.owned], [o.width for o in self.owned], self.sharding)
         for owned, weights, keys, (rows, regions) in zip(self.owned, fetched, requests, remote_rows):
             owned.storage["weight"][rows] = weights
             per_region = torch.bincount(regions, minlength=len(owned.wholes) + 1).tolist()
@@ -185,24 +196,29 @@ class OwnersUpdate:
                 cache.counters.fetched_rows += count
             if owned.stack is not None and per_region[0]:
                 owned.stack.count_fetched(keys[regions == 0])
-        staged.exchange = reads
+        staged.exchange = _Reads(reads, route)
 
     def attach(self, staged: StagedBatch, output: Tensor) -> None:
         self.staging.keep(staged, output)
 
     def on_output_gradient(self, staged: StagedBatch, grad: Tensor) -> None:
-        """Backward: every row ``staged`` read gets the ranks' mean gradient from its owner; then unlock."""
+        """Backward: every row ``staged`` read gets the ranks' mean gradient from its owner; then unlock.
+
+        The gradients of the rows fetched in forward go back along the fetch's route (one
+        collective: the owners have their ids already); an owner adds them to its own."""
         with self.lock:
-            rows = self.value_gradients(staged.ours, grad)
-            parts = []
-            for read, value_rows in zip(staged.exchange, rows):
-                summed = torch.zeros(len(read.keys), value_rows.shape[1], dtype=torch.float32, device=value_rows.device)
-                summed.index_add_(0, read.inverse, value_rows)
-                parts.append((read.keys, summed / self.sharding.world))  # DDP's average
-            received = send_rows_to_owners(parts, self.sharding)
-            totals = sum_rows_by_index([k for k, _ in received], [r for _, r in received], [o.num_keys for o in self.owned])
-            for owned, (keys, total) in zip(self.owned, totals):
-                owned.apply(keys, total, self.optimizer)
+            reads: _Reads = staged.exchange
+            summed = []
+            for read, value_rows in zip(reads.tables, self.value_gradients(staged.ours, grad)):
+                rows = torch.zeros(len(read.keys), value_rows.shape[1], dtype=torch.float32, device=value_rows.device)
+                rows.index_add_(0, read.inverse, value_rows)
+                summed.append(rows / self.sharding.world)  # DDP's average
+            received = send_rows_along(reads.route, [rows[read.remote] for read, rows in zip(reads.tables, summed)], self.sharding)
+            keys = [torch.cat([read.keys[~read.remote], asked]) for read, asked in zip(reads.tables, reads.route.ids)]
+            rows = [torch.cat([mine[~read.remote], got]) for read, mine, got in zip(reads.tables, summed, received)]
+            totals = sum_rows_by_index(keys, rows, [o.num_keys for o in self.owned])
+            for owned, (distinct, total) in zip(self.owned, totals):
+                owned.apply(distinct, total, self.optimizer)
             self.staging.finish(staged)
 
     def _value_positions(self, ours: KeyedJaggedTensor) -> list[Tensor | None]:
