@@ -71,11 +71,31 @@ def route_to_owners(ids_of: Sequence[Tensor], sharding: RowSharding) -> Routed:
     return Routed(orders, sent, received, [torch.cat(parts[t :: len(tables)]) for t in tables])
 
 
+class RowsInFlight:
+    """An all-to-all of float rows still running (see `send_rows_along`); `wait` gives the rows."""
+
+    def __init__(self, work: Any, sent: Tensor, got: Tensor, sizes: list[int], widths: Sequence[int]) -> None:
+        self._work, self._got, self._sizes, self._widths = work, got, sizes, widths
+        self._sent = sent  # kept alive until the collective is done
+
+    def wait(self) -> list[Tensor]:
+        """Per table the rows got, grouped by source rank."""
+        if self._work is not None:
+            self._work.wait()
+        pieces = self._got.split(self._sizes)
+        return [torch.cat(pieces[t :: len(self._widths)]).view(-1, w) for t, w in enumerate(self._widths)]
+
+
 def _all_to_all_floats(
-    rows: Sequence[Tensor], send_counts: list[list[int]], recv_counts: list[list[int]], widths: Sequence[int], group: Any
-) -> list[Tensor]:
+    rows: Sequence[Tensor],
+    send_counts: list[list[int]],
+    recv_counts: list[list[int]],
+    widths: Sequence[int],
+    group: Any,
+    async_op: bool = False,
+) -> RowsInFlight:
     """One all-to-all of float rows: ``rows[t]`` holds, grouped by destination rank,
-    ``send_counts[dst][t]`` rows of width ``widths[t]``; returns per table the rows got,
+    ``send_counts[dst][t]`` rows of width ``widths[t]``; gives per table the rows got,
     grouped by source rank (``recv_counts[src][t]`` each)."""
     world, tables = len(send_counts), range(len(rows))
     by_dst = [r.reshape(-1).split([send_counts[dst][t] * widths[t] for dst in range(world)]) for t, r in enumerate(rows)]
@@ -83,9 +103,9 @@ def _all_to_all_floats(
     floats_out = [sum(send_counts[dst][t] * widths[t] for t in tables) for dst in range(world)]
     floats_in = [sum(recv_counts[src][t] * widths[t] for t in tables) for src in range(world)]
     got = torch.empty(sum(floats_in), dtype=torch.float32, device=send.device)
-    dist.all_to_all_single(got, send, floats_in, floats_out, group=group)
-    pieces = got.split([recv_counts[src][t] * widths[t] for src in range(world) for t in tables])
-    return [torch.cat(pieces[t :: len(widths)]).view(-1, widths[t]) for t in tables]
+    work = dist.all_to_all_single(got, send, floats_in, floats_out, group=group, async_op=async_op)
+    sizes = [recv_counts[src][t] * widths[t] for src in range(world) for t in tables]
+    return RowsInFlight(work, send, got, sizes, widths)
 
 
 def exchange_table_rows(
@@ -106,7 +126,7 @@ def fetch_rows(
     """`exchange_table_rows` for requests already routed: one collective."""
     answers = [serves[t](asked).to(asked.device, torch.float32) for t, asked in enumerate(routed.ids)]
     # The answers go back the way the requests came: the counts swap roles.
-    rows = _all_to_all_floats(answers, routed.received, routed.sent, widths, sharding.group)
+    rows = _all_to_all_floats(answers, routed.received, routed.sent, widths, sharding.group).wait()
     out = []
     for got, order in zip(rows, routed.orders):
         unsorted = torch.empty_like(got)
@@ -122,16 +142,17 @@ def send_rows_to_owners(parts: Sequence[tuple[Tensor, Tensor]], sharding: RowSha
     routed = route_to_owners([ids for ids, _ in parts], sharding)
     rows = [r[order] for (_, r), order in zip(parts, routed.orders)]
     widths = [r.shape[1] for _, r in parts]
-    got = _all_to_all_floats(rows, routed.sent, routed.received, widths, sharding.group)
+    got = _all_to_all_floats(rows, routed.sent, routed.received, widths, sharding.group).wait()
     return list(zip(routed.ids, got))
 
 
-def send_rows_along(routed: Routed, rows: Sequence[Tensor], sharding: RowSharding) -> list[Tensor]:
+def send_rows_along(routed: Routed, rows: Sequence[Tensor], sharding: RowSharding) -> RowsInFlight:
     """Rows for the ids of a routed request (``rows[t]`` in the order of the ids routed for
-    table ``t``) to those ids' owners, in one collective: the ids went there already. Returns
-    per table the rows this rank got, in the order of ``routed.ids[t]``."""
+    table ``t``) to those ids' owners, in one collective (the ids went there already), left
+    running: its `RowsInFlight.wait` gives per table the rows this rank got, in the order of
+    ``routed.ids[t]``."""
     ordered = [r[order] for r, order in zip(rows, routed.orders)]
-    return _all_to_all_floats(ordered, routed.sent, routed.received, [r.shape[1] for r in rows], sharding.group)
+    return _all_to_all_floats(ordered, routed.sent, routed.received, [r.shape[1] for r in rows], sharding.group, async_op=True)
 
 
 def gather_table(local: Tensor, num_embeddings: int, sharding: RowSharding) -> Tensor:

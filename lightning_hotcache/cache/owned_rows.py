@@ -74,11 +74,11 @@ class OwnedRows:
         return torch.searchsorted(self._row_starts, rows, right=True) - 1
 
     def keys_of_rows(self, rows: Tensor, regions: Tensor) -> Tensor:
-        """The key of each of ``rows`` (resident rows, with their `regions_of_rows`)."""
+        """The key of each of ``rows`` (ascending resident rows, with their `regions_of_rows`)."""
         keys = rows + self._key_minus_row[regions]
-        if self.stack is not None:
-            in_stack = rows < self._stack_rows
-            keys = torch.where(in_stack, self.stack.id_of_slot[rows.clamp(max=self._stack_rows - 1)], keys)
+        if self.stack is not None:  # the stack's rows come first
+            cut = int(torch.searchsorted(rows, self._stack_rows))
+            keys[:cut] = self.stack.id_of_slot[rows[:cut]]
         return keys
 
     def rows_of_keys(self, keys: Tensor) -> Tensor:
@@ -87,20 +87,18 @@ class OwnedRows:
         rows = keys - self._key_minus_row[region]
         if self.stack is not None:
             in_stack = keys < self.stack_keys
-            rows = torch.where(in_stack, self.stack.cached_slots(keys.clamp(max=self.stack_keys - 1)), rows)
+            rows[in_stack] = self.stack.cached_slots(keys[in_stack])
         return rows
 
     def serve(self, keys: Tensor) -> Tensor:
         """Current weights of ``keys`` (all owned here): the device's copy, else the host's."""
         rows = self.rows_of_keys(keys)
-        out = self.storage["weight"].index_select(0, rows.clamp(min=0))
+        weights = self.storage["weight"].index_select(0, rows.clamp(min=0))
         missing = (rows < 0).nonzero().squeeze(1)
         if len(missing):
             assert self.stack is not None and self.stack.host is not None
-            ids, order = keys[missing].sort()  # the stacked host stores read ascending ids
-            host = self.stack.host.read(self.sharding.local(ids))["weight"].to(out.device)
-            out[missing[order]] = host
-        return out
+            weights[missing] = self.stack.host.read(self.sharding.local(keys[missing]))["weight"].to(weights.device)
+        return weights
 
     @torch.no_grad()
     def apply(self, keys: Tensor, grads: Tensor, optimizer: RowWiseOptimizerConfig) -> None:

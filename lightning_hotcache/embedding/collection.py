@@ -282,6 +282,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
     @_locked
     def initialize(self, seed: int) -> None:
         """Every table's initial rows (see `initial_rows`), written chunk by chunk into its tiers."""
+        self._update.settle()  # an update still on its way (across ranks) lands first
         for table in self._tables:
             for start, rows in initial_rows(table, seed):
                 self.caches[table.name].load_rows("weight", start, rows)
@@ -326,6 +327,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
     @_locked
     def flush(self) -> None:
         """Write every changed cached row back to its host store."""
+        self._update.settle()  # an update still on its way (across ranks) lands first
         for cache in self._caches.values():
             cache.flush()
 
@@ -348,6 +350,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         """Current row-wise optimizer state of every table: table -> state name -> (rows, width).
         Tables whose rows are split over host stores are left out while `gather_split_tables`
         is False (their state is in `host_shards`)."""
+        self._update.settle()  # an update still on its way (across ranks) lands first
         return {
             name: {key: cache.full(key) for key in cache.slots if key != "weight"}
             for name, cache in self.caches.items()
@@ -358,6 +361,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
     def host_shards(self) -> dict[str, dict[str, Tensor]]:
         """This rank's host rows (round-robin shard) of every split table, current: table ->
         array name -> (local rows, width). No collective."""
+        self._update.settle()  # an update still on its way (across ranks) lands first
         shards = {}
         for name, cache in self.caches.items():
             if cache.host is not None:
@@ -367,12 +371,14 @@ class HotColdEmbeddingBagCollection(nn.Module):
 
     @_locked
     def load_optimizer_state(self, state: dict[str, dict[str, Tensor]]) -> None:
+        self._update.settle()  # an update still on its way (across ranks) lands first
         for name, arrays in state.items():
             for key, values in arrays.items():
                 self.caches[name].load_full(key, values)
 
     @_locked
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        self._update.settle()  # an update still on its way (across ranks) lands first
         # The keys of the EmbeddingBagCollection this replaces, so checkpoints interchange.
         for name, cache in self.caches.items():
             if cache.identity or self.gather_split_tables:
@@ -389,6 +395,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
+        self._update.settle()  # an update still on its way (across ranks) lands first
         for table in self._tables:
             key = f"{prefix}embedding_bags.{table.name}.weight"
             if key not in state_dict:

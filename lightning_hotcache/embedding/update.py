@@ -29,7 +29,7 @@ from torchrec import KeyedJaggedTensor
 from torchrec.modules.embedding_configs import PoolingType
 
 from lightning_hotcache.cache.device import DeviceCache, apply_updates_across_ranks, refresh_remote_rows, sum_rows_by_index
-from lightning_hotcache.cache.exchange import RowSharding, Routed, fetch_rows, route_to_owners, send_rows_along
+from lightning_hotcache.cache.exchange import RowSharding, Routed, RowsInFlight, fetch_rows, route_to_owners, send_rows_along
 from lightning_hotcache.cache.owned_rows import OwnedRows
 from lightning_hotcache.embedding.batch import StagedBatch
 from lightning_hotcache.embedding.layout import Layout
@@ -69,6 +69,9 @@ class FusedUpdate:
             hook = _weak_call(self, "_updated")
             output.grad_fn.register_hook(lambda grad_inputs, grad_outputs: hook(staged))
 
+    def settle(self) -> None:
+        """Every update is applied in backward: nothing waits."""
+
     def _updated(self, staged: StagedBatch) -> None:
         with self.lock:
             self.staging.finish(staged)
@@ -90,6 +93,9 @@ class LocalHookUpdate:
 
     def attach(self, staged: StagedBatch, output: Tensor) -> None:
         self.staging.keep(staged, output)
+
+    def settle(self) -> None:
+        """Every update is applied in backward: nothing waits."""
 
     def _on_gradient(self, key: str, weight: Tensor) -> None:
         """Backward of one cache (the gradient is taken, not copied)."""
@@ -172,10 +178,12 @@ class OwnersUpdate:
             for k in range(len(owned))
         ]
         self._everything = len(owned) == 1
+        self._pending: tuple[_Reads, list[Tensor], RowsInFlight] | None = None  # see `on_output_gradient`
 
     def before_lookup(self, staged: StagedBatch) -> None:
         """Fetch the current weights of the other ranks' rows the batch reads (one exchange for
         all device tables), and keep each read row's key, and the fetch's route, for backward."""
+        self.settle()  # the previous step's update, before any row is read
         positions = self._value_positions(staged.ours)
         reads, requests, remote_rows = [], [], []
         for owned, values in zip(self.owned, positions):
@@ -202,24 +210,40 @@ class OwnersUpdate:
         self.staging.keep(staged, output)
 
     def on_output_gradient(self, staged: StagedBatch, grad: Tensor) -> None:
-        """Backward: every row ``staged`` read gets the ranks' mean gradient from its owner; then unlock.
+        """Backward: the ranks' mean gradient of every row ``staged`` read, on its way to the
+        row's owner; the batch's rows unlock.
 
         The gradients of the rows fetched in forward go back along the fetch's route (one
-        collective: the owners have their ids already); an owner adds them to its own."""
+        collective: the owners have their ids already), left running while the rest of the
+        step (dense backward, DDP, optimizers, the next batch) goes on; each owner applies
+        the sum in `settle`, which the next forward calls before it reads any row."""
         with self.lock:
             reads: _Reads = staged.exchange
             summed = []
             for read, value_rows in zip(reads.tables, self.value_gradients(staged.ours, grad)):
                 rows = torch.zeros(len(read.keys), value_rows.shape[1], dtype=torch.float32, device=value_rows.device)
-                rows.index_add_(0, read.inverse, value_rows)
-                summed.append(rows / self.sharding.world)  # DDP's average
-            received = send_rows_along(reads.route, [rows[read.remote] for read, rows in zip(reads.tables, summed)], self.sharding)
+                # DDP's average (``alpha`` of index_add_ would scale each add: 3x slower on CPU).
+                summed.append(rows.index_add_(0, read.inverse, value_rows).mul_(1 / self.sharding.world))
+            in_flight = send_rows_along(reads.route, [rows[read.remote] for read, rows in zip(reads.tables, summed)], self.sharding)
+            self.settle()  # two backwards in a row (no forward between) apply in order
+            self._pending = (reads, summed, in_flight)
+            # Unlocking now is safe: an owned row evicted before `settle` is written back as it
+            # is and then updated where it lives (host store, or the slot it was fetched back to).
+            self.staging.finish(staged)
+
+    def settle(self) -> None:
+        """Apply the update still on its way (see `on_output_gradient`), if any."""
+        with self.lock:
+            if self._pending is None:
+                return
+            reads, summed, in_flight = self._pending
+            self._pending = None
+            received = in_flight.wait()
             keys = [torch.cat([read.keys[~read.remote], asked]) for read, asked in zip(reads.tables, reads.route.ids)]
             rows = [torch.cat([mine[~read.remote], got]) for read, mine, got in zip(reads.tables, summed, received)]
             totals = sum_rows_by_index(keys, rows, [o.num_keys for o in self.owned])
             for owned, (distinct, total) in zip(self.owned, totals):
                 owned.apply(distinct, total, self.optimizer)
-            self.staging.finish(staged)
 
     def _value_positions(self, ours: KeyedJaggedTensor) -> list[Tensor | None]:
         if self._everything:
@@ -245,18 +269,20 @@ class OwnersUpdate:
         if self.mean:
             mean = 1.0 / lengths.clamp(min=1).to(grad.dtype)[bag_of_value]
             scale = mean if scale is None else scale * mean
+        # The output is sample-major: bag (feature f, sample b) is row b x features + f of the
+        # gradient seen as (batch x features, dim), read in place, not transposed.
+        feature, sample = bag_of_value // batch, bag_of_value % batch
         out = []
         for k, owned in enumerate(self.owned):
             dim = owned.width
             if self._everything:
-                per_bag = grad.reshape(batch, -1, dim).transpose(0, 1).reshape(-1, dim)
-                rows, value_scale = per_bag[bag_of_value], scale
+                per_bag = grad.reshape(-1, dim)
+                rows, value_scale = per_bag.index_select(0, sample * (grad.shape[1] // dim) + feature), scale
             else:
-                columns = self._columns[k].to(grad.device)
-                per_bag = grad.index_select(1, columns).reshape(batch, -1, dim).transpose(0, 1).reshape(-1, dim)
-                feature = bag_of_value // batch
+                per_bag = grad.index_select(1, self._columns[k].to(grad.device)).reshape(-1, dim)
                 values = self._features[k].to(grad.device)[feature].nonzero().squeeze(1)
-                bag = self._position[k].to(grad.device)[feature[values]] * batch + bag_of_value[values] % batch
-                rows, value_scale = per_bag[bag], None if scale is None else scale[values]
+                position = self._position[k].to(grad.device)[feature[values]]
+                rows = per_bag.index_select(0, sample[values] * len(self._columns[k]) // dim + position)
+                value_scale = None if scale is None else scale[values]
             out.append(rows if value_scale is None else rows * value_scale[:, None])
         return out
