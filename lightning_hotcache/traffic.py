@@ -304,11 +304,12 @@ def torchrec_row_wise(w: Workload, ranks: int) -> Traffic:
 
 
 def hotcache(w: Workload, ranks: int) -> Traffic:
-    """As built (`lightning_hotcache.cache.device`): every row is updated by its owner. Forward
-    fetches the current weights of the other ranks' rows that a rank's batch reads
-    (`exchange_table_rows`: counts, ids, rows); backward sends every gradient row, with its
-    id, to its owner (`send_rows_to_owners`: counts, ids, rows). Both follow the distinct
-    rows one rank reads, so only the counts grow with N."""
+    """As built on FBGEMM's kernel (`lightning_hotcache.embedding.update.OwnersUpdate`): every
+    row is updated by its owner. Forward fetches the current weights of the other ranks' rows
+    that a rank's batch reads (counts, ids, rows: one exchange per step, with a count per
+    device table, i.e. per embedding width); backward sends those rows' gradients back along
+    the fetch's route (rows only: the owners have the ids). Both follow the distinct rows one
+    rank reads, so only the counts grow with N."""
     _check_ranks(ranks)
     if ranks == 1:
         return Traffic({}, 0)
@@ -316,14 +317,12 @@ def hotcache(w: Workload, ranks: int) -> Traffic:
     remote_ids = _remote(ranks) * sum(read) * ID_BYTES
     remote_rows = _remote(ranks) * sum(u * t.dim * FLOAT_BYTES for u, t in zip(read, w.tables))
     parts = {
-        "fetch_counts": (ranks - 1) * len(w.tables) * ID_BYTES,
+        "fetch_counts": (ranks - 1) * len({t.dim for t in w.tables}) * ID_BYTES,
         "fetch_ids": remote_ids,
         "fetch_rows": remote_rows,
-        "gradient_counts": (ranks - 1) * len(w.tables) * ID_BYTES,
-        "gradient_ids": remote_ids,
         "gradient_rows": remote_rows,
     }
-    return _with_dense(w, ranks, parts, 6)
+    return _with_dense(w, ranks, parts, 4)
 
 
 DESIGNS: dict[str, Callable[[Workload, int], Traffic]] = {

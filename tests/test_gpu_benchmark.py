@@ -18,7 +18,7 @@ SMOKE = ["--device", "cpu", "--scale", "0.001", "--steps", "5", "--rounds", "1"]
 def test_smoke_mode_reports_every_strategy(tmp_path, monkeypatch) -> None:
     # Each job in this process (the script gives every run a process of its own, seconds of
     # imports each); small batches, so that the 1% budget splits tables and rows move.
-    def job_here(script, settings, name):
+    def job_here(script, settings, name, wrapper=()):
         return gpu.main([*settings, "--job", name])
 
     monkeypatch.setattr(report, "job_in_process", job_here)

@@ -81,11 +81,12 @@ def test_row_wise_grows_linearly_in_ranks() -> None:
 def test_hotcache_follows_the_rows_one_rank_reads() -> None:
     w = workload()
     per_rank = {n: tr.hotcache(w, n).send_bytes_per_rank for n in WORLD_SIZES}
-    # Fetch and gradient: ids and rows of the other ranks' share of one rank's distinct rows;
-    # only the counts (8 bytes per table and peer) and DDP's all-reduce grow with N.
+    # Fetch (ids and rows) and gradient (rows back along the fetch's route) of the other
+    # ranks' share of one rank's distinct rows; only the counts (8 bytes per width and peer)
+    # and DDP's all-reduce grow with N.
     read = sum(t.expected_unique(BATCH) for t in w.tables)
-    rows = 2 * 1023 / 1024 * read * (tr.ID_BYTES + 16 * tr.FLOAT_BYTES)
-    counts = 2 * 1023 * 2 * tr.ID_BYTES
+    rows = 1023 / 1024 * read * (tr.ID_BYTES + 2 * 16 * tr.FLOAT_BYTES)
+    counts = 1023 * 1 * tr.ID_BYTES
     dense = 2 * 1023 / 1024 * w.dense_params * tr.FLOAT_BYTES
     assert per_rank[1024] == pytest.approx(rows + counts + dense)
     def payload(n: int) -> float:
