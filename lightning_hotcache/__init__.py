@@ -27,6 +27,7 @@ _LAZY = {
     "HotColdPlan": "lightning_hotcache.planner",
     "TablePlan": "lightning_hotcache.planner",
     "HotColdEmbeddingBagCollection": "lightning_hotcache.embedding",
+    "to_torchrec": "lightning_hotcache.embedding",
     "HostStore": "lightning_hotcache.cache",
     "DeviceCache": "lightning_hotcache.cache",
     "CacheCapacityError": "lightning_hotcache.cache",

@@ -15,9 +15,10 @@ same model under ``strategy="auto"``), the row-wise optimizer state in the strat
 Processes are launched and the dense layers reduced exactly as by Lightning's DDPStrategy
 (``devices``, ``num_nodes``, torchrun, SLURM; gloo on CPU, NCCL on GPUs). Host stores are
 sharded round-robin across ranks and each rank caches the rows its batches read (hot rows
-on every rank); misses come from their owners, and in backward the ranks all-gather the
-rows they read with their gradients so that every copy gets the same mean update: N ranks
-x batch B learn what 1 rank x N*B learns. Checkpoints gather the shards into whole tables,
+on every rank); a forward fetches the current copies of the other ranks' rows it reads
+from their owners, and in backward each row's gradient goes to its owner, which applies the
+ranks' mean (see `lightning_hotcache.embedding.update.OwnersUpdate`): N ranks x batch B learn
+what 1 rank x N*B learns. Checkpoints gather the shards into whole tables,
 or, with ``checkpoint_shards=True`` (tables too large to gather on one rank), each rank
 writes its own shard file beside the checkpoint (`lightning_hotcache.checkpoint`: written so
 that a kill mid-save leaves the previous or the new checkpoint whole); `consolidate_checkpoint`
@@ -196,7 +197,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             They must be for the model's tables and this run's batch size.
         plan_path: a plan from ``hotcache plan --out`` to train with as it is, instead of
             planning: it must be for the model's tables, this run's world size, cache policy,
-            batches in flight and batch size, and fit ``device_budget``.
+            batches in flight and batch size, and fit ``device_budget`` (with ``"auto"``, the
+            budget it was planned for).
         profile_batches: training batches to profile when there are no stats.
         cache_policy: ``lfu``, ``lru`` or ``static`` (FAE: hot rows only, misses staged per batch).
         host_storage: ``"memory"`` or a directory for memory-mapped host tables.
@@ -311,13 +313,16 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         if any(map(is_deferred, collections.values())):
             seed = getattr(model, "table_init_seed", None)
             seed = self.broadcast(draw_seed() if seed is None else seed)
+        saved = HotColdPlan.load(self.plan_path) if self.plan_path is not None else None
+        # With a plan file, "auto" leaves the budget to the plan (`hotcache plan --budget` chose it).
+        budget = saved.budget_bytes if saved is not None and self.device_budget == "auto" else self.device_budget
         planner = HotColdPlanner(
-            self.device_budget, optimizer, world_size=self.world_size, prefetch_depth=self.prefetch_depth,
+            budget, optimizer, world_size=self.world_size, prefetch_depth=self.prefetch_depth,
             cache_policy=self.cache_policy, device=self.root_device, grow_budget_to_minimum=self.grow_budget_to_minimum,
             prefetch_thread=self.uses_prefetch_thread,
         )  # fmt: skip
-        if self.plan_path is not None:
-            self.plan = HotColdPlan.load(self.plan_path)
+        if saved is not None:
+            self.plan = saved
             planner.check_plan(self.plan, tables, self._run_batch_size(trainer))
         else:
             stats = AccessStats.load(self.stats_path, tables) if self.stats_path else None
@@ -331,7 +336,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             # must match), so rank 0's wins.
             self.plan = HotColdPlan.from_dict(self.broadcast(self.plan.to_dict()), self.plan.sharding_plan)
         rank_zero_info(f"hotcache plan:\n{self.plan}")
-        # A group of our own, so the row all-gathers in backward never interleave with DDP's
+        # A group of our own, so the row exchanges (forward and backward) never interleave with DDP's
         # bucket all-reduces on the default group.
         group = dist.new_group() if self.world_size > 1 else None
         for path, collection in collections.items():

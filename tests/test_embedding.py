@@ -259,9 +259,12 @@ def test_mmap_host_files_hold_the_current_tables_after_flush(tmp_path) -> None:
     m = train_hotcache(RowWiseOptimizerConfig(name="rowwise_adagrad"), batches, UPSTREAM, plan, "lru", tmp_path, 0)
     m.flush()
     for table in TABLES:
-        on_disk = np.fromfile(tmp_path / f"{table.name}.weight.f32", dtype=np.float32).reshape(-1, table.embedding_dim)
+        # The split tables of one width share their stack's files, each at its first global id.
+        name, start = f"split_tables_dim{table.embedding_dim}", m.layout.id_starts[table.name]
+        rows = slice(start, start + table.num_embeddings)
+        on_disk = np.fromfile(tmp_path / f"{name}.weight.f32", dtype=np.float32).reshape(-1, table.embedding_dim)[rows]
         torch.testing.assert_close(torch.from_numpy(on_disk), m.state_dict()[f"embedding_bags.{table.name}.weight"])
-        momentum = np.fromfile(tmp_path / f"{table.name}.momentum.f32", dtype=np.float32)
+        momentum = np.fromfile(tmp_path / f"{name}.momentum.f32", dtype=np.float32)[rows]
         assert (momentum > 0).any()  # optimizer state travels to disk with its rows
 
 

@@ -291,7 +291,7 @@ def test_row_gradients_formed_from_the_output_gradient_are_the_kernels(weighted,
     module = HotColdEmbeddingBagCollection.from_ebc(
         EmbeddingBagCollection(tables=tables, is_weighted=weighted), plan, RowWiseOptimizerConfig("sgd", lr=1.0), kernel="fbgemm"
     )
-    assert any(not cache.identity for cache in module.caches.values()) and module.layout.stacked
+    assert any(not cache.identity for cache in module.caches.values()) and module.layout.shared
     owned = [module._owned_rows(k) for k in range(len(module.layout.device_rows))]
     update = OwnersUpdate(module.layout, owned, module._staging, module._lock, module.optimizer, RowSharding(), weighted)
     width = sum(t.embedding_dim * len(t.feature_names) for t in tables)

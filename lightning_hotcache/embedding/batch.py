@@ -24,7 +24,7 @@ class StagedBatch:
 
     features: KeyedJaggedTensor  # as given (to recognize the batch in forward)
     ours: KeyedJaggedTensor  # its features of this module, in this module's order
-    indices: Tensor  # slot of every value of `ours` (at its region's place in a stacked TBE table)
+    indices: Tensor  # slot of every value of `ours` (at its region's place in a shared device table)
     tickets: dict[str, list[int]]  # cache key (table, or a stack) -> cache tickets to release
     read: list[tuple[Any, Tensor]]  # each cache's distinct slots the batch read (to refresh across ranks)
     output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
@@ -78,16 +78,34 @@ def check_ids(features: KeyedJaggedTensor, tables: dict[str, EmbeddingBagConfig]
     )
 
 
-def in_feature_order(features: KeyedJaggedTensor, order: list[str], table_of: dict[str, EmbeddingBagConfig]) -> KeyedJaggedTensor:
-    """``features`` restricted to the features ``order`` names, in that order (as given when it is)."""
+def check_one_batch_size(features: KeyedJaggedTensor) -> None:
+    """Refuse a batch whose features have batch sizes of their own (TorchRec's variable batch
+    per feature, VBE): the lookups and the output assume one batch size for all."""
+    if features.variable_stride_per_key():
+        raise ValueError(
+            f"The batch has a batch size per feature (stride_per_key {features.stride_per_key()}: TorchRec's variable "
+            "batch per feature), which HotColdEmbeddingBagCollection does not support: every feature must have one "
+            "bag per sample. Build the KeyedJaggedTensor without stride_per_key_per_rank / inverse_indices (expand "
+            "deduplicated features first), or train this collection under strategy='auto' or 'torchrec'."
+        )
+
+
+def in_feature_order(
+    features: KeyedJaggedTensor, order: list[str], input_of: dict[str, str], table_of: dict[str, EmbeddingBagConfig]
+) -> KeyedJaggedTensor:
+    """The values ``order``'s features read (``input_of`` says which input key each reads; a
+    key may be read by several), keyed by ``order`` (as given when it already is)."""
+    check_one_batch_size(features)
     keys = features.keys()
     if keys == order:
         return features
     position = {f: k for k, f in enumerate(keys)}
     for feature in order:
-        if feature not in position:
-            raise KeyError(f"Feature {feature!r} of table {table_of[feature].name!r} is missing from the batch (it has {keys}).")
-    picked = [position[f] for f in order]
+        if input_of[feature] not in position:
+            raise KeyError(
+                f"Feature {input_of[feature]!r} of table {table_of[feature].name!r} is missing from the batch (it has {keys})."
+            )
+    picked = [position[input_of[f]] for f in order]
     batch, per_key = features.stride(), features.length_per_key()
 
     def reordered(flat: Tensor, sizes: int | list[int]) -> Tensor:

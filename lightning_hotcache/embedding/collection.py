@@ -2,9 +2,9 @@
 
 Same input (KeyedJaggedTensor), same output (KeyedTensor), same ``state_dict`` keys as the
 EmbeddingBagCollection it replaces. Each table's rows live in a `DeviceCache` (hot rows
-pinned, others cached from a `HostStore`), or, for split tables of one width where FBGEMM
-runs, in one stacked cache (`lightning_hotcache.cache.group`), so that a step's bookkeeping
-does not grow with the number of tables.
+pinned, others cached from a `HostStore`); the split tables of one width share one stacked
+cache (`lightning_hotcache.cache.group`), so that a step's bookkeeping does not grow with the
+number of tables.
 
 The module is a facade over three parts chosen once, when it is built, from the kernel
 (FBGEMM's fused TBE where it trains exactly, else PyTorch's ``embedding_bag``) and the
@@ -204,12 +204,12 @@ class HotColdEmbeddingBagCollection(nn.Module):
         return reason
 
     def _fused_tables(self, layout: Layout) -> FusedTables:
-        """One TBE: a table per device table of the layout (one per width when stacked)."""
+        """One TBE: a table per device table of the layout (one per width when shared)."""
         index = {t.name: k for k, t in enumerate(self._tables)}
         table_of_feature = [index[layout.table_of[f].name] for f in layout.features]
         return FusedTables(
             layout.device_rows, layout.device_dims, layout.device_table_of_feature(), self._tables[0].pooling,
-            self.optimizer, self.device, table_of_feature if layout.stacked else None,
+            self.optimizer, self.device, table_of_feature if layout.shared else None,
         )  # fmt: skip
 
     def _region(self, key: str) -> dict[str, Tensor] | None:
@@ -244,7 +244,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         )
 
     def _owned_rows(self, table: int) -> OwnedRows:
-        """Device table ``table``'s rows as its owners step them (across ranks, stacked layout)."""
+        """Device table ``table``'s rows as its owners step them (across ranks, shared device tables)."""
         assert self._fused is not None
         keys = [k for k, region in self.layout.regions.items() if region.table == table]
         stacks = [k for k in keys if k in self.layout.stacks]
@@ -287,6 +287,25 @@ class HotColdEmbeddingBagCollection(nn.Module):
             for start, rows in initial_rows(table, seed):
                 self.caches[table.name].load_rows("weight", start, rows)
 
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Draw every table's rows anew, as TorchRec's modules initialize them (from ``seed``;
+        None draws one). The row-wise optimizer state is left as it is."""
+        self.initialize(draw_seed() if seed is None else seed)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "embedding_bags":
+            # TorchRec's modules hold an nn.EmbeddingBag per table; these rows live in caches
+            # and host stores, so there is no weight tensor to hand out (nor parameters: the
+            # row-wise rule trains them in backward).
+            raise AttributeError(
+                "HotColdEmbeddingBagCollection has no embedding_bags: its rows live in a device cache and host "
+                "stores. Read a table with state_dict()['embedding_bags.<table>.weight'], write one with "
+                "load_state_dict, initialize with reset_parameters(seed), or turn the model back into TorchRec "
+                "modules with lightning_hotcache.to_torchrec(model) (for weight tying, custom parameters, "
+                "torch.export or serving)."
+            )
+        return super().__getattr__(name)
+
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self._tables)
 
@@ -295,7 +314,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
 
     def reads(self, features: KeyedJaggedTensor) -> bool:
         """Whether ``features`` has every feature this module looks up."""
-        return set(self.layout.table_of) <= set(features.keys())
+        return set(self.layout.input_of.values()) <= set(features.keys())
 
     # -------------------------------------------------------------- a step
     @_locked

@@ -6,13 +6,16 @@ a cache's own arrays on the PyTorch path) and each cache's region in them, and t
 of every feature in the output. The parts of a step (staging, lookup, update) read it and
 never test the configuration again.
 
-Stacked layout (FBGEMM's kernel; across processes always, in one process when some tables
-are split): one device table per width, holding that width's stack of split tables first,
-then each whole table of that width ("regions"). A stack is one `DeviceCache` over global
-ids: a table's id plus where its table starts, and tables start at multiples of the world
-size, so that a global id's owner (``id % world``) is its table row's owner (see
-`RowSharding`). Per-table layout (the PyTorch path, and FBGEMM in one process where nothing
-is split or a stack would need ids past int32): one device table per table.
+Stacks: a width's split tables are one `DeviceCache` over global ids, a table's id plus
+where its table starts; tables start at multiples of the world size, so that a global id's
+owner (``id % world``) is its table row's owner (see `RowSharding`). Across processes there
+are stacks wherever a table is split; in one process where the stack's ids fit FBGEMM's int32
+hash map (past it, each table keeps the hashed map of its own).
+
+Shared device tables (FBGEMM's kernel; across processes always, in one process when there
+are stacks): one device table per width, holding that width's stack first, then each whole
+table of that width ("regions"). Otherwise (the PyTorch path, and FBGEMM in one process where
+nothing is stacked) every cache is a device table of its own.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 from torchrec import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
 from lightning_hotcache.cache.slot_map import INT32_IDS_BELOW
 
@@ -45,10 +49,13 @@ class Region:
 
 @dataclass(frozen=True)
 class Layout:
-    features: list[str]  # the module's features, in its output order
+    # The module's output keys, in order: its features, with ``feature@table`` for a feature
+    # that several tables read (TorchRec's names); "feature" below means one of these.
+    features: list[str]
+    input_of: dict[str, str]  # feature -> the input (KJT) key it reads
     table_of: dict[str, EmbeddingBagConfig]  # feature -> its table
     columns: list[int]  # where each feature's pooled rows start in the output (and the end)
-    stacked: bool
+    shared: bool  # several caches share a device table (one per width)
     stacks: dict[str, list[EmbeddingBagConfig]]  # stack key -> its split tables, in order
     id_starts: dict[str, int]  # split table in a stack -> its first global id there
     stack_ids: dict[str, int]  # stack key -> global ids it spans (last table's end)
@@ -69,10 +76,10 @@ class Layout:
         return [self.regions[self.cache_of_feature[f]].table for f in self.features]
 
     def value_base(self) -> Tensor | None:
-        """Added to each feature's ids to give what its cache and the lookup read (stacked: a
-        split feature's global id, a whole table's row in its device table); None when ids
+        """Added to each feature's ids to give what its cache and the lookup read (a stacked
+        feature's global id; a whole table's row in a shared device table); None when ids
         are read as they are."""
-        if not self.stacked:
+        if not (self.stacks or self.shared):
             return None
         base = [
             self.id_starts[t.name] if t.name in self.id_starts else self.regions[t.name].start
@@ -90,8 +97,10 @@ def build_layout(
 ) -> Layout:
     """The layout of ``tables`` whose caches hold ``slots[table]`` rows, the ``split`` ones
     cached from host stores, on FBGEMM's kernel (``fused``) or PyTorch's, across ``world`` ranks."""
-    features = [f for t in tables for f in t.feature_names]
-    table_of = {f: t for t in tables for f in t.feature_names}
+    names = get_embedding_names_by_table(tables)
+    features = [name for table_names in names for name in table_names]
+    input_of = {name: f for t, table_names in zip(tables, names) for name, f in zip(table_names, t.feature_names)}
+    table_of = {name: t for t, table_names in zip(tables, names) for name in table_names}
     columns = np.cumsum([0] + [table_of[f].embedding_dim for f in features]).tolist()
     dims = sorted({t.embedding_dim for t in tables})
     stacks = {stack_key(d): [t for t in tables if t.name in split and t.embedding_dim == d] for d in dims}
@@ -102,32 +111,34 @@ def build_layout(
         starts = np.cumsum([0] + [padded(t.num_embeddings, world) for t in members]).tolist()
         id_starts.update({t.name: s for t, s in zip(members, starts)})
         stack_ids[key] = starts[-1]
+    if world == 1 and stacks and max(stack_ids.values()) >= INT32_IDS_BELOW:
+        stacks, id_starts, stack_ids = {}, {}, {}
+    cache_of = {f: stack_key(table_of[f].embedding_dim) if table_of[f].name in id_starts else table_of[f].name for f in features}
+    unstacked = [t for t in tables if t.name not in id_starts]
     # Across ranks the owners' update reads one device table per width as one set of rows
-    # (`OwnedRows`), so the stacked layout is the only one there; in one process a stack pays
-    # only where there is something to stack, and keeps FBGEMM's int32 hash map.
-    stacked = fused and (world > 1 or (bool(stacks) and max(stack_ids.values()) < INT32_IDS_BELOW))
-    if not stacked:
-        regions = {t.name: Region(k, 0, slots[t.name]) for k, t in enumerate(tables)}
+    # (`OwnedRows`), so FBGEMM shares device tables there always; in one process where there
+    # is a stack.
+    if not (fused and (world > 1 or stacks)):
+        keys = [*stacks, *(t.name for t in unstacked)]
+        rows = {**{key: sum(slots[t.name] for t in members) for key, members in stacks.items()}, **{t.name: slots[t.name] for t in unstacked}}
+        dims_of = {**{key: members[0].embedding_dim for key, members in stacks.items()}, **{t.name: t.embedding_dim for t in unstacked}}
+        regions = {key: Region(k, 0, rows[key]) for k, key in enumerate(keys)}
         return Layout(
-            features, table_of, columns, False, {}, {}, {}, regions,
-            [slots[t.name] for t in tables], [t.embedding_dim for t in tables], {f: table_of[f].name for f in features},
+            features, input_of, table_of, columns, False, stacks, id_starts, stack_ids, regions,
+            [rows[key] for key in keys], [dims_of[key] for key in keys], cache_of,
         )  # fmt: skip
     regions = {}
     device_rows, device_dims = [], []
     for d in dims:
-        members = [t for t in tables if t.embedding_dim == d]
-        if not members:
-            continue
         table, start = len(device_rows), 0
         if stack_key(d) in stacks:
             rows = sum(slots[t.name] for t in stacks[stack_key(d)])
             regions[stack_key(d)] = Region(table, 0, rows)
             start = rows
-        for t in members:
-            if t.name not in split:
+        for t in unstacked:
+            if t.embedding_dim == d:
                 regions[t.name] = Region(table, start, slots[t.name])
                 start += slots[t.name]
         device_rows.append(start)
         device_dims.append(d)
-    cache_of = {f: stack_key(table_of[f].embedding_dim) if table_of[f].name in split else table_of[f].name for f in features}
-    return Layout(features, table_of, columns, True, stacks, id_starts, stack_ids, regions, device_rows, device_dims, cache_of)
+    return Layout(features, input_of, table_of, columns, True, stacks, id_starts, stack_ids, regions, device_rows, device_dims, cache_of)

@@ -3,7 +3,7 @@ slots of the device tables, ahead of its forward (`prefetch`) or at its start.
 
 The caches that lock rows are acquired all at once (`acquire_all`: every cache's misses
 are read before any is installed, so a prefetch thread never leaves one half-staged). Tables
-wholly on the device in the stacked layout lock nothing (slot == row): their ids become rows
+wholly on the device in shared device tables lock nothing (slot == row): their ids become rows
 by the layout's per-feature base alone, and only their lookups are counted.
 """
 
@@ -30,9 +30,9 @@ class Staging:
         self.layout = layout
         self.device = device
         self.caches = caches
-        # In the stacked layout whole tables are read at their rows directly; elsewhere every
-        # cache is acquired (a whole table's acquire only counts: slot == id).
-        self._acquired = [key for key in caches if not (layout.stacked and caches[key].identity)]
+        # In shared device tables whole tables are read at their rows directly; elsewhere every
+        # cache is acquired (a whole table's acquire counts, and names the rows a batch read).
+        self._acquired = [key for key in caches if not (layout.shared and caches[key].identity)]
         self._counted_only = [key for key in caches if key not in self._acquired]
         self._positions = {key: layout.positions(key) for key in caches}
         # Each acquired cache's features as runs of consecutive ones (first, end): a batch's
@@ -44,7 +44,7 @@ class Staging:
 
     def stage(self, features: KeyedJaggedTensor) -> StagedBatch:
         check_not_empty(features)
-        ours = in_feature_order(features, self.layout.features, self.layout.table_of)
+        ours = in_feature_order(features, self.layout.features, self.layout.input_of, self.layout.table_of)
         check_ids(ours, self.layout.table_of)  # everything validated before any row is touched
         values = ours.values().to(self.device, torch.int64)
         bounds, per_key = ours.offset_per_key(), ours.length_per_key()
@@ -55,7 +55,7 @@ class Staging:
             indices = values + base.to(self.device)
         spans = {key: [(bounds[a], bounds[b]) for a, b in self._runs[key]] for key in self._acquired}
         # A stack reads global ids (in `indices`); a table of its own reads its ids.
-        ids = [concat_spans(indices if self.layout.stacked else values, spans[key]) for key in self._acquired]
+        ids = [concat_spans(indices if key in self.layout.stacks else values, spans[key]) for key in self._acquired]
         acquired = acquire_all([self.caches[k] for k in self._acquired], ids)
         tickets: dict[str, list[int]] = {}
         read: list[tuple[DeviceCache, Tensor]] = []
