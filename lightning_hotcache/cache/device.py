@@ -16,9 +16,10 @@ Across data-parallel ranks (`RowSharding`), each rank's host store holds its rou
 shard of the rows, and only a row's owner updates it and writes it back (owner-computes, as
 in HugeCTR's hybrid embedding and TorchRec's row-wise sharding). Staging reads only this
 rank's own rows; a slot (static or dynamic) may hold another rank's row, but its value is
-fetched from the owner's current copy in the forward that reads it (`refresh_remote_rows`),
+fetched from the owner's current copy in the forward that reads it (see
+`lightning_hotcache.embedding.update`),
 after every earlier step's update. Backward sends every gradient row to its row's owner,
-which sums the ranks' rows and updates the row (`apply_updates_across_ranks`). So what a
+which sums the ranks' rows and updates the row. So what a
 rank sends per step follows the rows its own batch reads, not the number of ranks, and
 evicting another rank's row is free. Tables wholly on the device work alike: every rank
 holds all their rows, but only the owner's copy of a row is current.
@@ -30,19 +31,13 @@ static region chosen from measured frequencies.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_hotcache.cache.exchange import (
-    RowSharding,
-    exchange_table_rows,
-    gather_table,
-    send_rows_to_owners,
-)
+from lightning_hotcache.cache.exchange import RowSharding, gather_table
 from lightning_hotcache.cache.host import HostStore
 from lightning_hotcache.cache.slot_map import make_slot_map
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig, apply_sparse_update, step_rows
@@ -210,8 +205,18 @@ class DeviceCache:
     def acquire(self, ids: Tensor) -> tuple[Tensor, int]:
         """Slots of ``ids`` (any order, duplicates allowed), fetching missing rows, and the
         ticket that keeps them locked until `release`."""
-        slots, ticket, _ = acquire_all([self], [ids])[0]
+        slots, ticket, _ = DeviceCache.acquire_all([self], [ids])[0]
         return slots, ticket
+
+    @staticmethod
+    @torch.no_grad()
+    def acquire_all(caches: Sequence["DeviceCache"], ids: Sequence[Tensor]) -> list[tuple[Tensor, int, Tensor]]:
+        """`acquire` for several caches at once (misses of every cache first, then every
+        install: a prefetch thread sees no cache half-staged); per cache also the distinct
+        slots read (all of them where the table is wholly on the device, repeats included)."""
+        started = [cache._begin_acquire(i) for cache, i in zip(caches, ids)]
+        rows = [None if a.needed is None else cache._read_own(a.needed) for cache, a in zip(caches, started)]
+        return [cache._finish_acquire(a, r) for cache, a, r in zip(caches, started, rows)]
 
     def _begin_acquire(self, ids: Tensor) -> _Acquire:
         """Lock the hits and free slots for the misses (their rows come next).
@@ -303,7 +308,7 @@ class DeviceCache:
 
     def _read_own(self, ids: Tensor) -> dict[str, Tensor]:
         """Host rows (and state) of ``ids`` for staging: across ranks only this rank's own
-        rows are read; other ranks' rows are zeros until `refresh_remote_rows` fills them."""
+        rows are read; other ranks' rows are zeros until the forward that reads them fetches them."""
         assert self.host is not None
         if self.sharding.world == 1:
             return self.host.read(ids)
@@ -313,7 +318,7 @@ class DeviceCache:
             rows[key][owned.cpu()] = values
         return rows
 
-    def _serve_weights(self, ids: Tensor) -> Tensor:
+    def serve_weights(self, ids: Tensor) -> Tensor:
         """Current weights of ``ids`` (all owned here): the cached copy if any, else the host's."""
         if self.identity:
             return self.weight[ids.to(self.device)]
@@ -324,7 +329,7 @@ class DeviceCache:
         weights[cached] = self.weight[slots[cached]]
         return weights
 
-    def _remote_slots(self, slots: Tensor) -> Tensor:
+    def remote_slots(self, slots: Tensor) -> Tensor:
         """The distinct slots among ``slots`` (distinct already unless the table is wholly on the
         device) that hold another rank's row."""
         if self.sharding.world == 1:
@@ -511,80 +516,3 @@ class _Acquire:
     missing: Tensor | None = None  # which of `ids` miss, when there is a fetch
     needed: Tensor | None = None  # their ids
     victims: Tensor | None = None  # the slots they go to
-
-
-@torch.no_grad()
-def acquire_all(caches: Sequence[DeviceCache], ids: Sequence[Tensor]) -> list[tuple[Tensor, int, Tensor]]:
-    """`DeviceCache.acquire` for several tables at once (misses of every table first, then
-    every install: a prefetch thread sees no table half-staged); per table also the distinct
-    slots read (all of them where the table is wholly on the device, repeats included)."""
-    started = [cache._begin_acquire(i) for cache, i in zip(caches, ids)]
-    rows = [None if a.needed is None else cache._read_own(a.needed) for cache, a in zip(caches, started)]
-    return [cache._finish_acquire(a, r) for cache, a, r in zip(caches, started, rows)]
-
-
-@torch.no_grad()
-def refresh_remote_rows(caches: Sequence[DeviceCache], slots: Sequence[Tensor]) -> None:
-    """Across ranks, before a forward reads ``slots[k]`` of ``caches[k]``: fetch the current
-    weights of the other ranks' rows among them from their owners, in one exchange for all
-    tables (a collective: every rank calls it once per forward, with the same tables).
-
-    Owners update their rows in every step's backward, so a copy taken at staging (or left
-    in a slot by an earlier batch) may be stale; the fetch comes after every earlier step's
-    update because every rank runs that backward before this forward."""
-    remote = [cache._remote_slots(s) for cache, s in zip(caches, slots)]
-    ids = [cache.ids_of_slots(r) for cache, r in zip(caches, remote)]
-    rows = exchange_table_rows(
-        ids, [cache._serve_weights for cache in caches], [cache.weight.shape[1] for cache in caches], caches[0].sharding
-    )
-    for cache, r, i, w in zip(caches, remote, ids, rows):
-        cache.weight[r] = w
-        cache.counters.fetched_rows += len(r)
-        cache._tally(_FETCHED, i)
-
-
-def sum_rows_by_index(indices: Sequence[Tensor], rows: Sequence[Tensor], sizes: Sequence[int]) -> list[tuple[Tensor, Tensor]]:
-    """Per table ``k``: its distinct ``indices[k]`` (ascending, each below ``sizes[k]``) and the
-    sum of ``rows[k]`` at each. Tables of one width are summed in one sort, not one per table
-    (26 tables' coalescing was a tenth of a step across ranks)."""
-    out: list[tuple[Tensor, Tensor] | None] = [None] * len(indices)
-    for width in {r.shape[1] for r in rows}:
-        group = [k for k, r in enumerate(rows) if r.shape[1] == width]
-        base = list(itertools.accumulate((sizes[k] for k in group), initial=0))  # each table's first key
-        keys = torch.cat([indices[k] + base[j] for j, k in enumerate(group)])
-        distinct, inverse = torch.unique(keys, return_inverse=True)
-        summed = torch.zeros(len(distinct), width, dtype=torch.float32, device=keys.device)
-        summed.index_add_(0, inverse, torch.cat([rows[k] for k in group]).to(torch.float32))
-        per_table = torch.searchsorted(distinct, torch.tensor(base, device=distinct.device)).tolist()
-        for j, k in enumerate(group):
-            a, b = per_table[j], per_table[j + 1]
-            out[k] = (distinct[a:b] - base[j], summed[a:b])
-    return out  # type: ignore[return-value]
-
-
-@torch.no_grad()
-def apply_updates_across_ranks(
-    caches: Sequence[DeviceCache], slots: Sequence[Tensor], rows: Sequence[Tensor], optimizer: RowWiseOptimizerConfig
-) -> None:
-    """One row-wise step with the ranks' mean gradient (DDP's average), this rank's gradient
-    of ``caches[k]`` being ``rows[k]`` at ``slots[k]`` (repeats allowed: they sum); a
-    collective for every rank.
-
-    Each row's summed gradient goes to its owner (one all-to-all for all tables), which sums
-    the ranks' rows and updates the row in its cache slot or, for rows not on its device, in
-    its host store. The library's rule, also where FBGEMM's kernel does the lookup: its
-    backward takes gradients only of pooled outputs, and feeding it received rows as a
-    batch of one-row bags was measured slower than this (2.1 vs 1.4 ms for 16.8k rows of 26
-    tables on this CPU: the bags of every table pad to the longest)."""
-    sharding = caches[0].sharding
-    parts = [
-        (cache.ids_of_slots(distinct), summed / sharding.world)
-        for cache, (distinct, summed) in zip(caches, sum_rows_by_index(slots, rows, [len(c.weight) for c in caches]))
-    ]
-    received = send_rows_to_owners(parts, sharding)
-    totals = sum_rows_by_index([ids for ids, _ in received], [r for _, r in received], [c.num_embeddings for c in caches])
-    for cache, (ids, total) in zip(caches, totals):
-        at = cache.cached_slots(ids)
-        cached = at >= 0
-        cache.update_slots(at[cached], total[cached], optimizer)
-        cache.update_host_rows(ids[~cached], total[~cached], optimizer)

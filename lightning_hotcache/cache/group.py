@@ -27,8 +27,11 @@ from lightning_hotcache.cache.host import HostStore
 
 
 class TableInGroup:
-    """One table's view of a stacked `DeviceCache`: whole-table reads and writes, counters,
-    and the stack's slots (whose rows may belong to any of its tables)."""
+    """One table's view of a stacked `DeviceCache`, for whole-table work only: reads and
+    writes of the whole table (`full`, `load_full`, `load_rows`, `flush`), its own counters,
+    and, read-only, the stack's slot arrays and slot map (whose rows may belong to any of its
+    tables). A step's work (acquire, release, updates) goes to the stack itself, never
+    through a table's view: these are all it offers."""
 
     identity = False
 

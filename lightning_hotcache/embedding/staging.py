@@ -1,7 +1,7 @@
 """Staging: a batch's ids checked, put in the module's feature order, and turned into locked
 slots of the device tables, ahead of its forward (`prefetch`) or at its start.
 
-The caches that lock rows are acquired all at once (`acquire_all`: every cache's misses
+The caches that lock rows are acquired all at once (`DeviceCache.acquire_all`: every cache's misses
 are read before any is installed, so a prefetch thread never leaves one half-staged). Tables
 wholly on the device in shared device tables lock nothing (slot == row): their ids become rows
 by the layout's per-feature base alone, and only their lookups are counted.
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torchrec import KeyedJaggedTensor
 
-from lightning_hotcache.cache.device import DeviceCache, acquire_all
+from lightning_hotcache.cache.device import DeviceCache
 from lightning_hotcache.embedding.batch import StagedBatch, check_ids, concat_spans, in_feature_order, same_batch
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.guards import check_not_empty
@@ -56,7 +56,7 @@ class Staging:
         spans = {key: [(bounds[a], bounds[b]) for a, b in self._runs[key]] for key in self._acquired}
         # A stack reads global ids (in `indices`); a table of its own reads its ids.
         ids = [concat_spans(indices if key in self.layout.stacks else values, spans[key]) for key in self._acquired]
-        acquired = acquire_all([self.caches[k] for k in self._acquired], ids)
+        acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids)
         tickets: dict[str, list[int]] = {}
         read: list[tuple[DeviceCache, Tensor]] = []
         for key, (cache_slots, ticket, distinct) in zip(self._acquired, acquired):

@@ -28,8 +28,18 @@ from torch import Tensor
 from torchrec import KeyedJaggedTensor
 from torchrec.modules.embedding_configs import PoolingType
 
-from lightning_hotcache.cache.device import DeviceCache, apply_updates_across_ranks, refresh_remote_rows, sum_rows_by_index
-from lightning_hotcache.cache.exchange import RowSharding, Routed, RowsInFlight, fetch_rows, route_to_owners, send_rows_along
+from lightning_hotcache.cache.device import DeviceCache
+from lightning_hotcache.cache.exchange import (
+    Routed,
+    RowSharding,
+    RowsInFlight,
+    exchange_table_rows,
+    fetch_rows,
+    route_to_owners,
+    send_rows_along,
+    send_rows_to_owners,
+    sum_rows_by_index,
+)
 from lightning_hotcache.cache.owned_rows import OwnedRows
 from lightning_hotcache.embedding.batch import StagedBatch
 from lightning_hotcache.embedding.layout import Layout
@@ -113,9 +123,20 @@ class OwnersHookUpdate(LocalHookUpdate):
     def __init__(self, caches: dict[str, DeviceCache], staging: Staging, lock: threading.RLock, optimizer: RowWiseOptimizerConfig) -> None:
         super().__init__(caches, staging, lock, optimizer)
         self._pending: dict[str, Tensor] = {}  # gradients of the caches whose hooks have run
+        self.sharding = next(iter(caches.values())).sharding
 
+    @torch.no_grad()
     def before_lookup(self, staged: StagedBatch) -> None:
-        refresh_remote_rows(*zip(*staged.read))
+        """Fetch the current weights of the other ranks' rows the batch reads from their owners,
+        in one exchange for all caches (every rank runs the previous backward, and so its
+        owners' updates, before this forward)."""
+        caches = [cache for cache, _ in staged.read]
+        remote = [cache.remote_slots(slots) for cache, slots in staged.read]
+        ids = [cache.ids_of_slots(r) for cache, r in zip(caches, remote)]
+        rows = exchange_table_rows(ids, [c.serve_weights for c in caches], [c.weight.shape[1] for c in caches], self.sharding)
+        for cache, r, i, w in zip(caches, remote, ids, rows):
+            cache.weight[r] = w
+            cache.count_fetched(i)
 
     def _apply(self, key: str, grad: Tensor) -> None:
         # Every cache's pooled output is part of the one tensor forward returns, so a backward
@@ -124,10 +145,28 @@ class OwnersHookUpdate(LocalHookUpdate):
         if len(self._pending) < len(self.caches):
             return
         grads = [self._pending.pop(k) for k in self.caches]
-        # Uncoalesced (public .indices() would sort): the sum over repeats is made for all tables at once.
-        slots, rows = [g._indices()[0] for g in grads], [g._values() for g in grads]
-        apply_updates_across_ranks(list(self.caches.values()), slots, rows, self.optimizer)
+        # Uncoalesced (public .indices() would sort): the sum over repeats is made for all caches at once.
+        self._owners_step(list(self.caches.values()), [g._indices()[0] for g in grads], [g._values() for g in grads])
         self.staging.finish_tables(list(self.caches))
+
+    @torch.no_grad()
+    def _owners_step(self, caches: list[DeviceCache], slots: list[Tensor], rows: list[Tensor]) -> None:
+        """One row-wise step with the ranks' mean gradient (DDP's average), this rank's gradient
+        of ``caches[k]`` being ``rows[k]`` at ``slots[k]`` (repeats sum): each row's summed
+        gradient goes to its owner (one exchange for all caches), which sums the ranks' rows and
+        updates the row in its cache slot or, for rows not on its device, in its host store."""
+        world = self.sharding.world
+        parts = [
+            (cache.ids_of_slots(distinct), summed / world)
+            for cache, (distinct, summed) in zip(caches, sum_rows_by_index(slots, rows, [len(c.weight) for c in caches]))
+        ]
+        received = send_rows_to_owners(parts, self.sharding)
+        totals = sum_rows_by_index([ids for ids, _ in received], [r for _, r in received], [c.num_embeddings for c in caches])
+        for cache, (ids, total) in zip(caches, totals):
+            at = cache.cached_slots(ids)
+            cached = at >= 0
+            cache.update_slots(at[cached], total[cached], self.optimizer)
+            cache.update_host_rows(ids[~cached], total[~cached], self.optimizer)
 
 
 @dataclass(frozen=True)
