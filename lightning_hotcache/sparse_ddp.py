@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_hotcache import collectives
 from lightning_hotcache._compat import set_ddp_ignored_parameters
 
 
@@ -97,5 +98,5 @@ def _stack_gradients(params: list[Tensor]) -> tuple[list[int], Tensor, Tensor]:
 
 def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None) -> list[Tensor]:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
+    collectives.all_gather(parts, tensor, group=group)
     return parts

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torchrec import EmbeddingBagCollection
 from typing_extensions import override
 
+from lightning_hotcache import collectives
 from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
 from lightning_hotcache.planner import _quiet_torchrec_planner
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
@@ -131,6 +132,6 @@ class TorchRecStrategy(LikeAutoInOneProcess):
                 for shard in value.local_shards():
                     full[_shard_index(shard)] = shard.tensor.to(self.root_device)
                 if self.world_size > 1:  # each rank holds some tables: sum the zero-padded pieces
-                    dist.all_reduce(full)
+                    collectives.all_reduce(full)
                 state[key] = full.cpu()
         return state

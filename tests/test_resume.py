@@ -25,11 +25,15 @@ from test_ddp import _train
 
 # Checkpoint files the uninterrupted run writes (ModelCheckpoint's "{step}"/"end-{epoch}" names).
 POSITIONS = {"mid_epoch": "step=6.ckpt", "last_batch": "step=4.ckpt", "epoch_end": "end-epoch=0.ckpt"}
-STRATEGIES = ["auto", "torchrec", "hotcache"]
+# "hotcache/pytorch+thread": PyTorch's embedding_bag with staging on the prefetch thread in one
+# process, what a CUDA run without FBGEMM's CUDA kernels gets by default.
+STRATEGIES = ["auto", "torchrec", "hotcache", "hotcache/pytorch+thread"]
 
 
 def _strategy(name: str) -> str | HotCacheStrategy:
     # A budget below the tables' size, so rows really move between the cache and the host store.
+    if name == "hotcache/pytorch+thread":
+        return HotCacheStrategy(device_budget=0.05, profile_batches=2, kernel="pytorch", prefetch_thread=True)
     return HotCacheStrategy(device_budget=0.05, profile_batches=2) if name == "hotcache" else name
 
 
@@ -79,13 +83,13 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, in
     def run(strategy: str, max_epochs: int, shuffle: bool) -> Uninterrupted:
         key = (strategy, max_epochs, shuffle)
         if key not in runs:
-            directory = tmp_path_factory.mktemp(f"{strategy}-{max_epochs}-{shuffle}")
+            directory = tmp_path_factory.mktemp(f"{strategy.replace('/', '-')}-{max_epochs}-{shuffle}")
             callbacks = [
                 ModelCheckpoint(directory, "{step}", every_n_train_steps=2, save_top_k=-1),
                 ModelCheckpoint(directory, "end-{epoch}", save_top_k=-1, save_on_train_epoch_end=True),
             ]
             _, trainer = _fit(strategy, max_epochs, shuffle, callbacks=callbacks)
-            if strategy == "hotcache":
+            if strategy.startswith("hotcache"):
                 assert any(not t.on_device for t in trainer.strategy.plan.tables), "some table is split"
             assert set(POSITIONS.values()) <= {p.name for p in directory.iterdir()}
             runs[key] = Uninterrupted(_weights(trainer), trainer.global_step, directory)

@@ -287,12 +287,21 @@ class _SeesPrefetchThread(pl.Callback):
         self.seen |= any(t.name == "hotcache-prefetch" for t in threading.enumerate())
 
 
+@pytest.mark.parametrize("kernel", ["auto", "pytorch"])
 @pytest.mark.parametrize("thread", [True, False], ids=["thread", "inline"])
-def test_prefetch_thread_and_inline_staging_match_auto(thread, stats_path, baselines) -> None:
+def test_prefetch_thread_and_inline_staging_match_auto(thread, kernel, stats_path, baselines) -> None:
+    # kernel="pytorch" with the thread in one process is what a CUDA machine without FBGEMM's
+    # CUDA build runs by default.
+    import threading
+
     watcher = _SeesPrefetchThread()
-    strategy = HotCacheStrategy(device_budget=0.05, stats_path=str(stats_path), prefetch_thread=thread, prefetch_depth=2)
-    model, _, _ = fit("dlrm", strategy, callbacks=[watcher])
+    strategy = HotCacheStrategy(
+        device_budget=0.05, stats_path=str(stats_path), prefetch_thread=thread, prefetch_depth=2, kernel=kernel
+    )
+    model, trainer, _ = fit("dlrm", strategy, callbacks=[watcher])
     assert watcher.seen == thread
+    assert all(m.kernel_note.startswith("pytorch" if kernel == "pytorch" else "fbgemm") for m in hot_cold_modules(model).values())
+    assert not any(t.name == "hotcache-prefetch" for t in threading.enumerate())  # shut down cleanly
     torch.testing.assert_close(model.state_dict(), baselines["dlrm"][0], rtol=1e-5, atol=1e-5)
 
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
+
+from lightning_hotcache import collectives
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,13 @@ def route_to_owners(ids_of: Sequence[Tensor], sharding: RowSharding) -> Routed:
     orders = [torch.argsort(owner, stable=True) for owner in owners]
     counts = torch.stack([torch.bincount(owner, minlength=world) for owner in owners], dim=1)  # (dst, table)
     recv_counts = torch.empty_like(counts)  # (src, table)
-    dist.all_to_all_single(recv_counts, counts, group=group)
+    collectives.all_to_all_single(recv_counts, counts, group=group)
     sent, received = counts.tolist(), recv_counts.tolist()
     # Ids travel grouped by destination rank, then by table.
     by_owner = [ids[order].split(counts[:, t].tolist()) for t, (ids, order) in enumerate(zip(ids_of, orders))]
     send_ids = torch.cat([by_owner[t][dst] for dst in range(world) for t in tables])
     got = torch.empty(int(recv_counts.sum()), dtype=send_ids.dtype, device=device)
-    dist.all_to_all_single(got, send_ids, list(map(sum, received)), list(map(sum, sent)), group=group)
+    collectives.all_to_all_single(got, send_ids, list(map(sum, received)), list(map(sum, sent)), group=group)
     parts = got.split([received[src][t] for src in range(world) for t in tables])
     return Routed(orders, sent, received, [torch.cat(parts[t :: len(tables)]) for t in tables])
 
@@ -104,7 +105,7 @@ def _all_to_all_floats(
     floats_out = [sum(send_counts[dst][t] * widths[t] for t in tables) for dst in range(world)]
     floats_in = [sum(recv_counts[src][t] * widths[t] for t in tables) for src in range(world)]
     got = torch.empty(sum(floats_in), dtype=torch.float32, device=send.device)
-    work = dist.all_to_all_single(got, send, floats_in, floats_out, group=group, async_op=async_op)
+    work = collectives.all_to_all_single(got, send, floats_in, floats_out, group=group, async_op=async_op)
     sizes = [recv_counts[src][t] * widths[t] for src in range(world) for t in tables]
     return RowsInFlight(work, send, got, sizes, widths)
 
@@ -163,7 +164,7 @@ def gather_table(local: Tensor, num_embeddings: int, sharding: RowSharding) -> T
     padded = torch.zeros(longest, width, dtype=local.dtype)
     padded[: len(local)] = local
     parts = [torch.empty_like(padded) for _ in range(sharding.world)]
-    dist.all_gather(parts, padded, group=sharding.group)
+    collectives.all_gather(parts, padded, group=sharding.group)
     full = torch.empty(num_embeddings, width, dtype=local.dtype)
     for rank, part in enumerate(parts):
         n = len(range(rank, num_embeddings, sharding.world))
