@@ -45,4 +45,4 @@ gpu-wheels:
 	@du -sh $(GPU_WHEELS) | awk '{print "$(GPU_WHEELS): " $$1 " (the device machine takes 64 MiB with the repo)"}'
 
 gpu-check:
-	GPU_PYTHON="$(GPU_PYTHON)" GPU_BENCH_ARGS="$(GPU_BENCH_ARGS)" bash benchmarks/gpu_check.sh
+	GPU_PYTHON="$(GPU_PYTHON)" GPU_BENCH_ARGS="$(GPU_BENCH_ARGS)" GPU_DRY_RUN="$(GPU_DRY_RUN)" bash benchmarks/gpu_check.sh

@@ -52,3 +52,29 @@ def test_bad_settings_are_clear_errors(argv, error, capsys) -> None:
     with pytest.raises(SystemExit):
         gpu.parse_args(argv)
     assert error in capsys.readouterr().err
+
+
+def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
+    """`make gpu-check GPU_DRY_RUN=1`: the three stages the GPU machine runs (a 2-step fit, the
+    CUDA tests, the benchmark), here on the CPU, each reported in $OUT as it ends."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / ".venv" / "bin" / "python").exists():
+        pytest.skip("the dry run uses the project's .venv (made by `make test`)")
+    # In-process tests of DDP-based strategies leave rendezvous variables behind; a fresh run picks its own.
+    stale = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED"}
+    env = {**{k: v for k, v in os.environ.items() if k not in stale}, "OUT": str(tmp_path), "GPU_DRY_RUN": "1"}
+    done = subprocess.run(["make", "-s", "gpu-check", "GPU_DRY_RUN=1"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    logs = "".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("stage*.log")))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:] + logs
+    stages = (tmp_path / "stages.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in stages] == [
+        "stage 1 imports-and-2-step-fit", "stage 2 cuda-tests", "stage 3 gpu-benchmark"
+    ]
+    assert all(": rc 0," in line for line in stages), stages
+    assert "torch" in (tmp_path / "stage1.log").read_text()
+    assert "skipped" in (tmp_path / "stage2.log").read_text()  # found, and skipped without CUDA
+    results = json.loads((tmp_path / "gpu.json").read_text())["results"]
+    assert list(results) == ["auto", "cpu-lookup", "hotcache@0.1", "hotcache@0.01"]
