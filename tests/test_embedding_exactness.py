@@ -297,8 +297,8 @@ def test_row_gradients_formed_from_the_output_gradient_are_the_kernels(weighted,
     width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
     grad = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(0))
     staged = module._staging.stage(batch)
-    rows = update.value_gradients(staged.ours, grad)
     positions = update._value_positions(staged.ours)
+    rows = update.value_gradients(staged.ours, grad, positions)
     before = [o.storage["weight"].clone() for o in owned]
     (module._lookup(staged) * grad).sum().backward()  # FBGEMM's backward, SGD fused in
     for k, (o, value_rows, at) in enumerate(zip(owned, rows, positions)):

@@ -66,6 +66,19 @@ def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _whole_tables(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`_locked`, for work on whole tables: an update still on its way (across ranks, see
+    `OwnersUpdate.settle`) lands first, so the method reads and writes current rows."""
+
+    @functools.wraps(method)
+    def wrapper(self: "HotColdEmbeddingBagCollection", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            self._update.settle()
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class HotColdEmbeddingBagCollection(nn.Module):
     """Drop-in for ``torchrec.EmbeddingBagCollection`` whose rows live in a tiered cache.
 
@@ -279,10 +292,9 @@ class HotColdEmbeddingBagCollection(nn.Module):
             module.load_state_dict(ebc.state_dict())
         return module
 
-    @_locked
+    @_whole_tables
     def initialize(self, seed: int) -> None:
         """Every table's initial rows (see `initial_rows`), written chunk by chunk into its tiers."""
-        self._update.settle()  # an update still on its way (across ranks) lands first
         for table in self._tables:
             for start, rows in initial_rows(table, seed):
                 self.caches[table.name].load_rows("weight", start, rows)
@@ -343,10 +355,9 @@ class HotColdEmbeddingBagCollection(nn.Module):
         )
 
     # ---------------------------------------------------------- whole tables
-    @_locked
+    @_whole_tables
     def flush(self) -> None:
         """Write every changed cached row back to its host store."""
-        self._update.settle()  # an update still on its way (across ranks) lands first
         for cache in self._caches.values():
             cache.flush()
 
@@ -364,46 +375,38 @@ class HotColdEmbeddingBagCollection(nn.Module):
         if self.host_directory is not None:
             self.host_directory.release()
 
-    @_locked
+    @_whole_tables
     def optimizer_state(self) -> dict[str, dict[str, Tensor]]:
         """Current row-wise optimizer state of every table: table -> state name -> (rows, width).
         Tables whose rows are split over host stores are left out while `gather_split_tables`
         is False (their state is in `host_shards`)."""
-        self._update.settle()  # an update still on its way (across ranks) lands first
         return {
             name: {key: cache.full(key) for key in cache.slots if key != "weight"}
             for name, cache in self.caches.items()
             if cache.identity or self.gather_split_tables
         }
 
-    @_locked
+    @_whole_tables
     def host_shards(self) -> dict[str, dict[str, Tensor]]:
         """This rank's host rows (round-robin shard) of every split table, current: table ->
         array name -> (local rows, width). No collective."""
-        self._update.settle()  # an update still on its way (across ranks) lands first
-        shards = {}
-        for name, cache in self.caches.items():
-            if cache.host is not None:
-                cache.flush()
-                shards[name] = dict(cache.host.arrays)
-        return shards
+        self.flush()  # every cache once (a stack's tables share its flush)
+        return {name: dict(cache.host.arrays) for name, cache in self.caches.items() if cache.host is not None}
 
-    @_locked
+    @_whole_tables
     def load_optimizer_state(self, state: dict[str, dict[str, Tensor]]) -> None:
-        self._update.settle()  # an update still on its way (across ranks) lands first
         for name, arrays in state.items():
             for key, values in arrays.items():
                 self.caches[name].load_full(key, values)
 
-    @_locked
+    @_whole_tables
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        self._update.settle()  # an update still on its way (across ranks) lands first
         # The keys of the EmbeddingBagCollection this replaces, so checkpoints interchange.
         for name, cache in self.caches.items():
             if cache.identity or self.gather_split_tables:
                 destination[f"{prefix}embedding_bags.{name}.weight"] = cache.full("weight")
 
-    @_locked
+    @_whole_tables
     def _load_from_state_dict(
         self,
         state_dict: dict[str, Any],
@@ -414,7 +417,6 @@ class HotColdEmbeddingBagCollection(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        self._update.settle()  # an update still on its way (across ranks) lands first
         for table in self._tables:
             key = f"{prefix}embedding_bags.{table.name}.weight"
             if key not in state_dict:

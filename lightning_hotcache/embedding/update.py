@@ -259,7 +259,8 @@ class OwnersUpdate:
         with self.lock:
             reads: _Reads = staged.exchange
             summed = []
-            for read, value_rows in zip(reads.tables, self.value_gradients(staged.ours, grad)):
+            positions = [read.values for read in reads.tables]
+            for read, value_rows in zip(reads.tables, self.value_gradients(staged.ours, grad, positions)):
                 rows = torch.zeros(len(read.keys), value_rows.shape[1], dtype=torch.float32, device=value_rows.device)
                 # DDP's average (``alpha`` of index_add_ would scale each add: 3x slower on CPU).
                 summed.append(rows.index_add_(0, read.inverse, value_rows).mul_(1 / self.sharding.world))
@@ -298,10 +299,11 @@ class OwnersUpdate:
     def _feature_of_value(self, ours: KeyedJaggedTensor) -> Tensor:
         return self._bag_of_value(ours, ours.values().device) // ours.stride()
 
-    def value_gradients(self, ours: KeyedJaggedTensor, grad: Tensor) -> list[Tensor]:
+    def value_gradients(self, ours: KeyedJaggedTensor, grad: Tensor, positions: list[Tensor | None]) -> list[Tensor]:
         """Per device table, the gradient row of every value of its features that ``ours``
         read (in batch order; repeats not summed), from the output's gradient ``grad`` (batch,
-        sum of dims): what FBGEMM's backward forms before it updates."""
+        sum of dims): what FBGEMM's backward forms before it updates. ``positions``: each
+        device table's values in the batch (`_value_positions`, kept from forward)."""
         batch, lengths = ours.stride(), ours.lengths().to(grad.device)
         bag_of_value = self._bag_of_value(ours, grad.device)  # feature-major, as TBE numbers bags
         scale = ours.weights().to(grad.device, grad.dtype) if self.is_weighted else None
@@ -312,14 +314,14 @@ class OwnersUpdate:
         # gradient seen as (batch x features, dim), read in place, not transposed.
         feature, sample = bag_of_value // batch, bag_of_value % batch
         out = []
-        for k, owned in enumerate(self.owned):
+        for k, (owned, values) in enumerate(zip(self.owned, positions)):
             dim = owned.width
-            if self._everything:
+            if values is None:  # one device table: every value
                 per_bag = grad.reshape(-1, dim)
                 rows, value_scale = per_bag.index_select(0, sample * (grad.shape[1] // dim) + feature), scale
             else:
                 per_bag = grad.index_select(1, self._columns[k].to(grad.device)).reshape(-1, dim)
-                values = self._features[k].to(grad.device)[feature].nonzero().squeeze(1)
+                values = values.to(grad.device)
                 position = self._position[k].to(grad.device)[feature[values]]
                 rows = per_bag.index_select(0, sample[values] * len(self._columns[k]) // dim + position)
                 value_scale = None if scale is None else scale[values]
