@@ -3,8 +3,9 @@
 A concrete datamodule only says which categorical features it has (name -> rows), how many
 dense features, and how to read samples ``[start, stop)`` of a split (a :class:`BatchSource`).
 Everything else lives here: ``EmbeddingBagConfig`` tables, the numpy -> ``Batch`` conversion and
-map-style datasets over *batch* indices (batch ``k`` of size ``B`` is samples ``[k*B, (k+1)*B)``),
-so a batch never depends on the number of workers or processes reading it.
+map-style datasets over *global batch* indices (global batch ``k`` of N processes x ``B`` is
+samples ``[k*N*B, (k+1)*N*B)``, each process reading its share), so a batch never depends on
+the number of workers reading it, and N processes read what one process of batch N*B reads.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_hotcache._compat import fit_resume_point
+from lightning_hotcache.global_batch import BatchShare, share_bounds
 
 
 Split = Literal["train", "val", "test"]
@@ -98,29 +100,48 @@ class BatchSource(Protocol):
     def batch(self, start: int, stop: int) -> Batch: ...
 
 
-class BatchDataset(Dataset[Batch]):
-    """Map-style dataset whose item ``k`` is the whole batch of samples ``[k*B, min((k+1)*B, n))``.
+class BatchDataset(Dataset[BatchShare]):
+    """Map-style dataset whose item ``k`` is this process's share of global batch ``k``.
 
-    Used with ``DataLoader(batch_size=None)``: shuffling (and Lightning's distributed sampler)
-    permute batch indices, never the samples inside a batch.
+    Global batch ``k`` is samples ``[k*G, min((k+1)*G, n))`` with ``G = batch_size * num_shares``;
+    share ``share`` of it is its ``share``-th consecutive slice (`share_bounds`), so the
+    shares of all processes together are the batch one process of batch size G reads.
+    Used with ``DataLoader(batch_size=None)`` and a sampler that gives every process the
+    same order of global batches: shuffling permutes global batches, never the samples
+    inside one, and no process ever reads a sample twice in an epoch.
     """
 
-    def __init__(self, source: BatchSource, batch_size: int) -> None:
+    def __init__(self, source: BatchSource, batch_size: int, num_shares: int = 1, share: int = 0) -> None:
+        if not 0 <= share < num_shares:
+            raise ValueError(f"share {share} out of range [0, {num_shares})")
         self.source = source
         self.batch_size = batch_size
+        self.num_shares = num_shares
+        self.share = share
 
     def __len__(self) -> int:
-        return -(-len(self.source) // self.batch_size)
+        return -(-len(self.source) // (self.batch_size * self.num_shares))
 
-    def __getitem__(self, index: int) -> Batch:
+    def __getitem__(self, index: int) -> BatchShare:
         if not 0 <= index < len(self):
             raise IndexError(f"batch index {index} out of range [0, {len(self)})")
-        start = index * self.batch_size
-        return self.source.batch(start, min(start + self.batch_size, len(self.source)))
+        first = index * self.batch_size * self.num_shares
+        samples = min(self.batch_size * self.num_shares, len(self.source) - first)
+        start, stop = share_bounds(samples, self.num_shares, self.share)
+        padding = int(start == stop)  # an empty share reads the global batch's last sample, as padding
+        batch = self.source.batch(first + start - padding, first + stop)
+        return BatchShare(
+            batch.dense_features, batch.sparse_features, batch.labels,
+            global_samples=samples, num_shares=self.num_shares, padding=padding,
+        )  # fmt: skip
 
 
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler whose next pass can start an epoch a number of batches in.
+    """A sampler of batch indices whose next pass can start an epoch a number of batches in.
+
+    Every process uses it with one replica (the same order everywhere: each reads its share
+    of the global batch, see `BatchDataset`). It is a DistributedSampler so that Lightning
+    keeps it instead of injecting its own.
 
     Lightning restores a run killed mid-epoch at the right batch index but iterates a plain
     sampler from the start again, so a resumed run would see the epoch's first batches twice
@@ -146,14 +167,16 @@ class ResumableSampler(DistributedSampler):
 
 
 class CTRDataModule(pl.LightningDataModule):
-    """Base of the CTR datamodules: yields ``torchrec.datasets.utils.Batch`` objects.
+    """Base of the CTR datamodules: yields each process its share of every global batch, a
+    ``torchrec.datasets.utils.Batch`` (`BatchShare`).
 
     Subclasses fill ``feature_cardinalities`` (feature name -> table rows, in KJT key order) and
     ``num_dense_features`` in ``__init__`` (LightningCLI links ``tables`` and
     ``num_dense_features`` into the model before ``setup``) and implement ``source(split)``.
 
     Args:
-        batch_size: samples per batch (the last batch of a split may be smaller).
+        batch_size: samples per batch of each process (a step reads batch_size x processes samples;
+            the last batch of a split may be smaller).
         num_workers: DataLoader worker processes; 0 reads batches in the main process.
         embedding_dim: embedding width of every table.
         shuffle: shuffle the order of training batches every epoch (the samples inside a batch stay fixed).
@@ -205,38 +228,40 @@ class CTRDataModule(pl.LightningDataModule):
         """Metrics of a known reference predictor on a stage's split ("val"/"test"); none by default."""
         return {}
 
-    def dataloader(self, split: Split, shuffle: bool = False) -> DataLoader[Batch]:
-        dataset = BatchDataset(self.source(split), self.batch_size)
-        # Our own sampler in every run, one process or many: Lightning's injected sampler
-        # always shuffles training data and a plain RandomSampler draws from the global RNG,
-        # so either would make the batch order depend on the strategy. This one follows
-        # `shuffle` with a fixed seed per epoch; unshuffled N-process runs see batches
-        # k*N + rank, which makes N processes x batch B comparable with 1 process x N*B.
+    def dataloader(self, split: Split, shuffle: bool = False) -> DataLoader[BatchShare]:
+        # Each process reads its share of every global batch (see `BatchDataset`), in an order
+        # that is the same in every process and every run: our own sampler follows `shuffle`
+        # with a fixed seed per epoch (Lightning's injected sampler always shuffles training
+        # data, and a plain RandomSampler draws from the global RNG, so either would make the
+        # order depend on the strategy). N processes x batch B thus see the batches of
+        # 1 process x N*B, shuffled or not, with no sample repeated at an uneven epoch end.
         trainer = self.trainer
-        replicas = {"num_replicas": 1, "rank": 0}
+        num_shares, share = 1, 0
         if trainer is not None and isinstance(trainer.strategy, ParallelStrategy):
             replicas = trainer.distributed_sampler_kwargs
+            num_shares, share = replicas["num_replicas"], replicas["rank"]
+        dataset = BatchDataset(self.source(split), self.batch_size, num_shares, share)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         return DataLoader(
             dataset,
             batch_size=None,
-            sampler=ResumableSampler(dataset, **replicas, shuffle=shuffle, seed=seed),
+            sampler=ResumableSampler(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed),
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
         )
 
-    def train_dataloader(self) -> DataLoader[Batch]:
+    def train_dataloader(self) -> DataLoader[BatchShare]:
         loader = self.dataloader("train", shuffle=self.shuffle)
         if self.trainer is not None:
             loader.sampler.resume_at(*fit_resume_point(self.trainer))
         return loader
 
-    def val_dataloader(self) -> DataLoader[Batch]:
+    def val_dataloader(self) -> DataLoader[BatchShare]:
         return self.dataloader("val")
 
-    def test_dataloader(self) -> DataLoader[Batch]:
+    def test_dataloader(self) -> DataLoader[BatchShare]:
         return self.dataloader("test")
 
-    def predict_dataloader(self) -> DataLoader[Batch]:
+    def predict_dataloader(self) -> DataLoader[BatchShare]:
         return self.dataloader("test")

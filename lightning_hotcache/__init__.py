@@ -33,6 +33,9 @@ _LAZY = {
     "CacheCapacityError": "lightning_hotcache.cache",
     "HotCacheStrategy": "lightning_hotcache.strategy",
     "TorchRecStrategy": "lightning_hotcache.torchrec_strategy",
+    "BatchShare": "lightning_hotcache.global_batch",
+    "share_mean": "lightning_hotcache.global_batch",
+    "real_samples": "lightning_hotcache.global_batch",
 }
 
 # Registered names take no settings (Lightning), so common settings get names of their own;

@@ -35,6 +35,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from typing_extensions import override
 
 from lightning_hotcache.checkpoint import check_not_sharded
+from lightning_hotcache.global_batch import real_samples, share_mean
 from lightning_hotcache.guards import (
     NonFiniteLossAction,
     check_non_finite_loss_action,
@@ -183,7 +184,8 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             self.first_order_arch = FirstOrderArch(table_configs, num_dense_features, device=table_device)
         self._embedding_optimizer: RowWiseOptimizer | None = None
 
-        self.loss_fn = nn.BCEWithLogitsLoss()
+        # Per sample: training averages it over the global batch (`share_mean`).
+        self.loss_fn = nn.BCEWithLogitsLoss(reduction="none")
         metrics = MetricCollection({"auc": BinaryAUROC(), "logloss": MeanMetric()})
         self.val_metrics = metrics.clone(prefix="val/")
         self.test_metrics = metrics.clone(prefix="test/")
@@ -268,21 +270,27 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor | None:
         logits, squared_norms = self.logits_and_squared_norms(batch.dense_features, batch.sparse_features)
-        loss = self.loss_fn(logits, batch.labels)
+        per_sample = self.loss_fn(logits, batch.labels)
         if self.hparams.embedding_l2:
-            loss = loss + self.hparams.embedding_l2 * squared_norms.mean()
+            per_sample = per_sample + self.hparams.embedding_l2 * squared_norms
+        # The mean over the global batch once the processes' gradients are averaged, also at
+        # an uneven epoch end (see `share_mean`).
+        loss = share_mean(per_sample, batch)
         if not finite_loss_or_skip(loss, self.trainer, batch_idx, self.hparams.non_finite_loss):
             return None
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.shape[0])
         return loss
 
     def _evaluate(self, batch: Batch, metrics: MetricCollection) -> None:
-        logits = self(batch.dense_features, batch.sparse_features)
-        labels = batch.labels
-        per_sample = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+        # Every sample's forward, padding too (it is a collective step under hotcache); the
+        # metrics see the data only, so they do not depend on the number of processes.
+        real = real_samples(batch)
+        logits = self(batch.dense_features, batch.sparse_features)[:real]
+        labels = batch.labels[:real]
+        per_sample = self.loss_fn(logits, labels)
         metrics["auc"].update(torch.sigmoid(logits), labels.long())
         metrics["logloss"].update(per_sample)
-        self.log_dict(metrics, prog_bar=True, batch_size=labels.shape[0])
+        self.log_dict(metrics, prog_bar=True, batch_size=real)
 
     @override
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
@@ -294,7 +302,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
 
     @override
     def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
-        return torch.sigmoid(self(batch.dense_features, batch.sparse_features))
+        return torch.sigmoid(self(batch.dense_features, batch.sparse_features))[: real_samples(batch)]
 
     def _log_reference_metrics(self, stage: str) -> None:
         # Datamodules with a planted truth (the synthetic one) know the Bayes-optimal figures.

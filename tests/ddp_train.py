@@ -31,6 +31,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-nodes", type=int, default=1, help="machines (under torchrun, one launch per node)")
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--train-samples", type=int, default=4096)
+    parser.add_argument("--val-samples", type=int, help="validate at each epoch's end on this many samples (default: none)")
     parser.add_argument("--shuffle", action="store_true", help="shuffle the training batches every epoch")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--optimizer", default="rowwise_adagrad")
@@ -90,8 +91,9 @@ def fit(
     pl.seed_everything(0)
     tables = {"scale": 0.01, "num_embeddings_cap": None} if args.big_tables else {}
     dm = tiny_synthetic(
-        batch_size=args.batch_size, num_train_samples=args.train_samples, shuffle=args.shuffle, **tables
-    )
+        batch_size=args.batch_size, num_train_samples=args.train_samples, shuffle=args.shuffle,
+        num_val_samples=args.val_samples or 2048, **tables,
+    )  # fmt: skip
     model = create_model(args.model, dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer})
     # hotcache runs in one process too when asked (e.g. to resume a run of several).
     processes = args.devices * args.num_nodes
@@ -106,7 +108,7 @@ def fit(
         devices=args.devices,
         num_nodes=args.num_nodes,
         max_steps=args.steps,
-        limit_val_batches=0,
+        limit_val_batches=1.0 if args.val_samples else 0,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         callbacks=list(callbacks),
     )
@@ -152,7 +154,8 @@ def main() -> None:
     if trainer.is_global_zero:
         torch.save(
             {"state_dict": state, "world_size": trainer.world_size, "host_rows": host_rows, "table_rows": table_rows,
-             "fetched_rows": fetched, "batches_trained": counter.count, "kernels": kernels},
+             "fetched_rows": fetched, "batches_trained": counter.count, "kernels": kernels,
+             "val": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}},
             args.out,
         )  # fmt: skip
 

@@ -147,3 +147,30 @@ def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path) -
     assert four["world_size"] == 4
     assert four["fetched_rows"] > 0
     torch.testing.assert_close(four["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "train_samples", "shuffle"),
+    [("ddp", 2624, False), ("hotcache", 2624, True), ("hotcache", 2561, False), ("ddp", 2561, True)],
+    ids=["ddp-last-batch-64", "hotcache-last-batch-64-shuffled", "hotcache-last-batch-1", "ddp-last-batch-1-shuffled"],
+)
+def test_uneven_epoch_end_and_validation_match_one_process(
+    tmp_path: Path, strategy: str, train_samples: int, shuffle: bool
+) -> None:
+    """An epoch that does not divide into global batches of 2 x 128: its last, smaller global
+    batch is split across the ranks with no sample repeated, each rank's loss weighted so
+    the average is the global batch's mean; a last batch of 1 sample leaves rank 1 only
+    padding, which it still runs (DDP's and hotcache's collectives) with weight 0. The
+    validation split (1,100 samples: 4 global batches and one of 76) gives the metrics of
+    one process: before global batches, rank 1 was given a repeated batch of 128 there."""
+    steps = -(-train_samples // 256)  # one epoch, ending in the uneven global batch
+    common = [f"--train-samples={train_samples}", f"--steps={steps}", "--val-samples=1100",
+              *(["--shuffle"] if shuffle else []), "--big-tables", "--device-budget=0.05"]  # fmt: skip
+    two = _train(tmp_path, 2, 128, "rowwise_adagrad", strategy, *common)
+    one = _train(tmp_path, 1, 256, "rowwise_adagrad", "auto", *common)
+    assert two["world_size"] == 2 and two["batches_trained"] == one["batches_trained"] == steps
+    torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
+    assert set(two["val"]) >= {"val/auc", "val/logloss"}
+    # AUC: a rank statistic, within a few of the ~3e5 positive-negative pairs.
+    assert two["val"]["val/auc"] == pytest.approx(one["val"]["val/auc"], abs=2e-5)
+    assert two["val"]["val/logloss"] == pytest.approx(one["val"]["val/logloss"], rel=1e-5)

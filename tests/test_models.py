@@ -32,7 +32,7 @@ def test_forward_backward(name: str) -> None:
     batch = dm.source("train").batch(0, 32)
     logits = model(batch.dense_features, batch.sparse_features)
     assert logits.shape == (32,)
-    model.loss_fn(logits, batch.labels).backward()
+    model.loss_fn(logits, batch.labels).mean().backward()
     assert all(p.grad is not None and p.grad.is_sparse for p in model.embedding_parameters())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.dense_parameters())
 
@@ -369,7 +369,7 @@ def test_dcn_mixture_of_low_rank_experts() -> None:
     cross = model.inter_arch.cross
     assert isinstance(cross, LowRankMixtureCrossNet) and cross._num_experts == 3 and cross._low_rank == 4
     batch = dm.source("train").batch(0, 16)
-    model.loss_fn(model(batch.dense_features, batch.sparse_features), batch.labels).backward()
+    model.loss_fn(model(batch.dense_features, batch.sparse_features), batch.labels).mean().backward()
     assert all(g.weight.grad is not None for g in cross.gates)  # the per-sample gate learns
     with pytest.raises(ValueError, match="num_experts"):
         _model("dcn", dm, cross_version="mixture", num_experts=0)
@@ -496,7 +496,7 @@ def test_first_order_rows_learn_by_the_row_wise_rule(name: str, optimizer: str) 
     dm = tiny_synthetic(num_train_samples=256)
     model = _model(name, dm, embedding_optimizer={"name": optimizer, "lr": 0.1})
     batch = dm.source("train").batch(0, 256)
-    model.loss_fn(model(batch.dense_features, batch.sparse_features), batch.labels).backward()
+    model.loss_fn(model(batch.dense_features, batch.sparse_features), batch.labels).mean().backward()
     first_order = list(model.first_order_arch.embedding_bag_collection.parameters())
     assert all(p.grad is not None and p.grad.is_sparse for p in first_order)
     assert all(id(p) not in {id(d) for d in model.dense_parameters()} for p in first_order)

@@ -89,7 +89,7 @@ class Unguarded(DLRM):
     checks_non_finite_loss = False
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        return self.loss_fn(self(batch.dense_features, batch.sparse_features), batch.labels)
+        return self.loss_fn(self(batch.dense_features, batch.sparse_features), batch.labels).mean()
 
 
 def test_hotcache_checks_the_loss_of_any_model(tmp_path) -> None:
