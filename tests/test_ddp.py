@@ -151,8 +151,8 @@ def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path) -
 
 @pytest.mark.parametrize(
     ("strategy", "train_samples", "shuffle"),
-    [("ddp", 2624, False), ("hotcache", 2624, True), ("hotcache", 2561, False), ("ddp", 2561, True)],
-    ids=["ddp-last-batch-64", "hotcache-last-batch-64-shuffled", "hotcache-last-batch-1", "ddp-last-batch-1-shuffled"],
+    [("ddp", 2624, False), ("hotcache", 2624, True), ("torchrec", 2624, False), ("hotcache", 2561, False), ("ddp", 2561, True)],
+    ids=["ddp-last-batch-64", "hotcache-last-batch-64-shuffled", "torchrec-last-batch-64", "hotcache-last-batch-1", "ddp-last-batch-1-shuffled"],
 )
 def test_uneven_epoch_end_and_validation_match_one_process(
     tmp_path: Path, strategy: str, train_samples: int, shuffle: bool
