@@ -42,7 +42,7 @@ gpu-wheels:
 		--python-version 3.12 --implementation cp --abi cp312 --abi none \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
 		-r benchmarks/requirements-gpu.txt
-	@du -sh $(GPU_WHEELS) | awk '{print "$(GPU_WHEELS): " $$1 " (the device machine takes 64 MiB with the repo)"}'
+	$(PYTHON) benchmarks/gpu_wheels.py $(GPU_WHEELS)  # sizes and hashes -> benchmarks/gpu_wheels.json (commit it)
 
 gpu-check:
 	GPU_PYTHON="$(GPU_PYTHON)" GPU_BENCH_ARGS="$(GPU_BENCH_ARGS)" GPU_DRY_RUN="$(GPU_DRY_RUN)" bash benchmarks/gpu_check.sh

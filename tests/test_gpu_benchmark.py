@@ -78,3 +78,23 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
     assert "skipped" in (tmp_path / "stage2.log").read_text()  # found, and skipped without CUDA
     results = json.loads((tmp_path / "gpu.json").read_text())["results"]
     assert list(results) == ["auto", "cpu-lookup", "hotcache@0.1", "hotcache@0.01"]
+
+
+def test_gpu_wheel_set_fits_the_machine_with_the_repository() -> None:
+    """`make gpu-wheels`' manifest names exactly the pins of requirements-gpu.txt, and those
+    wheels plus every tracked file of the repository stay under the 64 MiB the lent machine
+    takes (a pin that pulls a large wheel, such as fbgemm-gpu's CUDA build, fails here)."""
+    import subprocess
+
+    import gpu_wheels
+
+    manifest = json.loads(gpu_wheels.MANIFEST.read_text())
+    assert sorted(gpu_wheels.wheel_pin(name) for name in manifest) == sorted(gpu_wheels.pins().items()), (
+        "benchmarks/gpu_wheels.json is out of date with requirements-gpu.txt: run `make gpu-wheels` and commit it"
+    )
+    assert all(name.endswith(("-any.whl", "x86_64.whl")) for name in manifest)
+    repo = Path(__file__).resolve().parents[1]
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True, text=True, check=True).stdout
+    repo_bytes = sum((repo / path).stat().st_size for path in tracked.split("\0") if path and (repo / path).is_file())
+    wheel_bytes = sum(entry["bytes"] for entry in manifest.values())
+    assert wheel_bytes + repo_bytes < gpu_wheels.CARRY_LIMIT_BYTES, (wheel_bytes, repo_bytes)

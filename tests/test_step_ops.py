@@ -1,18 +1,26 @@
-"""A training step's op count does not grow with the number of tables.
+"""A training step's op count, and its host synchronizations, do not grow with the number of tables.
 
 Split tables of one width share one stacked cache and one device table, in one process and
 across processes, so staging, lookup and update are the same few dozen tensor ops whether a
 collection has 8 tables or 26 (cached one by one, 26 tables cost ~1,300 op calls a step).
 Counted with a TorchDispatchMode over steady-state steps (caches already full, so that every
 step evicts and fetches).
+
+Host synchronizations are what a CUDA step waits for: here, on CPU, every call that would
+make one there (`_CountSyncPoints`); test_cuda.py counts the real ones with CUDA's sync
+debug mode. DESIGN.md ("On a GPU machine") states the number and where they are.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from test_exchange import _on_two_processes
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
@@ -23,6 +31,9 @@ from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 ROWS, DIM, BATCH, SLOTS = 2000, 8, 64, 160
 # Extra ops allowed for 26 tables over 8: a handful of per-call constants, nothing per table.
 SLACK = 8
+# Calls per step of one cache that would wait for a CUDA device (see `_CountSyncPoints`): a
+# bound, so that one more is a decision (DESIGN.md lists them), not an accident.
+SYNC_POINTS_PER_STEP = {"pytorch": 23, "fbgemm": 27}
 
 
 class _CountOps(TorchDispatchMode):
@@ -33,6 +44,62 @@ class _CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+class _CountSyncPoints(TorchFunctionMode):
+    """Calls that would make the host wait for a CUDA device, counted on CPU (an upper bound:
+    a host tensor's ``cpu()`` counts too). Reads of a tensor's values on the host (``item``,
+    ``int()``, ``bool()``, ``tolist``, ``numpy``, ``cpu()``, ``.to("cpu")``) are seen here;
+    ops whose output size depends on the data (``unique``, ``nonzero``, boolean mask
+    indexing, ``repeat_interleave`` without ``output_size``) by `_DataDependentOps`."""
+
+    HOST_READS = frozenset({"cpu", "tolist", "item", "numpy", "__int__", "__bool__", "__float__", "__index__"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self._ops = _DataDependentOps(self.calls)
+
+    def __enter__(self) -> "_CountSyncPoints":
+        super().__enter__()
+        self._ops.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ops.__exit__(*exc)
+        super().__exit__(*exc)
+
+    @property
+    def count(self) -> int:
+        return sum(self.calls.values())
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in self.HOST_READS or (name == "to" and "cpu" in (*args[1:], kwargs.get("device"))):
+            self.calls[name] += 1
+        return func(*args, **kwargs)
+
+
+class _DataDependentOps(TorchDispatchMode):
+    SIZED_BY_DATA = frozenset({"aten.nonzero.default", "aten._unique2.default", "aten.unique_dim.default",
+                               "aten.unique_consecutive.default", "aten.masked_select.default"})  # fmt: skip
+
+    def __init__(self, calls: Counter[str]) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        name = str(func)
+        indices = args[1] if name.startswith(("aten.index.", "aten.index_put")) and len(args) > 1 else ()
+        if (
+            name in self.SIZED_BY_DATA
+            or (name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None)
+            or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+        ):
+            self.calls[name] += 1
+        return func(*args, **kwargs)
 
 
 def _batches(num_tables: int, steps: int, seed: int) -> list[KeyedJaggedTensor]:
@@ -50,22 +117,25 @@ def _batches(num_tables: int, steps: int, seed: int) -> list[KeyedJaggedTensor]:
     return batches
 
 
-def _module(num_tables: int, process_group: object = None) -> HotColdEmbeddingBagCollection:
+def _module(num_tables: int, process_group: object = None, kernel: str = "auto") -> HotColdEmbeddingBagCollection:
     tables = [EmbeddingBagConfig(name=f"t{k}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{k}"]) for k in range(num_tables)]
     plans = [TablePlan(t.name, ROWS, DIM, np.arange(50), SLOTS, 0, 0.0) for t in tables]
     plan = HotColdPlan(plans, budget_bytes=1, prefetch_depth=0, cache_policy="lfu")
     torch.manual_seed(0)
     return HotColdEmbeddingBagCollection.from_ebc(
-        EmbeddingBagCollection(tables=tables), plan, RowWiseOptimizerConfig("rowwise_adagrad"), process_group=process_group
-    )
+        EmbeddingBagCollection(tables=tables), plan, RowWiseOptimizerConfig("rowwise_adagrad"),
+        process_group=process_group, kernel=kernel,
+    )  # fmt: skip
 
 
-def _ops_per_step(num_tables: int, rank: int = 0, process_group: object = None) -> int:
-    module = _module(num_tables, process_group)
+def _ops_per_step(
+    num_tables: int, rank: int = 0, process_group: object = None, kernel: str = "auto", counter_type: type = _CountOps
+) -> int:
+    module = _module(num_tables, process_group, kernel)
     batches = _batches(num_tables, steps=10, seed=rank)
     counts = []
     for step, batch in enumerate(batches):
-        counter = _CountOps()
+        counter = counter_type()
         with counter:
             module(batch).values().sum().backward()
         if step >= 6:  # the caches are full by now: every step evicts
@@ -86,3 +156,19 @@ def _across_two_ranks(rank: int) -> None:
 
 def test_step_ops_do_not_grow_with_tables_across_two_processes(tmp_path) -> None:
     _on_two_processes(_across_two_ranks, tmp_path)
+
+
+@pytest.mark.parametrize("kernel", ["pytorch", "fbgemm"])
+def test_host_syncs_per_step_do_not_grow_with_tables(kernel: str) -> None:
+    few = _ops_per_step(8, kernel=kernel, counter_type=_CountSyncPoints)
+    many = _ops_per_step(26, kernel=kernel, counter_type=_CountSyncPoints)
+    assert few == many <= SYNC_POINTS_PER_STEP[kernel], (few, many)
+
+
+def test_sync_point_counter_sees_what_would_wait_for_a_device() -> None:
+    ids = torch.tensor([3, 1, 3, 2])
+    with _CountSyncPoints() as counter:
+        ids.unique(), ids[ids > 1], int(ids.sum()), ids.tolist(), ids.to("cpu")
+        torch.repeat_interleave(ids, ids, output_size=9)  # sized by the caller: no wait
+        ids.masked_fill(ids > 2, 0), ids + 1
+    assert counter.count == 5, counter.calls

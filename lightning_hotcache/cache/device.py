@@ -371,8 +371,9 @@ class DeviceCache:
         last_used = self.last_used[start:]
         # LFU ranks by frequency, then by last use (tickets are < _issued + 1): one exact integer key.
         score = self.frequency[start:] * (self._issued + 1) + last_used if self.policy == "lfu" else last_used.clone()
-        score[self.id_of_slot[start:] < 0] = -1  # empty slots first
-        score[locked] = torch.iinfo(torch.int64).max
+        # masked_fill_, not mask indexing: no host sync on CUDA
+        score.masked_fill_(self.id_of_slot[start:] < 0, -1)  # empty slots first
+        score.masked_fill_(locked, torch.iinfo(torch.int64).max)
         if self.policy == "static":
             return torch.topk(score, count, largest=False).indices + start
         # One sort of every slot: cheaper than topk once k is more than a few percent of them.
