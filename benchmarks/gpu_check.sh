@@ -2,9 +2,9 @@
 # On the lent GPU machine (no network, a short loan), from the repo root: `make gpu-check`.
 # Three stages, each under a time limit of its own, so that one call fits the loan and a run
 # cut off still returns what finished:
-#   1. imports and a 2-step CUDA fit of the demo config (seconds);
-#   2. a chosen subset of the CUDA tests (under 3 minutes);
-#   3. benchmarks/gpu.py at a size that finishes in under 4 minutes: hotcache at 10% and 1%
+#   1. imports and a 2-step CUDA fit of the demo config (seconds; limit 75 s);
+#   2. a chosen subset of the CUDA tests (limit 3 minutes);
+#   3. benchmarks/gpu.py at a size that finishes in under 4 minutes (limit 225 s): hotcache at 10% and 1%
 #      against all tables in HBM (auto) and FAE's CPU-embedding baseline, one process.
 # Each stage writes $OUT/stage<k>.log as it goes and appends "stage <k> <name>: rc <rc>,
 # <seconds> s" to $OUT/stages.txt when it ends; gpu.json is copied to $OUT after stage 3.
@@ -52,7 +52,7 @@ stage() {
   return $rc
 }
 
-stage 1 imports-and-2-step-fit 120 "$PYTHON" -c "
+stage 1 imports-and-2-step-fit 75 "$PYTHON" -c "
 import sys, torch, torchrec, lightning_hotcache
 print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'torchrec', torchrec.__version__, flush=True)
 from lightning_hotcache.cli import main
@@ -60,11 +60,13 @@ main(['fit', '-c', 'configs/dlrm_synthetic.yaml', '--trainer.accelerator=$ACCELE
       '--trainer.fast_dev_run=2', '--data.init_args.num_train_samples=4096'])
 "
 first=$?
-# The CUDA tests of one model at every budget, a checkpoint written on the GPU loading on the
-# CPU, and the CPU-lookup baseline (skipped on a CPU: the dry run checks that they are found).
-stage 2 cuda-tests 180 "$PYTHON" -m pytest -q -m cuda tests/test_cuda.py -k "dlrm- or checkpoint_written_on_cuda or cpu_lookup"
+# The GPU path's own checks first (kernel, budget, host syncs per step, pinned staging,
+# resume, 2 GPUs where there are two; -rP keeps the sync count they print), then one model
+# at every budget against auto, a checkpoint written on the GPU loading on the CPU, and the
+# CPU-lookup baseline (skipped on a CPU: the dry run checks that they are found).
+stage 2 cuda-tests 180 "$PYTHON" -m pytest -q -rP -m cuda tests/test_cuda.py -k "gpu_path or dlrm- or checkpoint_written_on_cuda or cpu_lookup"
 second=$?
 # shellcheck disable=SC2086  # the benchmark's settings, split as on a command line
-stage 3 gpu-benchmark 240 "$PYTHON" benchmarks/gpu.py $BENCH_ARGS --out "$OUT/gpu.json"
+stage 3 gpu-benchmark 225 "$PYTHON" benchmarks/gpu.py $BENCH_ARGS --out "$OUT/gpu.json"
 third=$?
 exit $((first || second || third))

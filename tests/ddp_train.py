@@ -1,4 +1,4 @@
-"""Train a zoo model on tiny synthetic data with N CPU processes (gloo) and save its weights.
+"""Train a zoo model on tiny synthetic data with N processes (gloo on CPU, NCCL on GPUs) and save its weights.
 
 Run by tests/test_ddp.py as a script, because Lightning's DDP launcher starts the other
 ranks by re-running the command that started rank 0.
@@ -27,6 +27,7 @@ from models import CTRModel, create_model  # noqa: E402
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="dlrm")
+    parser.add_argument("--accelerator", default="cpu", help="cpu (gloo) or cuda (NCCL)")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--num-nodes", type=int, default=1, help="machines (under torchrun, one launch per node)")
     parser.add_argument("--batch-size", type=int, required=True)
@@ -105,6 +106,7 @@ def fit(
         )
     trainer = cpu_trainer(
         strategy=strategy,
+        accelerator=args.accelerator,
         devices=args.devices,
         num_nodes=args.num_nodes,
         max_steps=args.steps,

@@ -1,5 +1,7 @@
 """On a CUDA device: hotcache learns what auto learns there for every zoo model, and its
-checkpoints load on a machine without a GPU.
+checkpoints load on a machine without a GPU; the GPU path (PyTorch's kernel) is the one that
+ran, stays within its budget, makes as many host syncs per step for 26 tables as for 8, stages
+rows through pinned buffers, resumes exactly, and 2 GPUs learn what 1 learns.
 
 On CUDA the strategy stages batches on its prefetch thread by default, so every hotcache
 case here runs with it. Marked ``cuda`` and skipped without a CUDA device: `make gpu-check`
@@ -10,9 +12,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -21,7 +25,13 @@ import torch
 from conftest import cpu_trainer
 from test_strategy import OPTIMIZER, assert_hotcache_matches_auto, data, fit, stats_paths  # noqa: F401 (stats_paths: a fixture)
 
+from test_ddp import _train
+from test_step_ops import _ops_per_step
+
 from lightning_hotcache import HotCacheStrategy
+from lightning_hotcache.cache.host import HostStore
+from lightning_hotcache.cache.upload import RowUpload
+from lightning_hotcache.embedding import hot_cold_modules
 from models import MODEL_REGISTRY
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -46,13 +56,96 @@ print(json.dumps(cpu_trainer().validate(model, dm, ckpt_path=sys.argv[1], verbos
 """
 
 
+class _Baselines(dict):
+    """Each model's `auto` run on CUDA (state dict, metrics), fitted when first asked for:
+    `make gpu-check` runs a few models' cases, not every model's."""
+
+    def __missing__(self, name: str) -> tuple[dict, dict]:
+        model, _, metrics = fit(name, "auto", **CUDA)
+        self[name] = (model.state_dict(), metrics)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def cuda_baselines() -> dict[str, tuple[dict, dict]]:
-    out = {}
-    for name in MODEL_REGISTRY:
-        model, _, metrics = fit(name, "auto", **CUDA)
-        out[name] = (model.state_dict(), metrics)
-    return out
+    return _Baselines()
+
+
+class _CountCudaSyncs:
+    """Host synchronizations over a block, as CUDA's sync debug mode reports them (a warning each)."""
+
+    def __enter__(self) -> "_CountCudaSyncs":
+        torch.cuda.synchronize()
+        self._catching = warnings.catch_warnings(record=True)
+        self._records = self._catching.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self._catching.__exit__(*exc)
+
+    @property
+    def count(self) -> int:
+        return sum("synchroniz" in str(record.message) for record in self._records)
+
+
+def test_gpu_path_logs_its_kernel_and_keeps_within_the_budget(caplog, stats_paths) -> None:
+    strategy = HotCacheStrategy(device_budget=0.1, stats_path=str(stats_paths["dlrm"]))
+    with caplog.at_level(logging.INFO):
+        model, trainer, _ = fit("dlrm", strategy, **CUDA)
+    # FBGEMM's CUDA build is not on the lent machine: the PyTorch path runs, and says so.
+    assert "hotcache embedding kernel (sparse_arch.embedding_bag_collection): pytorch embedding_bag" in caplog.text
+    modules = hot_cold_modules(model).values()
+    assert modules and all(m.kernel_note.startswith("pytorch") for m in modules)
+    assert {t.device.type for m in modules for cache in m.caches.values() for t in cache.slots.values()} == {"cuda"}
+    assert sum(m.device_bytes() for m in modules) <= trainer.strategy.plan.budget_bytes
+
+
+def test_gpu_path_host_syncs_per_step_do_not_grow_with_tables() -> None:
+    few = _ops_per_step(8, kernel="pytorch", counter_type=_CountCudaSyncs, device="cuda")
+    many = _ops_per_step(26, kernel="pytorch", counter_type=_CountCudaSyncs, device="cuda")
+    print(f"host syncs per steady-state step on CUDA (pytorch path, one stack): {few} for 8 tables, {many} for 26")
+    assert few == many
+
+
+def test_gpu_path_stages_rows_through_pinned_buffers_not_pinned_tables() -> None:
+    host = HostStore("t", 1000, 8, {"momentum": 1})
+    host.load("weight", torch.randn(1000, 8))
+    upload = RowUpload(torch.device("cuda"))
+    for ids in ([3, 1, 999], [5, 5, 7], list(range(0, 1000, 2))):  # the last outgrows the first buffer
+        ids = torch.tensor(ids)
+        with _CountCudaSyncs() as syncs:
+            rows = upload.gather(host.arrays, ids)
+        assert syncs.count == 0, "staging rows made the host wait for the device"
+        torch.testing.assert_close(rows["weight"].cpu(), host.weight[ids])
+        assert rows["momentum"].device.type == "cuda"
+    assert not host.weight.is_pinned() and upload.pinned_bytes() > 0
+
+
+def test_gpu_path_resumes_exactly(tmp_path) -> None:
+    resume = ["--accelerator=cuda", "--train-samples=1024", "--shuffle", "--steps=10", "--resume-from", "2", "6"]
+    runs = _train(tmp_path, 1, 128, "rowwise_adagrad", "hotcache", "--big-tables", "--device-budget=0.05", *resume)
+    steps, weights = runs.pop(None)
+    assert steps == 10 and set(runs) == {2, 6}
+    for step, (resumed_steps, resumed_weights) in runs.items():
+        assert resumed_steps == steps, f"resumed from step {step}"
+        torch.testing.assert_close(resumed_weights, weights, msg=lambda m: f"resumed from step {step}: {m}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("strategy", ["hotcache", "ddp"])
+def test_gpu_path_two_gpus_match_one_with_their_batches_together(tmp_path, strategy: str) -> None:
+    """NCCL: hotcache's row exchange on its own group beside DDP's all-reduces, checkpoint
+    gathers on the GPU, an uneven epoch end and validation."""
+    common = ["--accelerator=cuda", "--big-tables", "--device-budget=0.05", "--train-samples=2624", "--steps=11",
+              "--val-samples=1100"]  # fmt: skip
+    two = _train(tmp_path, 2, 128, "rowwise_adagrad", strategy, *common)
+    one = _train(tmp_path, 1, 256, "rowwise_adagrad", "auto", *common)
+    assert two["world_size"] == 2
+    torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
+    assert two["val"]["val/logloss"] == pytest.approx(one["val"]["val/logloss"], rel=1e-5)
 
 
 @pytest.mark.parametrize(("name", "budget", "policy"), CASES)

@@ -16,7 +16,8 @@ from conftest import cpu_trainer, tiny_synthetic
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hotcache import HotCacheStrategy
-from lightning_hotcache.cache import HostDirectory, HostStorageInUseError
+from lightning_hotcache.cache import HostDirectory, HostStorageInUseError, HostStore
+from lightning_hotcache.cache.upload import RowUpload
 from models import DLRM
 
 OPTIMIZER = {"name": "rowwise_adagrad", "lr": 0.05}
@@ -191,3 +192,16 @@ def test_host_storage_that_is_a_file_is_refused_early(tmp_path) -> None:
         HotCacheStrategy(host_storage=str(file))
     with pytest.raises(NotADirectoryError, match="is a file"):
         HostDirectory(file)
+
+
+def test_row_upload_off_cuda_gathers_the_rows_and_pins_nothing() -> None:
+    """Off CUDA there is no copy to make asynchronous: rows are gathered as they are. (On CUDA,
+    test_cuda.py checks the pinned buffers, the side stream and that the host never waits.)"""
+    host = HostStore("t", 100, 4, {"momentum": 1})
+    host.load("weight", torch.randn(100, 4))
+    upload = RowUpload(torch.device("cpu"))
+    ids = torch.tensor([5, 1, 5, 99])
+    rows = upload.gather(host.arrays, ids)
+    assert set(rows) == {"weight", "momentum"}
+    torch.testing.assert_close(rows["weight"], host.weight[ids])
+    assert upload.pinned_bytes() == 0 and not host.weight.is_pinned()

@@ -40,6 +40,7 @@ from torch import Tensor
 from lightning_hotcache.cache.exchange import RowSharding, gather_table
 from lightning_hotcache.cache.host import HostStore
 from lightning_hotcache.cache.slot_map import make_slot_map
+from lightning_hotcache.cache.upload import RowUpload
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig, apply_sparse_update, step_rows
 
 CachePolicy = Literal["lfu", "lru", "static"]
@@ -125,6 +126,7 @@ class DeviceCache:
         if not self.identity and host is None:
             raise ValueError(f"Table {name!r} is not wholly on the device, so it needs a host store.")
         self.host = None if self.identity else host
+        self._upload = RowUpload(device)
         self.num_static = len(static_ids)
         self.num_dynamic = 0 if self.identity else num_dynamic
         num_slots = self.num_static + self.num_dynamic
@@ -259,7 +261,7 @@ class DeviceCache:
             assert rows is not None and acquire.victims is not None and acquire.missing is not None
             victims, needed = acquire.victims, acquire.needed
             for key, tensor in self.slots.items():
-                tensor.index_copy_(0, victims, rows[key].to(self.device, non_blocking=True))
+                tensor.index_copy_(0, victims, rows[key])
             self.slot_map.assign(needed, victims, ascending=True)  # distinct ids come sorted
             self.id_of_slot[victims] = needed
             self.frequency[victims] = 0
@@ -307,15 +309,17 @@ class DeviceCache:
         return {key: tensor.shape[1] for key, tensor in self.slots.items()}
 
     def _read_own(self, ids: Tensor) -> dict[str, Tensor]:
-        """Host rows (and state) of ``ids`` for staging: across ranks only this rank's own
-        rows are read; other ranks' rows are zeros until the forward that reads them fetches them."""
+        """Host rows (and state) of ``ids`` for staging, on the device: across ranks only this
+        rank's own rows are read; other ranks' rows are zeros until the forward that reads
+        them fetches them."""
         assert self.host is not None
         if self.sharding.world == 1:
-            return self.host.read(ids)
+            return self._upload.gather(self.host.arrays, ids)
         owned = self.sharding.owned(ids)
-        rows = {key: torch.zeros(len(ids), width, dtype=torch.float32) for key, width in self._row_widths.items()}
-        for key, values in self.host.read(self.sharding.local(ids[owned])).items():
-            rows[key][owned.cpu()] = values
+        widths = self._row_widths
+        rows = {key: torch.zeros(len(ids), width, dtype=torch.float32, device=self.device) for key, width in widths.items()}
+        for key, values in self._upload.gather(self.host.arrays, self.sharding.local(ids[owned])).items():
+            rows[key][owned] = values
         return rows
 
     def serve_weights(self, ids: Tensor) -> Tensor:

@@ -195,9 +195,9 @@ class HostStore:
         num_embeddings: rows.
         embedding_dim: row width.
         state_widths: optimizer state name -> floats per row (see RowWiseOptimizerConfig.state_widths).
-        directory: ``None`` keeps the arrays in RAM (pinned when ``pin_memory``); a locked
-            `HostDirectory` keeps them in new memory-mapped files ``<name>.<array>.f32`` there.
-        pin_memory: page-lock RAM arrays so host->device copies can be asynchronous (CUDA only).
+        directory: ``None`` keeps the arrays in RAM; a locked `HostDirectory` keeps them in new
+            memory-mapped files ``<name>.<array>.f32`` there. Neither is page-locked: rows go to
+            a CUDA device through small pinned buffers (`lightning_hotcache.cache.upload`).
     """
 
     def __init__(
@@ -207,7 +207,6 @@ class HostStore:
         embedding_dim: int,
         state_widths: dict[str, int],
         directory: HostDirectory | None = None,
-        pin_memory: bool = False,
     ) -> None:
         self.name = name
         self.num_embeddings = num_embeddings
@@ -215,12 +214,10 @@ class HostStore:
         self.directory = directory
         widths = {"weight": embedding_dim, **state_widths}
         self._maps: list[np.ndarray] = []
-        self.arrays: dict[str, Tensor] = {key: self._allocate(key, width, pin_memory) for key, width in widths.items()}
+        self.arrays: dict[str, Tensor] = {key: self._allocate(key, width) for key, width in widths.items()}
 
-    def _allocate(self, key: str, width: int, pin_memory: bool) -> Tensor:
+    def _allocate(self, key: str, width: int) -> Tensor:
         if self.directory is None:
-            if pin_memory:
-                return torch.zeros(self.num_embeddings, width, dtype=torch.float32).pin_memory()
             # Misses and write-backs touch random rows: 2 MiB pages spare their TLB misses.
             return zeros_on_huge_pages(self.num_embeddings, width)
         array = self.directory.create(f"{self.name}.{key}.f32", self.num_embeddings, width)

@@ -235,7 +235,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
     def _host_store(self, name: str, rows: int, dim: int) -> HostStore:
         """This rank's host rows (and optimizer state) of a split table, or of a stack of them."""
         widths = self.optimizer.state_widths(dim)
-        return HostStore(name, rows, dim, widths, self.host_directory, pin_memory=self.device.type == "cuda")
+        return HostStore(name, rows, dim, widths, self.host_directory)
 
     def _stack(self, key: str, members: list[EmbeddingBagConfig], host: HostStore, policy: CachePolicy) -> DeviceCache:
         """One cache over the global ids of ``members`` (see `Layout`)."""

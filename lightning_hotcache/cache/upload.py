@@ -1,0 +1,73 @@
+"""Host rows to a CUDA device through page-locked buffers on a side stream.
+
+A ``non_blocking`` host->device copy is asynchronous only from page-locked memory. Pinning
+whole host tables costs a second copy of each while it is pinned, the pinned allocator rounds
+sizes up, and memory-mapped tables cannot be pinned that way at all. So the rows a batch
+misses are gathered from the host arrays straight into a small page-locked buffer
+(``index_select(out=)``: one host copy, as before), copied on a stream of their own, and the
+stream that installs them waits on an event, not the host. Buffers alternate, so gathering
+the next batch's rows waits (on the host) only for the copy before last, long done by then.
+
+On other devices there is nothing to copy: rows are gathered and returned as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Buffers in rotation: the gather of batch k waits for the copy of batch k - BUFFERS.
+BUFFERS = 2
+
+
+class RowUpload:
+    """Gathers host rows into pinned buffers and copies them to ``device`` on a side stream.
+
+    Per buffer and array key one page-locked tensor, grown (doubled) when a batch misses more
+    rows than it holds; a few batches' misses, not tables.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.asynchronous = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.asynchronous else None
+        self._buffers: list[dict[str, Tensor]] = [{} for _ in range(BUFFERS)]
+        self._copied: list[torch.cuda.Event | None] = [None] * BUFFERS
+        self._next = 0
+
+    def gather(self, arrays: dict[str, Tensor], ids: Tensor) -> dict[str, Tensor]:
+        """Rows ``ids`` (host ids) of every host array, on the device. On CUDA they are ready
+        for work the current stream queues next; the host does not wait for the copy."""
+        ids = ids.cpu()
+        if not self.asynchronous:
+            return {key: array.index_select(0, ids) for key, array in arrays.items()}
+        assert self.stream is not None
+        k, self._next = self._next, (self._next + 1) % BUFFERS
+        if self._copied[k] is not None:
+            self._copied[k].synchronize()  # its rows were copied out before we overwrite them
+        rows = {}
+        with torch.cuda.stream(self.stream):
+            for key, array in arrays.items():
+                staged = self._buffer(k, key, len(ids), array.shape[1])
+                torch.index_select(array, 0, ids, out=staged)
+                rows[key] = staged.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        self._copied[k] = copied
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(copied)
+        for tensor in rows.values():
+            tensor.record_stream(consumer)  # made on the side stream, freed after the consumer's use
+        return rows
+
+    def _buffer(self, k: int, key: str, num_rows: int, width: int) -> Tensor:
+        buffer = self._buffers[k].get(key)
+        if buffer is None or len(buffer) < num_rows:
+            rows = max(num_rows, 2 * (0 if buffer is None else len(buffer)))
+            buffer = torch.empty(rows, width, dtype=torch.float32, pin_memory=True)
+            self._buffers[k][key] = buffer
+        return buffer[:num_rows]
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory the buffers hold."""
+        return sum(b.numel() * b.element_size() for buffers in self._buffers for b in buffers.values())
