@@ -40,6 +40,7 @@ from torch import Tensor
 from lightning_hotcache.cache.exchange import RowSharding, gather_table
 from lightning_hotcache.cache.host import HostStore
 from lightning_hotcache.cache.slot_map import make_slot_map
+from lightning_hotcache.cache.sorting import unique
 from lightning_hotcache.cache.upload import RowUpload
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig, apply_sparse_update, step_rows
 
@@ -233,7 +234,7 @@ class DeviceCache:
             self._tally(_LOOKUPS, ids)
             self.counters.hits += ids.numel()
             return _Acquire(ids, ids, self._issued)
-        distinct, inverse, counts = ids.unique(return_inverse=True, return_counts=True)
+        distinct, inverse, counts = unique(ids, return_counts=True)
         self._tally(_LOOKUPS, distinct, counts, ascending=True)
         slots = self.slot_map.lookup(distinct)
         missing = slots < 0
@@ -338,7 +339,7 @@ class DeviceCache:
         device) that hold another rank's row."""
         if self.sharding.world == 1:
             return slots[:0]
-        distinct = slots.unique() if self.identity else slots
+        distinct = unique(slots)[0] if self.identity else slots
         return distinct[~self.sharding.owned(self.ids_of_slots(distinct))]
 
     def _choose_victims(self, count: int) -> Tensor:

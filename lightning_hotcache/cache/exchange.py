@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_hotcache import collectives
+from lightning_hotcache.cache.sorting import group_by_owner, unique
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def route_to_owners(ids_of: Sequence[Tensor], sharding: RowSharding) -> Routed:
     world, group, tables = sharding.world, sharding.group, range(len(ids_of))
     device = ids_of[0].device
     owners = [ids % world for ids in ids_of]
-    orders = [torch.argsort(owner, stable=True) for owner in owners]
+    orders = [group_by_owner(owner, world) for owner in owners]
     counts = torch.stack([torch.bincount(owner, minlength=world) for owner in owners], dim=1)  # (dst, table)
     recv_counts = torch.empty_like(counts)  # (src, table)
     collectives.all_to_all_single(recv_counts, counts, group=group)
@@ -181,7 +182,7 @@ def sum_rows_by_index(indices: Sequence[Tensor], rows: Sequence[Tensor], sizes: 
         group = [k for k, r in enumerate(rows) if r.shape[1] == width]
         base = list(itertools.accumulate((sizes[k] for k in group), initial=0))  # each table's first key
         keys = torch.cat([indices[k] + base[j] for j, k in enumerate(group)])
-        distinct, inverse = torch.unique(keys, return_inverse=True)
+        distinct, inverse = unique(keys)
         summed = torch.zeros(len(distinct), width, dtype=torch.float32, device=keys.device)
         summed.index_add_(0, inverse, torch.cat([rows[k] for k in group]).to(torch.float32))
         per_table = torch.searchsorted(distinct, torch.tensor(base, device=distinct.device)).tolist()

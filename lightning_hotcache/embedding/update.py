@@ -41,6 +41,7 @@ from lightning_hotcache.cache.exchange import (
     sum_rows_by_index,
 )
 from lightning_hotcache.cache.owned_rows import OwnedRows
+from lightning_hotcache.cache.sorting import unique
 from lightning_hotcache.embedding.batch import StagedBatch
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.embedding.staging import Staging
@@ -227,7 +228,7 @@ class OwnersUpdate:
         reads, requests, remote_rows = [], [], []
         for owned, values in zip(self.owned, positions):
             rows = staged.indices if values is None else staged.indices[values]
-            distinct, inverse = rows.unique(return_inverse=True)
+            distinct, inverse = unique(rows)
             regions = owned.regions_of_rows(distinct)
             keys = owned.keys_of_rows(distinct, regions)
             remote = ~self.sharding.owned(keys)

@@ -1,0 +1,32 @@
+"""The numpy-backed sorts give exactly torch's results (the cache and the exchange rely on their order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_hotcache.cache.sorting import group_by_owner, unique
+
+
+@pytest.mark.parametrize("ids", [[], [7], [5, 3, 5, 5, 0, 3, 2**40], list(range(100, 0, -1)) * 3], ids=["empty", "one", "repeats", "descending"])
+def test_unique_is_torchs(ids: list[int]) -> None:
+    ids = torch.tensor(ids, dtype=torch.int64)
+    for ours, torchs in zip(unique(ids, return_counts=True), torch.unique(ids, return_inverse=True, return_counts=True)):
+        assert ours.dtype == torchs.dtype == torch.int64
+        assert torch.equal(ours, torchs)
+    distinct, inverse = unique(ids)
+    assert torch.equal(distinct[inverse], ids)
+
+
+def test_unique_of_random_ids_and_of_a_strided_view() -> None:
+    ids = torch.randint(0, 500, (10_000,), generator=torch.Generator().manual_seed(0))
+    for view in (ids, ids[::3]):
+        assert all(torch.equal(a, b) for a, b in zip(unique(view, return_counts=True), torch.unique(view, return_inverse=True, return_counts=True)))
+
+
+@pytest.mark.parametrize("world", [1, 2, 200, 40_000])
+def test_grouping_by_owner_is_torchs_stable_argsort(world: int) -> None:
+    owners = torch.randint(0, world, (5_000,), generator=torch.Generator().manual_seed(world))
+    order = group_by_owner(owners, world)
+    assert order.dtype == torch.int64
+    assert torch.equal(order, torch.argsort(owners, stable=True))
