@@ -28,12 +28,23 @@ def kjt(**features: list[int]) -> KeyedJaggedTensor:
 GOOD = dict(user=[1, 2], item=[3, 4], item_hist=[5, 6], tag=[7, 8])
 
 
+def two_bags(**features: list[int]) -> KeyedJaggedTensor:
+    """Two samples: the first id of each feature in the first bag, the rest in the second."""
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=list(features),
+        values=torch.tensor([v for vs in features.values() for v in vs]),
+        lengths=torch.tensor([n for vs in features.values() for n in (1, len(vs) - 1)], dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize("ids_per_feature", ["equal", "unequal"])  # the check's two paths
 @pytest.mark.parametrize(("feature", "bad", "table"), [("user", 1500, "t_user"), ("item_hist", -1, "t_item"), ("tag", 10**6, "t_tag")])
-def test_out_of_range_ids_name_table_feature_and_id_before_touching_rows(feature, bad, table) -> None:
+def test_out_of_range_ids_name_table_feature_and_id_before_touching_rows(feature, bad, table, ids_per_feature) -> None:
     m = module()
     before = {k: v.clone() for k, v in m.state_dict().items()}
     counters = {n: c.counters.lookups for n, c in m.caches.items()}
-    batch = kjt(**{**GOOD, feature: [0, bad]})
+    batch = two_bags(**{**GOOD, feature: [0, bad], **({"item": [3, 4, 4]} if ids_per_feature == "unequal" else {})})
+    assert (len(set(batch.length_per_key())) == 1) == (ids_per_feature == "equal")
     with pytest.raises(ValueError, match=rf"Feature '{feature}' of table '{table}' has id {bad}"):
         m(batch)
     with pytest.raises(ValueError, match=str(bad)):

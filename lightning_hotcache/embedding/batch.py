@@ -62,9 +62,13 @@ def check_ids(features: KeyedJaggedTensor, tables: dict[str, EmbeddingBagConfig]
         raise TypeError(f"Features {features.keys()} have ids of dtype {values.dtype}; expected int32/int64.")
     if values.numel() == 0:
         return
-    keys = features.keys()
+    keys, lengths = features.keys(), features.length_per_key()
     limits = torch.tensor([tables[k].num_embeddings for k in keys], device=values.device)
-    per_value = torch.repeat_interleave(limits, torch.tensor(features.length_per_key(), device=values.device))
+    if len(set(lengths)) == 1:  # as many ids in every feature (one-hot data): each feature's min and max
+        low, high = torch.aminmax(values.view(len(keys), -1), dim=1)
+        if not bool(((low < 0) | (high >= limits)).any()):
+            return
+    per_value = torch.repeat_interleave(limits, torch.tensor(lengths, device=values.device), output_size=len(values))
     bad = (values < 0) | (values >= per_value)
     if not bool(bad.any()):
         return
