@@ -47,8 +47,8 @@ class BatchShare(Batch):
         padding: trailing samples of this share that are not data (0, or 1 for an empty share).
     """
 
-    global_samples: int = 0
-    num_shares: int = 1
+    global_samples: int
+    num_shares: int
     padding: int = 0
 
     def _with_tensors_of(self, batch: Batch) -> BatchShare:
