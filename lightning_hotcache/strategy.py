@@ -329,8 +329,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             try:
                 self.plan = planner.plan(tables, stats, self._run_batch_size(trainer) if stats is not None else None)
             except StatsNeededError:
-                batches = self._training_batches(trainer)
-                self.plan = planner.plan(tables, profile_batches(batches, tables, self.profile_batches))
+                with self._training_batches(trainer) as batches:
+                    self.plan = planner.plan(tables, profile_batches(batches, tables, self.profile_batches))
         if self.world_size > 1:
             # Ranks profiled different batches; they must share one plan (their row exchanges
             # must match), so rank 0's wins.
@@ -360,22 +360,32 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         or a plan made elsewhere must have been made for."""
         if fit_train_dataloader(trainer) is None:
             return None
-        with contextlib.closing(self._training_batches(trainer)) as batches:
+        with self._training_batches(trainer) as batches:
             return first_batch_size(batches)
 
-    def _training_batches(self, trainer: pl.Trainer) -> Iterator[KeyedJaggedTensor]:
-        """The sparse features of the fit's training batches, for profiling."""
+    @contextlib.contextmanager
+    def _training_batches(self, trainer: pl.Trainer) -> Iterator[Iterator[KeyedJaggedTensor]]:
+        """The sparse features of the fit's training batches, for profiling, read with the
+        global RNGs put back on exit.
+
+        Iterating a loader draws from the global RNGs (its workers' base seed, a
+        RandomSampler's permutation); profiling must leave training what `auto` would see. A
+        context manager, so the RNGs go back when the reading ends: restored in a generator's
+        cleanup instead, an unfinished read in a reference cycle (a failed fit's traceback)
+        set them back whenever the garbage collector reached it, in the middle of later work.
+        """
         loader = fit_train_dataloader(trainer)
         if loader is None:
             raise ValueError(
                 "hotcache needs access stats to plan, and the fit has no training data to profile: pass stats_path "
                 "(from `hotcache profile`), or fit with a datamodule or train_dataloaders."
             )
-        # Iterating a loader draws from the global RNGs (its workers' base seed, a
-        # RandomSampler's permutation); profiling must leave training what `auto` would see.
         with global_rngs_restored():
-            for batch in loader:
-                yield from _features_of(batch)
+            batches = (features for batch in loader for features in _features_of(batch))
+            try:
+                yield batches
+            finally:
+                batches.close()  # the loader's iterator goes now, not at the next collection
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -331,3 +331,32 @@ def test_a_finished_fit_leaves_nothing_alive(strategy) -> None:
     del model, trainer, dm  # the datamodule keeps a reference to its trainer
     gc.collect()
     assert not [ref for ref in tables if ref() is not None]
+
+
+def test_profiling_leaves_the_global_rngs_to_no_later_garbage_collection(tmp_path, monkeypatch) -> None:
+    """Profiling reads the loader with the global RNGs restored afterwards. The restore once
+    lived in a generator's cleanup, so a profile left unfinished in a reference cycle (here:
+    the traceback of a fit that failed right after profiling, its disk full) reset the RNGs
+    whenever the garbage collector reached it, e.g. while a later model drew its weights."""
+    import errno
+    import gc
+    import os
+
+    def disk_full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", disk_full)
+    def fit_that_fails_after_profiling() -> None:
+        pl.seed_everything(0)
+        dm = data()
+        model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+        strategy = HotCacheStrategy(device_budget=0.1, profile_batches=2, host_storage=str(tmp_path / "rows"))
+        with pytest.raises(OSError, match="too little disk") as raised:  # at the host files, after profiling
+            cpu_trainer(strategy=strategy, max_steps=1).fit(model, dm)
+        assert raised.value.errno == errno.ENOSPC  # `raised` and its traceback's frames: a cycle left to the collector
+
+    fit_that_fails_after_profiling()
+    torch.manual_seed(1234)  # any later state: nothing may set it back
+    later = torch.random.get_rng_state()
+    gc.collect()
+    assert torch.equal(torch.random.get_rng_state(), later)
