@@ -117,7 +117,7 @@ def test_gpu_path_stages_rows_through_pinned_buffers_not_pinned_tables() -> None
     for ids in ([3, 1, 999], [5, 5, 7], list(range(0, 1000, 2))):  # the last outgrows the first buffer
         ids = torch.tensor(ids)
         with _CountCudaSyncs() as syncs:
-            rows = upload.gather(host.arrays, ids)
+            rows = upload.gather(host, ids)
         assert syncs.count == 0, "staging rows made the host wait for the device"
         torch.testing.assert_close(rows["weight"].cpu(), host.weight[ids])
         assert rows["momentum"].device.type == "cuda"

@@ -201,7 +201,7 @@ def test_row_upload_off_cuda_gathers_the_rows_and_pins_nothing() -> None:
     host.load("weight", torch.randn(100, 4))
     upload = RowUpload(torch.device("cpu"))
     ids = torch.tensor([5, 1, 5, 99])
-    rows = upload.gather(host.arrays, ids)
+    rows = upload.gather(host, ids)
     assert set(rows) == {"weight", "momentum"}
     torch.testing.assert_close(rows["weight"], host.weight[ids])
     assert upload.pinned_bytes() == 0 and not host.weight.is_pinned()

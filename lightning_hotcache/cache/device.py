@@ -315,11 +315,11 @@ class DeviceCache:
         them fetches them."""
         assert self.host is not None
         if self.sharding.world == 1:
-            return self._upload.gather(self.host.arrays, ids)
+            return self._upload.gather(self.host, ids)
         owned = self.sharding.owned(ids)
         widths = self._row_widths
         rows = {key: torch.zeros(len(ids), width, dtype=torch.float32, device=self.device) for key, width in widths.items()}
-        for key, values in self._upload.gather(self.host.arrays, self.sharding.local(ids[owned])).items():
+        for key, values in self._upload.gather(self.host, self.sharding.local(ids[owned])).items():
             rows[key][owned] = values
         return rows
 

@@ -8,13 +8,15 @@ misses are gathered from the host arrays straight into a small page-locked buffe
 stream that installs them waits on an event, not the host. Buffers alternate, so gathering
 the next batch's rows waits (on the host) only for the copy before last, long done by then.
 
-On other devices there is nothing to copy: rows are gathered and returned as they are.
+On other devices there is nothing to copy: rows are the host store's `HostStore.read`.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from lightning_hotcache.cache.host import HostStore
 
 # Buffers in rotation: the gather of batch k waits for the copy of batch k - BUFFERS.
 BUFFERS = 2
@@ -35,19 +37,19 @@ class RowUpload:
         self._copied: list[torch.cuda.Event | None] = [None] * BUFFERS
         self._next = 0
 
-    def gather(self, arrays: dict[str, Tensor], ids: Tensor) -> dict[str, Tensor]:
-        """Rows ``ids`` (host ids) of every host array, on the device. On CUDA they are ready
-        for work the current stream queues next; the host does not wait for the copy."""
-        ids = ids.cpu()
+    def gather(self, host: HostStore, ids: Tensor) -> dict[str, Tensor]:
+        """Rows ``ids`` (host ids) of every array of ``host``, on the device. On CUDA they are
+        ready for work the current stream queues next; the host does not wait for the copy."""
         if not self.asynchronous:
-            return {key: array.index_select(0, ids) for key, array in arrays.items()}
+            return host.read(ids)
         assert self.stream is not None
+        ids = ids.cpu()
         k, self._next = self._next, (self._next + 1) % BUFFERS
         if self._copied[k] is not None:
             self._copied[k].synchronize()  # its rows were copied out before we overwrite them
         rows = {}
         with torch.cuda.stream(self.stream):
-            for key, array in arrays.items():
+            for key, array in host.arrays.items():
                 staged = self._buffer(k, key, len(ids), array.shape[1])
                 torch.index_select(array, 0, ids, out=staged)
                 rows[key] = staged.to(self.device, non_blocking=True)
