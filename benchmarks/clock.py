@@ -13,12 +13,13 @@ from torch import nn
 
 class StepClock(pl.Callback):
     """Wall time and samples from the end of batch ``warmup - 1`` to the end of the last batch
-    (set-up, table initialization and profiling fall before it; teardown after it).
+    (of the epoch, or of ``max_steps``; set-up, table initialization and profiling fall before
+    it; teardown after it).
 
     Args:
         warmup: batches before the timed window.
-        probe: read at the start of the window (``at_start``) and after every timed batch
-            (``at_end``: the last batch's reading), e.g. counters to take differences of.
+        probe: read at the start of the window (``at_start``) and after its last batch
+            (``at_end``), e.g. counters to take differences of.
     """
 
     def __init__(self, warmup: int, probe: Callable[[], Any] | None = None) -> None:
@@ -30,13 +31,19 @@ class StepClock(pl.Callback):
         self.at_end: Any = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if pl_module.device.type == "cuda":  # the step's kernels are queued, not done, when the hook runs
+        if batch_idx >= self.warmup:
+            self.samples += batch.labels.shape[0]
+        last = trainer.is_last_batch or 0 < trainer.max_steps <= trainer.global_step
+        if batch_idx != self.warmup - 1 and not (last and batch_idx >= self.warmup):
+            return
+        # Only the window's two ends wait for the device (the step's kernels are queued, not
+        # done, when the hook runs): a wait after every step would stop the host running ahead.
+        if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
         if batch_idx == self.warmup - 1:
             self.at_start = self.probe() if self.probe else None
             self.start = time.perf_counter()
-        elif batch_idx >= self.warmup:
-            self.samples += batch.labels.shape[0]
+        else:
             self.end = time.perf_counter()
             self.at_end = self.probe() if self.probe else None
 

@@ -2,7 +2,8 @@
 # On the lent GPU machine (no network, a short loan), from the repo root: `make gpu-check`.
 # Three stages, each under a time limit of its own, so that one call fits the loan and a run
 # cut off still returns what finished:
-#   1. imports and a 2-step CUDA fit of the demo config (seconds; limit 75 s);
+#   1. imports and a 2-step CUDA fit of the demo config, without its W&B logger (the image has no
+#      wandb; seconds; limit 75 s);
 #   2. a chosen subset of the CUDA tests (limit 3 minutes);
 #   3. benchmarks/gpu.py at a size that finishes in under 4 minutes (limit 225 s): hotcache at 10% and 1%
 #      against all tables in HBM (auto) and FAE's CPU-embedding baseline, one process.
@@ -12,7 +13,8 @@
 #
 # GPU_DRY_RUN=1 runs every stage here, on the CPU, with the project's .venv and tiny sizes,
 # writing the same files (tests/test_gpu_benchmark.py runs it), so the script is known to
-# work before a GPU machine is lent.
+# work before a GPU machine is lent. The packages that machine's image lacks are hidden from
+# the dry run (benchmarks/gpu_image/sitecustomize.py), so a stage that needs one fails here too.
 #
 # On the GPU machine the wheels of gpu_wheels/ (`make gpu-wheels` here) go into a --target
 # folder on PYTHONPATH rather than a venv: that needs nothing but pip on the image, leaves its
@@ -29,7 +31,7 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   PYTHON=.venv/bin/python
   ACCELERATOR=cpu
   BENCH_ARGS="--device cpu --scale 0.001 --steps 5 --rounds 1 --batch-size 64 --strategies auto cpu-lookup hotcache@0.1 hotcache@0.01"
-  export PYTHONPATH="$PWD"
+  export PYTHONPATH="$PWD:$PWD/benchmarks/gpu_image"
 else
   PYTHON=${GPU_PYTHON:-python3}
   ACCELERATOR=gpu
@@ -57,7 +59,7 @@ import sys, torch, torchrec, lightning_hotcache
 print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'torchrec', torchrec.__version__, flush=True)
 from lightning_hotcache.cli import main
 main(['fit', '-c', 'configs/dlrm_synthetic.yaml', '--trainer.accelerator=$ACCELERATOR', '--trainer.devices=1',
-      '--trainer.fast_dev_run=2', '--data.init_args.num_train_samples=4096'])
+      '--trainer.fast_dev_run=2', '--data.init_args.num_train_samples=4096', '--trainer.logger=false'])
 "
 first=$?
 # The GPU path's own checks first (kernel, budget, host syncs per step, pinned staging,

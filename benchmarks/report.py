@@ -48,7 +48,21 @@ def machine() -> dict[str, Any]:
         "torchrec": _version("torchrec"),
         "fbgemm_gpu_cpu": _version("fbgemm-gpu-cpu"),
         "commit": commit or "unknown",
+        **_gpu(),
     }
+
+
+def _gpu() -> dict[str, Any]:
+    """The GPU a run could use, its driver and torch's CUDA (nothing on a machine without one)."""
+    if not torch.cuda.is_available():
+        return {}
+    try:
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(torch.cuda.current_device())]
+        driver = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        driver = "unknown"
+    memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return {"gpu": torch.cuda.get_device_name(), "gpu_memory_bytes": memory, "gpu_driver": driver, "cuda": torch.version.cuda}
 
 
 def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:

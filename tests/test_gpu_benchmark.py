@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,59 @@ def test_gpu_wheel_set_fits_the_machine_with_the_repository() -> None:
     repo_bytes = sum((repo / path).stat().st_size for path in tracked.split("\0") if path and (repo / path).is_file())
     wheel_bytes = sum(entry["bytes"] for entry in manifest.values())
     assert wheel_bytes + repo_bytes < gpu_wheels.CARRY_LIMIT_BYTES, (wheel_bytes, repo_bytes)
+
+
+def test_dry_run_hides_what_the_gpu_image_lacks() -> None:
+    """The first GPU run lost stage 1 to the demo config's WandbLogger: the image has no wandb.
+    The dry run's start-up hook hides such packages (import, find_spec and metadata alike) and
+    leaves the image's and the wheel set's."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    probe = textwrap.dedent("""
+        import importlib.metadata, importlib.util
+        import torch, lightning, torchmetrics, numpy, torchrec, jsonargparse, lightning_hotcache
+        assert importlib.util.find_spec("wandb") is None and importlib.util.find_spec("matplotlib") is None
+        for name in ("wandb", "recbole"):
+            try:
+                importlib.metadata.version(name)
+                raise SystemExit(f"{name} metadata visible")
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        try:
+            import wandb
+            raise SystemExit("wandb imported")
+        except ModuleNotFoundError:
+            pass
+        from lightning.pytorch.loggers import WandbLogger
+        try:
+            WandbLogger(offline=True)
+            raise SystemExit("WandbLogger made")
+        except ModuleNotFoundError as err:
+            print("refused:", err)
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{repo}:{repo / 'benchmarks' / 'gpu_image'}"}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "refused: Requirement 'wandb" in done.stdout
+
+
+def test_step_clock_times_the_window_after_warm_up() -> None:
+    # It waits for the device only at the window's two ends (on CUDA), so it must find the last
+    # batch itself: the epoch's, or max_steps'.
+    import lightning.pytorch as pl
+    from clock import StepClock, timed_trainer
+    from conftest import tiny_synthetic
+
+    from models import DLRM
+
+    readings = []
+    for max_steps, batches in ((5, 5), (8, 8)):  # stopped mid-epoch, and at its last batch
+        pl.seed_everything(0)
+        dm = tiny_synthetic(num_train_samples=8 * 32, batch_size=32)
+        clock = StepClock(2, probe=lambda: readings.append(1) or len(readings))
+        timed_trainer("auto", max_steps, clock).fit(DLRM(dm.tables, dm.num_dense_features), dm)
+        assert clock.samples == (batches - 2) * 32
+        assert (clock.at_start, clock.at_end) == (len(readings) - 1, len(readings))  # read at the two ends only
+        assert clock.end > clock.start and clock.samples_per_s > 0
