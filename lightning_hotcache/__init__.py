@@ -1,7 +1,8 @@
 """lightning-hotcache: train CTR models whose embedding tables outgrow the accelerator.
 
-Importing this package is cheap: the torchrec-heavy parts (profiler, planner, cache,
-embedding module, CLI) load on first attribute access.
+Importing this package registers the strategies with Lightning (their classes, as Lightning's
+own are registered, so code that inspects ``StrategyRegistry`` sees strategy classes); the
+other parts (profiler, planner, cache, embedding module, CLI) load on first attribute access.
 """
 
 from importlib import import_module
@@ -17,6 +18,8 @@ from lightning_hotcache.rowwise import (
     use_sparse_gradients,
 )
 from lightning_hotcache.sparse_ddp import average_sparse_gradients, keep_out_of_ddp
+from lightning_hotcache.strategy import HotCacheStrategy
+from lightning_hotcache.torchrec_strategy import TorchRecStrategy
 
 _LAZY = {
     "AccessProfiler": "lightning_hotcache.profiling",
@@ -31,8 +34,6 @@ _LAZY = {
     "HostStore": "lightning_hotcache.cache",
     "DeviceCache": "lightning_hotcache.cache",
     "CacheCapacityError": "lightning_hotcache.cache",
-    "HotCacheStrategy": "lightning_hotcache.strategy",
-    "TorchRecStrategy": "lightning_hotcache.torchrec_strategy",
     "BatchShare": "lightning_hotcache.global_batch",
     "share_mean": "lightning_hotcache.global_batch",
     "real_samples": "lightning_hotcache.global_batch",
@@ -57,25 +58,12 @@ STRATEGY_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _make_hotcache_strategy(**init_args: Any) -> Any:
-    # A factory, so that importing lightning_hotcache does not import torchrec.
-    from lightning_hotcache.strategy import HotCacheStrategy
-
-    return HotCacheStrategy(**init_args)
-
-
-def _make_torchrec_strategy(**init_args: Any) -> Any:
-    from lightning_hotcache.torchrec_strategy import TorchRecStrategy
-
-    return TorchRecStrategy(**init_args)
-
-
 for _name, (_description, _init_args) in STRATEGY_PRESETS.items():
     if _name not in StrategyRegistry:
-        StrategyRegistry.register(_name, _make_hotcache_strategy, description=_description, **_init_args)
+        StrategyRegistry.register(_name, HotCacheStrategy, description=_description, **_init_args)
 if "torchrec" not in StrategyRegistry:
     StrategyRegistry.register(
-        "torchrec", _make_torchrec_strategy, description="TorchRec's DistributedModelParallel sharding (baseline)"
+        "torchrec", TorchRecStrategy, description="TorchRec's DistributedModelParallel sharding (baseline)"
     )
 
 
@@ -95,6 +83,8 @@ __all__ = [
     "use_sparse_gradients",
     "keep_out_of_ddp",
     "average_sparse_gradients",
+    "HotCacheStrategy",
+    "TorchRecStrategy",
     *_LAZY,
 ]
 __version__ = "0.1.0"

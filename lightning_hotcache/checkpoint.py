@@ -9,8 +9,10 @@ over its target, so a file under its final name is always whole. A save writes t
 first, then, once every rank's are in place, the main file; only then are the previous
 save's shards of that path removed: until the new main file replaces the old one, the old
 one's shards are still there under their own names. Every shard carries a CRC-32 of its
-tables, checked when it is read: torch's loader checks no data, and a flipped bit would
-otherwise be trained on or consolidated without a word.
+tables, its rank and the number of ranks (so a shard renamed or copied to another rank's
+name is refused, not loaded into the wrong rows), and the main file's record a CRC-32 of the
+main file's own tensors; both are checked when read: torch's loader checks no data, and a
+flipped bit would otherwise be trained on or consolidated without a word.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import re
 import secrets
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from fsspec.core import url_to_fs
@@ -44,20 +46,37 @@ def new_save_id(step: int) -> str:
     return f"{step}-{secrets.token_hex(4)}"
 
 
-def tables_crc32(tables: dict[str, dict[str, torch.Tensor]]) -> int:
-    """CRC-32 of a shard's tables: every table and array name, shape and byte of data."""
-    crc = 0
-    for key in sorted(tables):
-        for name in sorted(tables[key]):
-            tensor = tables[key][name].detach().cpu().contiguous()
-            crc = zlib.crc32(f"{key}/{name}/{tuple(tensor.shape)}/{tensor.dtype}".encode(), crc)
-            crc = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc)
+def tensors_crc32(tree: Any, crc: int = 0, path: str = "") -> int:
+    """CRC-32 (continuing ``crc``) of every tensor in ``tree`` (nested dicts, lists, tuples): its
+    path of keys, shape, dtype and every byte of data. Other leaves are not covered (their
+    reprs need not be stable); a shard's tables are ``{table: {array: tensor}}``."""
+    if isinstance(tree, torch.Tensor):
+        tensor = tree.detach().cpu().contiguous()
+        crc = zlib.crc32(f"{path}/{tuple(tensor.shape)}/{tensor.dtype}".encode(), crc)
+        return zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc)
+    items = sorted(tree.items(), key=lambda kv: str(kv[0])) if isinstance(tree, Mapping) else (
+        enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    )  # fmt: skip
+    for key, value in items:
+        crc = tensors_crc32(value, crc, f"{path}/{key}" if path else str(key))
     return crc
 
 
-def shard_contents(save_id: str, tables: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
-    """What one rank's shard file holds: its save's id, its tables and their checksum."""
-    return {"id": save_id, "tables": tables, "crc32": tables_crc32(tables)}
+def _shard_identity_crc32(save_id: str, rank: int, world: int) -> int:
+    return zlib.crc32(f"{save_id}/rank{rank}-of-{world}".encode())
+
+
+def shard_contents(save_id: str, rank: int, world: int, tables: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """What one rank's shard file holds: its save's id, whose shard it is, its tables, and one
+    checksum over all of them."""
+    crc = tensors_crc32(tables, _shard_identity_crc32(save_id, rank, world))
+    return {"id": save_id, "rank": rank, "world_size": world, "tables": tables, "crc32": crc}
+
+
+def main_file_crc32(checkpoint: Mapping[str, Any]) -> int:
+    """CRC-32 of every tensor a sharded checkpoint's main file holds itself (the state dict,
+    row-wise and dense optimizer state, ...), its shard record left out (it holds this)."""
+    return tensors_crc32({k: v for k, v in checkpoint.items() if k != SHARDS_KEY})
 
 
 def shard_path(checkpoint_path: _PATH, save_id: str, rank: int, world: int) -> Path:
@@ -170,6 +189,13 @@ def consolidated(checkpoint: dict[str, Any], path: _PATH) -> dict[str, Any]:
         )
     # A link (ModelCheckpoint(save_last="link")) has its target's shards.
     main_file = Path(os.path.realpath(path))
+    # Saves from before the main file's checksum have none to check.
+    if "main_crc32" in meta and meta["main_crc32"] != main_file_crc32(checkpoint):
+        raise ValueError(
+            f"{main_file} is corrupt: the tensors it holds (dense layers, tables wholly on the device, optimizer "
+            "state) do not match their checksum (bytes changed on disk or in transfer since the save). Use another "
+            "checkpoint, or a copy of this file from where it was written."
+        )
     # Saves from before shard checksums have none to check (their main file does not ask for them).
     checksummed = bool(meta.get("crc32"))
     shards = [_load_shard(main_file, save_id, rank, world, checksummed) for rank in range(world)]
@@ -227,7 +253,15 @@ def _load_shard(main_file: Path, save_id: str, rank: int, world: int, checksumme
             f"{file} holds save {shard['id']}, but {main_file} is save {save_id}: the main file and the shard "
             "files are from different saves. Use another checkpoint."
         )
-    if checksummed and shard.get("crc32") != tables_crc32(shard["tables"]):
+    if "rank" in shard and (shard["rank"], shard.get("world_size")) != (rank, world):
+        raise ValueError(
+            f"{file} holds the shard of rank {shard['rank']} of {shard.get('world_size')}, not of rank {rank} of "
+            f"{world} as its name says: shard files were renamed or copied over one another, and would load into "
+            "the wrong rows. Put each rank's file back under its own name, or use another checkpoint."
+        )
+    # Shards from before ranks were recorded have a checksum of their tables alone.
+    identity = _shard_identity_crc32(save_id, rank, world) if "rank" in shard else 0
+    if checksummed and shard.get("crc32") != tensors_crc32(shard["tables"], identity):
         raise ValueError(
             f"{file} is corrupt: its tables do not match their checksum (bytes changed on disk or in transfer since "
             f"the save); the checkpoint {main_file} needs it. Use another checkpoint, or a copy of this file from "

@@ -53,6 +53,8 @@ class HotCacheCLI(LightningCLI):
         if isinstance(strategy, str) and "." in strategy and strategy.lower() not in StrategyRegistry:
             _check_strategy_class_path(strategy)
             trainer["strategy"] = Namespace(class_path=strategy, init_args=Namespace())
+        elif isinstance(strategy, Namespace):
+            _check_strategy_settings(strategy)
 
     @override
     def instantiate_classes(self) -> None:
@@ -118,6 +120,21 @@ def _check_strategy_class_path(class_path: str) -> None:
         )
 
 
+def _check_strategy_settings(strategy: Namespace) -> None:
+    """Build the configured strategy once, to report a bad setting with the strategy's own message:
+    jsonargparse would try the next type of ``Trainer(strategy: str | Strategy)`` and report only
+    that the settings are not a string."""
+    _check_strategy_class_path(strategy.class_path)
+    module, _, name = strategy.class_path.rpartition(".")
+    settings = (strategy.get("init_args") or Namespace()).as_dict()
+    if any(isinstance(value, dict) for value in settings.values()):
+        return  # nested class settings (a cluster environment, ...): jsonargparse builds those
+    try:
+        getattr(import_module(module), name)(**settings)
+    except (ValueError, TypeError, OSError) as error:
+        raise ValueError(f"--trainer.strategy ({strategy.class_path}): {error}") from None
+
+
 def _lightning_cli(args: Any, run: bool = True) -> HotCacheCLI:
     return HotCacheCLI(
         LightningModule,
@@ -174,10 +191,10 @@ def _profile(cli: HotCacheCLI, tables: list, batches: int) -> Any:
 
 
 def _run_batch_size(cli: HotCacheCLI) -> int | None:
-    from lightning_hotcache.profiling import first_batch_size
+    from lightning_hotcache.profiling import run_batch_size
 
     cli.datamodule.setup("fit")
-    return first_batch_size(cli.datamodule.train_dataloader())
+    return run_batch_size(cli.datamodule.train_dataloader())
 
 
 def _dense_parameter_count(model: Any) -> int:

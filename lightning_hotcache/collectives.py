@@ -69,3 +69,13 @@ def all_reduce(tensor: Tensor, group: Any = None) -> None:
     on_device = tensor.to(device)
     dist.all_reduce(on_device, group=group)
     tensor.copy_(on_device)
+
+
+def broadcast(tensor: Tensor, src: int = 0, group: Any = None) -> None:
+    """`torch.distributed.broadcast` of rank ``src``'s ``tensor`` into every rank's, in place,
+    on ``group``'s device."""
+    device = group_device(group)
+    on_device = tensor.to(device)
+    dist.broadcast(on_device, src=src, group=group)
+    if on_device is not tensor:
+        tensor.copy_(on_device)

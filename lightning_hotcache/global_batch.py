@@ -82,6 +82,13 @@ def share_mean(per_sample: Tensor, batch: Any) -> Tensor:
     gets 0, still a function of the whole forward, so its backward runs (and its collectives)
     with zero gradients.
     """
+    samples = int(batch.labels.shape[0])
+    if per_sample.dim() == 0 or per_sample.shape[0] != samples:
+        raise ValueError(
+            f"share_mean needs one loss per sample of the batch ({samples}), got a loss of shape "
+            f"{tuple(per_sample.shape)}: a model's loss_fn must not reduce, e.g. nn.BCEWithLogitsLoss(reduction='none') "
+            "rather than nn.BCEWithLogitsLoss() (the mean is taken over the global batch, also at an uneven epoch end)."
+        )
     if not isinstance(batch, BatchShare):
         return per_sample.mean()
     if batch.padding == 0 and batch.global_samples == batch.num_shares * per_sample.shape[0]:

@@ -18,6 +18,7 @@ from typing import Iterator
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.accelerators import MPSAccelerator
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
@@ -36,6 +37,17 @@ def global_rngs_restored() -> Iterator[None]:
 
 class LikeAutoInOneProcess(DDPStrategy):
     """A DDPStrategy that, with one process, leaves the RNGs and the user's sampler alone."""
+
+    @override
+    def setup_environment(self) -> None:
+        # Lightning refuses DDP-family strategies on MPS when it is given an instance or a name
+        # with "ddp" in it; a registered name such as "hotcache" passes its check, so here.
+        if isinstance(self.accelerator, MPSAccelerator):
+            raise ValueError(
+                f"strategy={self.strategy_name!r} is from the DDP family, which the MPS accelerator does not support "
+                "(as for Lightning's DDPStrategy): set accelerator='cpu', or use strategy='auto'."
+            )
+        super().setup_environment()
 
     @override
     def setup_distributed(self) -> None:

@@ -136,7 +136,10 @@ def resolve_budget(budget: Budget, total_bytes: int, device: torch.device | str 
         return resolve_budget(float(text), total_bytes, device)
     match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)", text)
     if match:
-        return max(1, int(float(match.group(1)) * _UNITS[match.group(2)]))
+        size = int(float(match.group(1)) * _UNITS[match.group(2)])
+        if size < 1:
+            raise ValueError(f"device_budget {budget!r} is less than one byte; give a positive size such as '2GB'.")
+        return size
     raise ValueError(
         f"Cannot read device_budget {budget!r}: use bytes (int), a size like '2GB' or '512MiB', "
         "a fraction in (0, 1] of the embedding bytes, or 'auto'."

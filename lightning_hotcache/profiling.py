@@ -21,6 +21,7 @@ the cache pays for is each read of a row.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -621,12 +622,13 @@ def _samples_in(features: KeyedJaggedTensor) -> int:
     return int(features.stride())
 
 
-def first_batch_size(batches: Iterable[Any]) -> int | None:
-    """The batch size of the first of ``batches`` (torchrec ``Batch`` objects or KJTs); None
-    when there is none. What a run's stats or plan are checked against."""
-    for batch in batches:
-        return _samples_in(getattr(batch, "sparse_features", batch))
-    return None
+def run_batch_size(batches: Iterable[Any]) -> int | None:
+    """The full batch size of a run whose batches (torchrec ``Batch`` objects or KJTs) these
+    are: the larger of the first two (an epoch has at most one short batch, its last, which a
+    shuffled order may put first); None when there is none. What a run's stats or plan (whose
+    profile recorded its largest batch) are checked against."""
+    sizes = [_samples_in(getattr(batch, "sparse_features", batch)) for batch in itertools.islice(batches, 2)]
+    return max(sizes, default=None)
 
 
 def profile_batches(
@@ -688,4 +690,4 @@ def plot_coverage(stats: AccessStats, path: str | os.PathLike[str]) -> None:
     fig.savefig(os.fspath(path), dpi=120)
 
 
-__all__ = ["AccessProfiler", "AccessStats", "TableSignature", "first_batch_size", "plot_coverage", "profile_batches"]
+__all__ = ["AccessProfiler", "AccessStats", "TableSignature", "run_batch_size", "plot_coverage", "profile_batches"]

@@ -46,12 +46,14 @@ from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 from typing_extensions import override
 
 from lightning_hotcache._compat import fit_train_dataloader, is_wrapping_checkpoint_io
+from lightning_hotcache.accumulation import refuse_gradient_accumulation
 from lightning_hotcache.cache import check_cache_policy
 from lightning_hotcache.cache.fused import KernelChoice, check_kernel_choice
 from lightning_hotcache.checkpoint import (
     SHARDS_KEY,
     AtomicCheckpointIO,
     consolidated,
+    main_file_crc32,
     new_save_id,
     remove_shards,
     shard_contents,
@@ -69,8 +71,9 @@ from lightning_hotcache.planner import (
     prefetch_thread_used,
     resolve_budget,
 )
-from lightning_hotcache.profiling import AccessStats, first_batch_size, profile_batches
+from lightning_hotcache.profiling import AccessStats, run_batch_size, profile_batches
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
+from lightning_hotcache.sparse_ddp import broadcast_from_rank_zero
 from lightning_hotcache.table_init import draw_seed, is_deferred
 
 PLAN_KEY = "hotcache_plan"
@@ -97,7 +100,11 @@ class _PrefetchingLoader:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:  # sampler, dataset, batch_size... as Lightning expects
-        return getattr(self.loader, name)
+        # Through __dict__: while copy or pickle rebuild this object, `loader` is not set yet, and
+        # `self.loader` would call this method again, forever.
+        if "loader" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["loader"], name)
 
     def __iter__(self) -> Iterator[Any]:
         modules = list(hot_cold_modules(self.strategy.lightning_module).values())
@@ -273,7 +280,6 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         self.checkpoint_shards = checkpoint_shards
         self.kernel = kernel
         self.plan: HotColdPlan | None = None
-        self._restored_row_state: Mapping[str, Mapping[str, torch.Tensor]] = {}
 
     @property
     def uses_prefetch_thread(self) -> bool:
@@ -282,6 +288,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        if any(isinstance(m, (EmbeddingBagCollection, HotColdEmbeddingBagCollection)) for m in self.lightning_module.modules()):
+            refuse_gradient_accumulation(trainer, self.strategy_name)
         self._install_hot_cold_embeddings(trainer)
         super().setup(trainer)
         if self.cache_metrics and self.plan is not None:
@@ -340,28 +348,40 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         # bucket all-reduces on the default group.
         group = dist.new_group() if self.world_size > 1 else None
         for path, collection in collections.items():
+            if self.world_size > 1 and not is_deferred(collection):
+                # Every rank installs rank 0's rows (as DDP gives every rank rank 0's dense
+                # weights): each rank keeps its own share of them, and ranks seeded apart
+                # would otherwise train one table made of several initializations.
+                broadcast_from_rank_zero(collection.parameters())
             hot = HotColdEmbeddingBagCollection.from_ebc(
                 collection, self.plan, optimizer, self.root_device, self.cache_policy,  # type: ignore[arg-type]
                 self._rank_storage(), group, seed, self.kernel,
             )  # fmt: skip
             rank_zero_info(f"hotcache embedding kernel ({path}): {hot.kernel_note}")
-            _load_row_state(path, hot, self._restored_row_state)
             model.set_submodule(path, hot)
-        self._restored_row_state = {}
 
     def _rank_storage(self) -> str:
         # Memory-mapped host tables: one directory per rank, each holding that rank's shard.
         if self.host_storage == "memory" or self.world_size == 1:
             return self.host_storage
-        return str(Path(self.host_storage) / f"rank{self.global_rank}")
+        folder = Path(self.host_storage) / f"rank{self.global_rank}"
+        # host_storage itself may be a link the user made (to a fast disk); the per-rank folder
+        # is ours, and a link planted there would redirect the table files and the lock.
+        if folder.is_symlink():
+            raise ValueError(
+                f"{folder} is a symlink; hotcache makes each rank's folder inside host_storage itself and refuses "
+                "links there (a planted link would make training write wherever it points). Remove it, or give "
+                "host_storage on the disk you want."
+            )
+        return str(folder)
 
     def _run_batch_size(self, trainer: pl.Trainer) -> int | None:
-        """Samples in the fit's first training batch (None without training data): what stats
+        """Samples in the fit's full training batches (None without training data): what stats
         or a plan made elsewhere must have been made for."""
         if fit_train_dataloader(trainer) is None:
             return None
         with self._training_batches(trainer) as batches:
-            return first_batch_size(batches)
+            return run_batch_size(batches)
 
     @contextlib.contextmanager
     def _training_batches(self, trainer: pl.Trainer) -> Iterator[Iterator[KeyedJaggedTensor]]:
@@ -440,13 +460,15 @@ class HotCacheStrategy(LikeAutoInOneProcess):
                     shards[f"{path}.{table}"] = arrays
                     rows[f"{path}.{table}"] = m.caches[table].num_embeddings
             checkpoint[SHARDS_KEY] = {
-                "id": save_id, "world_size": self.world_size, "num_embeddings": rows, "crc32": True  # shards checked
+                "id": save_id, "world_size": self.world_size, "num_embeddings": rows, "crc32": True,  # shards checked
+                # Only rank 0 writes the main file.
+                "main_crc32": main_file_crc32(checkpoint) if self.is_global_zero else None,
             }  # fmt: skip
             # Every rank writes its own shard; the main file (rank 0's) only once all are in
             # place, so that no main file is ever without its shards (see lightning_hotcache.checkpoint).
             target = shard_path(filepath, save_id, self.global_rank, self.world_size)
             target.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(shard_contents(save_id, shards), target)
+            write_atomically(shard_contents(save_id, self.global_rank, self.world_size, shards), target)
             self.barrier("hotcache shards saved")
         super().save_checkpoint(checkpoint, filepath, storage_options)
         if self.is_global_zero:  # the main file no longer refers to the previous save's shards
@@ -479,15 +501,19 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         return consolidated(checkpoint, checkpoint_path) if SHARDS_KEY in checkpoint else checkpoint
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Rows are restored into the tiers that setup builds. Before setup, a deferred model's
+        # tables are still on the meta device, where loading a checkpoint's rows is a no-op (and
+        # the install would then draw fresh rows): the trained tables would be lost in silence.
+        return True
+
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict)
         saved = checkpoint.get(ROW_STATE_KEY, {})
-        modules = hot_cold_modules(self.lightning_module)
-        if not modules:
-            self._restored_row_state = saved  # applied when the tables are swapped in setup
-            return
-        for path, module in modules.items():
+        for path, module in hot_cold_modules(self.lightning_module).items():
             _load_row_state(path, module, saved)
 
     @override

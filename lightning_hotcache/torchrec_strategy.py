@@ -17,12 +17,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagCollection
 from typing_extensions import override
 
 from lightning_hotcache import collectives
+from lightning_hotcache.accumulation import refuse_gradient_accumulation
 from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
 from lightning_hotcache.planner import _quiet_torchrec_planner
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
@@ -72,6 +74,12 @@ class TorchRecStrategy(LikeAutoInOneProcess):
         self.sharding_plan: Any = None
 
     @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if any(isinstance(m, EmbeddingBagCollection) for m in self.lightning_module.modules()):
+            refuse_gradient_accumulation(trainer, self.strategy_name)  # rows are stepped in backward
+        super().setup(trainer)
+
+    @override
     def configure_ddp(self) -> None:
         from torchrec.distributed import DistributedModelParallel
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -99,6 +107,12 @@ class TorchRecStrategy(LikeAutoInOneProcess):
             self.sharding_plan = planner.collective_plan(model, [EmbeddingBagCollectionSharder()], dist.group.WORLD)
         log.info("torchrec sharding plan:\n%s", self.sharding_plan)
         tables = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if self.world_size > 1:
+            # Every rank starts from rank 0's weights, as under DDP: the copy back below would
+            # otherwise give each rank its own initialization (dense layers included, undoing
+            # the broadcast of the DDP that DMP wraps them in) whenever ranks are seeded apart.
+            for value in tables.values():
+                collectives.broadcast(value)
         # Sharding draws fresh initial tables from the global RNG; the run must not see that
         # (it would then shuffle and drop out differently from `auto`).
         with global_rngs_restored():

@@ -43,7 +43,7 @@ from lightning_hotcache.guards import (
     finite_loss_or_skip,
 )
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
-from lightning_hotcache.sparse_ddp import average_sparse_gradients, keep_out_of_ddp
+from lightning_hotcache.sparse_ddp import average_sparse_gradients, broadcast_from_rank_zero, keep_out_of_ddp
 from lightning_hotcache.table_init import draw_seed, materialize_tables
 from models.first_order import FirstOrderArch
 
@@ -278,7 +278,9 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         loss = share_mean(per_sample, batch)
         if not finite_loss_or_skip(loss, self.trainer, batch_idx, self.hparams.non_finite_loss):
             return None
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.shape[0])
+        # The mean over ranks of their `share_mean`s is the global batch's mean loss; a rank's own
+        # would be N/n times it on an uneven last share, and 0 on a padding one.
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.shape[0], sync_dist=self.trainer.world_size > 1)
         return loss
 
     def _evaluate(self, batch: Batch, metrics: MetricCollection) -> None:
@@ -357,6 +359,17 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             self.dense_parameters(), lr=self.hparams.dense_lr, weight_decay=self.hparams.dense_weight_decay
         )
 
+    def _tables_outside_ddp(self) -> bool:
+        """Whether the tables are replicated on every rank but left out of DDP (see sparse_ddp)."""
+        return isinstance(self.trainer.strategy.model, DistributedDataParallel) and self.trainer.world_size > 1
+
+    @override
+    def on_fit_start(self) -> None:
+        # DDP gave every rank rank 0's dense weights; the tables it leaves out get them here.
+        # Subclasses overriding this hook must call super().
+        if self._tables_outside_ddp():
+            broadcast_from_rank_zero(self.embedding_parameters())
+
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Runs after backward (and after gradient accumulation), before the dense step: the
@@ -365,7 +378,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         tables = self.embedding_parameters()
         if not tables:
             return
-        if isinstance(self.trainer.strategy.model, DistributedDataParallel) and self.trainer.world_size > 1:
+        if self._tables_outside_ddp():
             average_sparse_gradients(tables)  # DDP left them out (keep_out_of_ddp)
         self.embedding_optimizer.step()
 

@@ -39,6 +39,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--strategy", default="ddp", help="strategy for more than one process")
     parser.add_argument("--device-budget", type=float, default=None, help="hotcache budget (fraction)")
     parser.add_argument("--big-tables", action="store_true", help="tables up to 100k rows, so budgets split them")
+    parser.add_argument("--seed-per-rank", action="store_true", help="seed each rank apart (rank r: seed r)")
+    parser.add_argument("--defer-tables", action="store_true", help="declare the tables on the meta device")
     parser.add_argument("--sharded-checkpoint", type=Path, help="hotcache: also save a checkpoint with per-rank shards")
     parser.add_argument("--prefetch-thread", action="store_true", help="hotcache: stage on a background thread")
     parser.add_argument("--kernel", default="auto", help="hotcache: the device tier's kernel (auto, fbgemm, pytorch)")
@@ -89,13 +91,16 @@ def check_non_finite_loss(args: argparse.Namespace) -> None:
 def fit(
     args: argparse.Namespace, ckpt_path: Path | None = None, callbacks: Sequence[pl.Callback] = ()
 ) -> tuple[pl.Trainer, CTRModel]:
-    pl.seed_everything(0)
+    pl.seed_everything(int(os.environ.get("LOCAL_RANK", 0)) if args.seed_per_rank else 0)
     tables = {"scale": 0.01, "num_embeddings_cap": None} if args.big_tables else {}
     dm = tiny_synthetic(
         batch_size=args.batch_size, num_train_samples=args.train_samples, shuffle=args.shuffle,
         num_val_samples=args.val_samples or 2048, **tables,
     )  # fmt: skip
-    model = create_model(args.model, dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer})
+    model = create_model(
+        args.model, dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer},
+        defer_table_init=args.defer_tables,
+    )  # fmt: skip
     # hotcache runs in one process too when asked (e.g. to resume a run of several).
     processes = args.devices * args.num_nodes
     strategy = args.strategy if processes > 1 or args.strategy == "hotcache" else "auto"
@@ -157,7 +162,8 @@ def main() -> None:
         torch.save(
             {"state_dict": state, "world_size": trainer.world_size, "host_rows": host_rows, "table_rows": table_rows,
              "fetched_rows": fetched, "batches_trained": counter.count, "kernels": kernels,
-             "val": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}},
+             "val": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")},
+             "last_train_loss": float(trainer.callback_metrics.get("train/loss", float("nan")))},
             args.out,
         )  # fmt: skip
 

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins import AsyncCheckpointIO
 
 from lightning_hotcache import HotCacheStrategy
-from lightning_hotcache.checkpoint import SHARDS_KEY, AtomicCheckpointIO, write_atomically
+from lightning_hotcache.checkpoint import SHARDS_KEY, AtomicCheckpointIO, shard_contents, tensors_crc32, write_atomically
 from lightning_hotcache.cli import main
 from lightning_hotcache.rowwise import ROW_STATE_KEY
 from models import create_model
@@ -179,10 +179,29 @@ def _edit_main_file(folder: Path, edit: Callable[[dict[str, Any]], None]) -> Non
 def _flip_table_bytes(folder: Path) -> None:
     """4 bytes inverted in the middle of the shard's largest tensor (a bad disk or copy):
     the file still loads, with other numbers."""
-    shard = _shard(folder)
-    with zipfile.ZipFile(shard) as archive:
+    _flip_largest_tensor(_shard(folder))
+
+
+def _flip_main_file_bytes(folder: Path) -> None:
+    """As `_flip_table_bytes`, in the main file (its dense layers and tables wholly on the device)."""
+    _flip_largest_tensor(folder / "a.ckpt")
+
+
+def _shard_copied_over_another_ranks(folder: Path) -> None:
+    """As a 2-rank save whose rank 0 shard was also copied to rank 1's name (or the two swapped):
+    with even row counts the rows fit, and went into the wrong tables' rows."""
+    _edit_main_file(folder, lambda meta: meta.update(world_size=2))
+    shard = torch.load(_shard(folder), weights_only=True)
+    _shard(folder).unlink()
+    as_rank0 = shard_contents(shard["id"], 0, 2, shard["tables"])
+    for rank in (0, 1):
+        torch.save(as_rank0, folder / f"a.ckpt.{shard['id']}.rank{rank}-of-2")
+
+
+def _flip_largest_tensor(file: Path) -> None:
+    with zipfile.ZipFile(file) as archive:
         record = max(archive.infolist(), key=lambda info: info.file_size)
-    with open(shard, "r+b") as f:
+    with open(file, "r+b") as f:
         f.seek(record.header_offset + 26)  # the zip local header's name and extra field lengths
         name_length, extra_length = struct.unpack("<HH", f.read(4))
         f.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
@@ -203,8 +222,9 @@ def _foreign_torch_file_as_shard(folder: Path) -> None:
 def _delete_one_of_two_shards(folder: Path) -> None:
     """As a 2-rank save whose rank 1 shard was deleted: rank 0's is there, of the same save."""
     _edit_main_file(folder, lambda meta: meta.update(world_size=2))
-    shard = _shard(folder)
-    shard.rename(shard.with_name(shard.name.replace("rank0-of-1", "rank0-of-2")))
+    shard = torch.load(_shard(folder), weights_only=True)
+    _shard(folder).unlink()
+    torch.save(shard_contents(shard["id"], 0, 2, shard["tables"]), folder / f"a.ckpt.{shard['id']}.rank0-of-2")
 
 
 def _forge_save_id(folder: Path) -> None:
@@ -227,9 +247,14 @@ def _forge_save_id(folder: Path) -> None:
          r"a\.ckpt\.2-\w+\.rank1-of-2 is missing.*other shard files \(a\.ckpt\.2-\w+\.rank0-of-2\) are there, so it was "
          "deleted or moved"),
         (_forge_save_id, ValueError, r"a\.ckpt is damaged or not a hotcache checkpoint: .* names save '\.\./\.\./outside'"),
+        # Issue 29 items 3 and 4: both loaded without a word.
+        (_shard_copied_over_another_ranks, ValueError,
+         r"a\.ckpt\.2-\w+\.rank1-of-2 holds the shard of rank 0 of 2, not of rank 1 of 2 .*renamed or copied"),
+        (_flip_main_file_bytes, ValueError, r"a\.ckpt is corrupt: the tensors it holds .* do not match their checksum"),
     ],
     ids=["main-of-another-save", "shard-of-another-save", "empty-shard", "truncated-shard", "missing-shard",
-         "flipped-bytes", "pickled-shard", "foreign-shard", "one-of-two-shards-missing", "forged-save-id"],
+         "flipped-bytes", "pickled-shard", "foreign-shard", "one-of-two-shards-missing", "forged-save-id",
+         "shard-under-another-ranks-name", "main-file-flipped-bytes"],
 )  # fmt: skip
 def test_a_main_file_without_its_own_whole_shards_is_a_clear_error(run, tmp_path, damage, error, message) -> None:
     trainer, saved = run
@@ -287,13 +312,19 @@ def test_a_failed_write_leaves_the_previous_file_and_no_temporary_one(tmp_path, 
     assert torch.load(path) == {"step": 1}
 
 
-def test_a_save_from_before_shard_checksums_still_loads(run, tmp_path) -> None:
+@pytest.mark.parametrize("before", ["shard-checksums", "ranks-in-shards"])
+def test_a_save_from_before_shard_checksums_still_loads(run, tmp_path, before: str) -> None:
     trainer, saved = run
     folder = _copy(saved, tmp_path / "run", prefix="a.ckpt")
     expected = _content(trainer.strategy.load_checkpoint(folder / "a.ckpt"))
-    _edit_main_file(folder, lambda meta: meta.pop("crc32"))
     shard = torch.load(_shard(folder), weights_only=True)
-    del shard["crc32"]
+    del shard["rank"], shard["world_size"]
+    if before == "shard-checksums":
+        _edit_main_file(folder, lambda meta: (meta.pop("crc32"), meta.pop("main_crc32")))
+        del shard["crc32"]
+    else:  # checksums of the shard's tables alone, none of the main file
+        _edit_main_file(folder, lambda meta: meta.pop("main_crc32"))
+        shard["crc32"] = tensors_crc32(shard["tables"])
     torch.save(shard, _shard(folder))
     torch.testing.assert_close(_content(trainer.strategy.load_checkpoint(folder / "a.ckpt")), expected, rtol=0, atol=0)
 

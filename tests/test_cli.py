@@ -82,6 +82,31 @@ def test_strategy_by_class_path_with_init_args(tmp_path: Path, monkeypatch: pyte
     assert cli.trainer.strategy.cache_policy == "lru" and cli.trainer.strategy.prefetch_depth == 2
 
 
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("device_budget=-1", "device_budget must be positive"),
+        ("device_budget=1.5", r"A float device_budget is a fraction of the embedding bytes and must lie in \(0, 1\]"),
+        ("device_budget=abc", "Cannot read device_budget 'abc'"),
+        ("device_budget=0GB", "device_budget '0GB' is less than one byte"),
+        ("cache_policy=lfuu", "Unknown cache policy 'lfuu'"),
+        ("prefetch_depth=-1", "prefetch_depth must be >= 0"),
+        ("profile_batches=0", "profile_batches must be >= 1"),
+        ("stats_path=missing.npz", "stats_path missing.npz does not exist"),
+        ("plan_path=missing.json", "plan_path missing.json does not exist"),
+    ],
+)
+def test_bad_strategy_settings_on_the_command_line_name_what_is_wrong(
+    setting: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 29 item 12: each ended in jsonargparse's "Expected a <class 'str'>. Got value: Namespace(...)".
+    monkeypatch.chdir(tmp_path)
+    config = str(REPO / "configs" / "dlrm_synthetic.yaml")
+    with pytest.raises(ValueError, match=rf"--trainer.strategy \(lightning_hotcache.HotCacheStrategy\): {message}"):
+        main(["fit", "-c", config, "--trainer.fast_dev_run=true", "--trainer.strategy=lightning_hotcache.HotCacheStrategy",
+              f"--trainer.strategy.{setting}", *SMALL_SYNTHETIC])  # fmt: skip
+
+
 def test_wandb_offline_run_checkpoint_and_summary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

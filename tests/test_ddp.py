@@ -27,7 +27,9 @@ def _launch_env() -> dict[str, str]:
     stale = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED"}
     env = {k: v for k, v in os.environ.items() if k not in stale}
     # A rank that dies in native code says where (its Python stack) before the others time out.
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    # The repository first, and whatever the caller had after it (the GPU check's wheel folder).
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env.update(PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     return env
 
 
@@ -64,6 +66,15 @@ def test_torchrec_two_processes_match_one_with_double_batch(tmp_path: Path) -> N
     two = _train(tmp_path, devices=2, batch_size=128, optimizer="rowwise_adagrad", strategy="torchrec")
     one = _train(tmp_path, devices=1, batch_size=256, optimizer="rowwise_adagrad")
     assert two["world_size"] == 2
+    torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["torchrec", "hotcache", "ddp"])
+def test_ranks_seeded_apart_start_from_rank_zeros_weights(tmp_path: Path, strategy: str) -> None:
+    # Lightning's DDP contract: every rank trains rank 0's model, however each rank was seeded.
+    # TorchRec's DMP copied each rank's own pre-wrap state back in, dense layers included.
+    two = _train(tmp_path, 2, 128, "rowwise_adagrad", strategy, "--seed-per-rank")
+    one = _train(tmp_path, 1, 256, "rowwise_adagrad")
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
@@ -174,3 +185,5 @@ def test_uneven_epoch_end_and_validation_match_one_process(
     # AUC: a rank statistic, within a few of the ~3e5 positive-negative pairs.
     assert two["val"]["val/auc"] == pytest.approx(one["val"]["val/auc"], abs=2e-5)
     assert two["val"]["val/logloss"] == pytest.approx(one["val"]["val/logloss"], rel=1e-5)
+    # Issue 29 item 9: the last (uneven) step's logged loss was rank 0's N/n-weighted share.
+    assert two["last_train_loss"] == pytest.approx(one["last_train_loss"], rel=1e-5)

@@ -172,3 +172,29 @@ def test_trained_model_goes_back_to_torchrec_and_exports(kernel: str) -> None:
     batch = data[0]
     exported = torch.export.export(model, (batch.values(), batch.lengths()), strict=False)
     torch.testing.assert_close(exported.module()(batch.values(), batch.lengths()), before[0])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_trained_model_deep_copies_and_pickles_as_torchrec(kernel: str, tmp_path) -> None:
+    # Issue 29 item 19: copy.deepcopy (EMA, SWA, model soups) and torch.save(model) failed on the
+    # module's lock. A copy is a TorchRec collection with the current weights; the original trains on.
+    import copy
+    import pickle
+
+    config = RowWiseOptimizerConfig("rowwise_adagrad", lr=0.1)
+    torch.manual_seed(0)
+    model = _Model(swapped(EmbeddingBagCollection(tables=TABLES), "small", kernel, config))
+    data = batches(steps=4)
+    for batch in data[:2]:
+        model(batch.values(), batch.lengths()).sum().backward()
+    with torch.no_grad():
+        before = [model(b.values(), b.lengths()) for b in data]
+    torch.save(model, tmp_path / "model.pt")
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(tmp_path / "model.pt", weights_only=False)):
+        assert type(copied.ebc) is EmbeddingBagCollection
+        torch.testing.assert_close(copied.ebc.state_dict(), model.ebc.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close([copied(b.values(), b.lengths()) for b in data], before)
+    assert isinstance(model.ebc, HotColdEmbeddingBagCollection)
+    for batch in data[2:]:  # the original keeps training
+        model(batch.values(), batch.lengths()).sum().backward()

@@ -80,3 +80,18 @@ def test_a_share_keeps_its_fields_when_lightning_moves_it() -> None:
     assert isinstance(moved, BatchShare)
     assert (moved.global_samples, moved.num_shares, moved.padding) == (300, 3, 0)
     assert real_samples(moved) == 100
+
+
+def test_a_mean_reducing_loss_fn_is_a_clear_error() -> None:
+    # Issue 29 item 13: the usual nn.BCEWithLogitsLoss() (a mean) failed with an IndexError deep in share_mean.
+    from conftest import cpu_trainer
+
+    from models import DLRM
+
+    dm = tiny_synthetic(num_train_samples=512, batch_size=64)
+    model = DLRM(dm.tables, dm.num_dense_features)
+    model.loss_fn = torch.nn.BCEWithLogitsLoss()
+    with pytest.raises(ValueError, match=r"one loss per sample of the batch \(64\), got a loss of shape \(\).*reduction='none'"):
+        cpu_trainer(max_steps=1, limit_val_batches=0).fit(model, dm)
+    with pytest.raises(ValueError, match="one loss per sample"):
+        share_mean(torch.rand(3), tiny_synthetic().source("train").batch(0, 8))  # a plain batch too

@@ -128,6 +128,27 @@ def test_symlinked_table_file_is_refused(tmp_path) -> None:
     assert victim.read_bytes() == b"precious"
 
 
+def test_symlinked_per_rank_folder_is_refused(tmp_path) -> None:
+    # Issue 29 item 5: with several processes each rank's tables go to host_storage/rank<r>, which
+    # hotcache makes itself; a link planted there had the lock and table files made in its target.
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / HostDirectory.LOCK_NAME).write_text("precious")
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "rank1").symlink_to(victim)
+    environment = LightningEnvironment()
+    environment.set_world_size(2)
+    environment.set_global_rank(1)
+    strategy = HotCacheStrategy(host_storage=str(tmp_path / "rows"), cluster_environment=environment)
+    with pytest.raises(ValueError, match=r"rows/rank1 is a symlink; hotcache makes each rank's folder"):
+        strategy._rank_storage()
+    environment.set_global_rank(0)  # another rank's folder, not a link: made as usual
+    assert strategy._rank_storage() == str(tmp_path / "rows" / "rank0")
+    assert (victim / HostDirectory.LOCK_NAME).read_text() == "precious"
+
+
 def test_symlinked_lock_file_is_refused(tmp_path) -> None:
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")

@@ -45,7 +45,7 @@ def test_budget_forms(budget, expected) -> None:
     assert resolve_budget(budget, TOTAL) == expected
 
 
-@pytest.mark.parametrize("budget", [0, -5, 1.5, 0.0, "lots", "2XB", True])
+@pytest.mark.parametrize("budget", [0, -5, 1.5, 0.0, "lots", "2XB", True, "0GB", "0.0000001kb"])
 def test_bad_budgets_are_clear_errors(budget) -> None:
     with pytest.raises(ValueError, match="device_budget"):
         resolve_budget(budget, TOTAL)

@@ -29,6 +29,22 @@ def test_presets_are_registered() -> None:
     assert len(SYNTHETIC_CONFIGS) >= 4
 
 
+@pytest.mark.parametrize("name", [*sorted(STRATEGY_PRESETS), "torchrec"])
+def test_registered_names_hold_strategy_classes_and_refuse_mps_as_instances_do(name: str) -> None:
+    # Issue 29 item 20: the registry held factory functions, and on MPS a name passed the "no DDP
+    # family on MPS" check that an instance fails.
+    from lightning.pytorch.accelerators import MPSAccelerator
+    from lightning.pytorch.strategies import DDPStrategy
+
+    entry = StrategyRegistry[name]
+    assert isinstance(entry["strategy"], type) and issubclass(entry["strategy"], DDPStrategy)
+    strategy = StrategyRegistry.get(name)
+    assert type(strategy) is entry["strategy"]
+    strategy.accelerator = MPSAccelerator()
+    with pytest.raises(ValueError, match=r"DDP family, which the MPS accelerator does not support.*accelerator='cpu'"):
+        strategy.setup_environment()
+
+
 @pytest.mark.parametrize("config", SYNTHETIC_CONFIGS, ids=[c.stem for c in SYNTHETIC_CONFIGS])
 @pytest.mark.parametrize("preset", sorted(STRATEGY_PRESETS))
 def test_preset_trains_synthetic_config(preset: str, config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,14 @@ from torchrec import EmbeddingBagConfig
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_hotcache.profiling import AccessProfiler, AccessStats, TableSignature, plot_coverage, profile_batches
+from lightning_hotcache.profiling import (
+    AccessProfiler,
+    AccessStats,
+    TableSignature,
+    plot_coverage,
+    profile_batches,
+    run_batch_size,
+)
 
 
 def table(name: str, rows: int, features: list[str], dim: int = 8) -> EmbeddingBagConfig:
@@ -315,6 +322,23 @@ def test_stats_record_the_batch_size(tmp_path) -> None:
     small = AccessProfiler(TABLES)
     small.observe(zipf_batch(rng, {"user": 50}, bags=4)[0])
     assert stats.merge(small.stats()).batch_size == 16
+
+
+def test_a_runs_batch_size_is_its_full_one_even_when_a_shuffled_epoch_starts_short() -> None:
+    # Issue 29 item 10: the first batch alone was taken, so stats made with the run's own config were
+    # refused whenever shuffling put the epoch's short last batch first.
+    rng = np.random.default_rng(5)
+
+    def batches(*sizes: int) -> list[KeyedJaggedTensor]:
+        return [zipf_batch(rng, {"user": 50}, bags=n)[0] for n in sizes]
+
+    assert run_batch_size(batches(5, 16, 16)) == run_batch_size(batches(16, 5)) == run_batch_size(batches(16, 16)) == 16
+    assert run_batch_size(batches(5)) == 5  # an epoch of one batch: the profile saw that one too
+    assert run_batch_size([]) is None
+    profiler = AccessProfiler(TABLES)
+    for batch in batches(16, 16, 5):
+        profiler.observe(batch)
+    profiler.stats().check_run(TABLES, run_batch_size(batches(5, 16, 16)))
 
 
 def test_stats_that_cannot_serve_a_run_say_to_profile_again(tmp_path) -> None:

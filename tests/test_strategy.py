@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
+import pickle
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -14,6 +16,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_hotcache
 from lightning_hotcache import AccessProfiler, HotColdPlanner, HotCacheStrategy, RowWiseOptimizerConfig
 from lightning_hotcache.embedding import hot_cold_modules
+from lightning_hotcache.strategy import _PrefetchingLoader
 from lightning_hotcache.cli import main, model_tables
 from models import MODEL_REGISTRY, CTRModel, create_model
 
@@ -124,6 +127,12 @@ def test_profiles_when_no_stats_and_logs_cache_metrics() -> None:
     trainer.fit(model, dm)
     assert 0.0 <= float(trainer.callback_metrics["cache/hit_rate"]) <= 1.0
     assert "cache/h2d_bytes_per_sample" in trainer.callback_metrics
+    # Issue 29 item 19: the staging wrapper Lightning keeps as the train dataloader recursed forever
+    # in copy and unpickling (its __getattr__ ran before it had a loader to forward to).
+    copied = copy.copy(trainer.train_dataloader)
+    assert copied.loader is trainer.train_dataloader.loader and len(copied) == len(trainer.train_dataloader)
+    bare = pickle.loads(pickle.dumps(_PrefetchingLoader([1, 2], strategy=None)))  # type: ignore[arg-type]
+    assert bare.loader == [1, 2] and not hasattr(bare, "sampler")
 
 
 @pytest.mark.parametrize("shards", [False, True], ids=["gathered", "sharded"])
@@ -360,3 +369,25 @@ def test_profiling_leaves_the_global_rngs_to_no_later_garbage_collection(tmp_pat
     later = torch.random.get_rng_state()
     gc.collect()
     assert torch.equal(torch.random.get_rng_state(), later)
+
+
+@pytest.mark.parametrize("strategy", ["hotcache", "torchrec"])
+@pytest.mark.parametrize("accumulation", ["trainer", "scheduler"])
+def test_gradient_accumulation_is_refused_where_rows_step_in_backward(strategy: str, accumulation: str) -> None:
+    # Rows stepped on every micro-batch (fused backward, hooks) trained another model than `auto`'s
+    # accumulation (row-wise Adagrad tables 0.31 apart): refused, with the batch size to use instead.
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    pl.seed_everything(0)
+    dm = data()
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    kwargs = {"accumulate_grad_batches": 4} if accumulation == "trainer" else {
+        "callbacks": [GradientAccumulationScheduler({0: 1, 2: 4})]
+    }  # fmt: skip
+    trainer = cpu_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0, **kwargs)
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=4 .*4x larger batch size"):
+        trainer.fit(model, dm)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cpu_trainer(strategy=strategy, **kwargs).validate(model, dm, verbose=False)  # evaluation accumulates nothing
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key

@@ -121,3 +121,29 @@ def test_deferred_model_learns_the_same_under_auto_and_hotcache_from_mmap(tmp_pa
     loaded = DLRM.load_from_checkpoint(path, weights_only=True)
     for key, value in loaded.state_dict().items():
         torch.testing.assert_close(value, got[key], rtol=0, atol=0, msg=key)
+
+
+def _deferred_model(dm) -> DLRM:
+    return DLRM(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "rowwise_adagrad"})
+
+
+@pytest.mark.parametrize("stage", ["validate", "fit"])
+def test_deferred_model_under_hotcache_restores_its_trained_tables_from_a_checkpoint(stage: str, tmp_path) -> None:
+    # Lightning restores a checkpoint before the strategy's setup, while deferred tables are still
+    # on the meta device: loading rows into them did nothing, and the install then drew fresh rows.
+    hot, trainer = _fit(HotCacheStrategy(device_budget=0.1, profile_batches=4), tmp_path)
+    path = trainer.checkpoint_callback.best_model_path
+    saved = torch.load(path, weights_only=False)["state_dict"]
+    pl.seed_everything(1)  # another seed: fresh tables would differ from the trained ones
+    dm = tiny_synthetic(scale=0.01, num_embeddings_cap=None, num_train_samples=512, batch_size=64)
+    model = _deferred_model(dm)
+    strategy = HotCacheStrategy(device_budget=0.1, profile_batches=4)
+    if stage == "validate":
+        cpu_trainer(strategy=strategy).validate(model, dm, ckpt_path=path)
+    else:  # resumed at the end of its epoch: nothing left to train, the tables as saved
+        cpu_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0).fit(model, dm, ckpt_path=path)
+    got = model.state_dict()
+    tables = [k for k in saved if "embedding_bags" in k]
+    assert tables
+    for key in saved:
+        torch.testing.assert_close(got[key], saved[key], rtol=0, atol=0, msg=key)

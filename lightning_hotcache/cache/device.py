@@ -474,7 +474,9 @@ class DeviceCache:
         ranks a collective, also for tables wholly on the device: every rank must ask)."""
         if self.identity:
             if self.sharding.world == 1:
-                return self.slots[key].detach().cpu()
+                # A copy, on CPU as on CUDA: the slots are a view of a device table holding other
+                # tables and cache slots too, which torch.save would write whole with this table.
+                return self.slots[key].detach().to("cpu", copy=True)
             owned = self.slots[key][self.sharding.rank :: self.sharding.world]  # the current copies
             return gather_table(owned.detach().cpu(), self.num_embeddings, self.sharding)
         self.flush()

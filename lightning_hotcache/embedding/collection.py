@@ -55,6 +55,16 @@ from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 from lightning_hotcache.table_init import draw_seed, initial_rows, is_deferred
 
 
+def plain_collection(
+    tables: list[EmbeddingBagConfig], is_weighted: bool, state: dict[str, Tensor], device: torch.device | str = "cpu"
+) -> EmbeddingBagCollection:
+    """A TorchRec EmbeddingBagCollection of ``tables`` on ``device``, holding ``state``."""
+    ebc = EmbeddingBagCollection(tables=tables, is_weighted=is_weighted, device=torch.device("meta"))
+    ebc = ebc.to_empty(device=device)  # no throwaway initialization of tables about to be overwritten
+    ebc.load_state_dict(state)
+    return ebc
+
+
 def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
     """Run a method under the module's lock: a background thread may be staging batches."""
 
@@ -303,6 +313,13 @@ class HotColdEmbeddingBagCollection(nn.Module):
         """Draw every table's rows anew, as TorchRec's modules initialize them (from ``seed``;
         None draws one). The row-wise optimizer state is left as it is."""
         self.initialize(draw_seed() if seed is None else seed)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # A copy (copy.deepcopy for EMA/SWA, pickle for torch.save(model)) is a TorchRec
+        # EmbeddingBagCollection with the current weights: the caches' lock, host files, hooks
+        # and the device tier belong to the run that owns them. Across processes every rank
+        # must copy (the tables are gathered from the shards).
+        return (plain_collection, (self.embedding_bag_configs(), self.is_weighted(), self.state_dict()))
 
     def __getattr__(self, name: str) -> Any:
         if name == "embedding_bags":

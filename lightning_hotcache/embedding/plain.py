@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection
 
-from lightning_hotcache.embedding.collection import HotColdEmbeddingBagCollection
+from lightning_hotcache.embedding.collection import HotColdEmbeddingBagCollection, plain_collection
 
 
 def to_torchrec(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
@@ -34,7 +34,4 @@ def to_torchrec(model: nn.Module, device: torch.device | str = "cpu") -> nn.Modu
 
 
 def _plain(module: HotColdEmbeddingBagCollection, device: torch.device | str) -> EmbeddingBagCollection:
-    ebc = EmbeddingBagCollection(tables=module.embedding_bag_configs(), is_weighted=module.is_weighted(), device=torch.device("meta"))
-    ebc = ebc.to_empty(device=device)  # no throwaway initialization of tables about to be overwritten
-    ebc.load_state_dict(module.state_dict())
-    return ebc
+    return plain_collection(module.embedding_bag_configs(), module.is_weighted(), module.state_dict(), device)
