@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterable, Literal
 import torch
 from torch import Tensor
 
+from lightning_hotcache.sorting import sum_by_index, sum_rows_by_index
+
 RowWiseOptimizerName = Literal["sgd", "rowwise_adagrad", "adam"]
 # ``eps`` when none is given: the default of the optimizer each rule claims to be, so "the same
 # rule" holds without setting it: TorchRec's RowWiseAdagrad (1e-10) and torch.optim.Adam (1e-8).
@@ -110,16 +112,16 @@ def apply_sparse_update(
     gradient; returns the rows it touched (possibly repeated).
 
     SGD is linear, so it scatter-adds the uncoalesced gradient (duplicates sum on the way)
-    and skips the sort that coalescing costs, the largest part of a step on CPU. The other
-    rules need each row's summed gradient, so they coalesce first.
+    and skips the sort. The other rules need each row's summed gradient: `sum_by_index`
+    gives it without coalescing the COO tensor (see `lightning_hotcache.sorting`).
     """
+    rows, values = grad._indices()[0], grad._values()  # uncoalesced COO: .indices() insists on coalescing
     if config.name == "sgd":
-        rows = grad._indices()[0]  # uncoalesced COO: public .indices() insists on coalescing
-        table.index_add_(0, rows, grad._values().to(table.dtype), alpha=-config.lr)
+        table.index_add_(0, rows, values.to(table.dtype), alpha=-config.lr)
         return rows
-    grad = grad.coalesce()
-    rows = grad.indices()[0]
-    step_rows(config, table, state, rows, grad.values())
+    if not grad.is_coalesced():
+        rows, values = sum_by_index(rows, values)
+    step_rows(config, table, state, rows, values)
     return rows
 
 
@@ -165,6 +167,7 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        taken: list[tuple[Tensor, Tensor]] = []
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:
@@ -174,7 +177,18 @@ class RowWiseOptimizer(torch.optim.Optimizer):
                         "RowWiseOptimizer needs sparse embedding gradients; build the tables with "
                         "nn.EmbeddingBag(sparse=True) (lightning_hotcache.use_sparse_gradients(module))."
                     )
-                grad, param.grad = param.grad, None
+                taken.append((param, param.grad))
+                param.grad = None
+        to_sum = [(p, g) for p, g in taken if self.config.name != "sgd" and not g.is_coalesced()]
+        if to_sum:
+            # The rows of all tables of one width summed with one sort (not one per table).
+            summed = sum_rows_by_index(
+                [g._indices()[0] for _, g in to_sum], [g._values() for _, g in to_sum], [len(p) for p, _ in to_sum]
+            )
+            for (param, _), (rows, grads) in zip(to_sum, summed):
+                step_rows(self.config, param, self._row_state(param), rows, grads)
+        for param, grad in taken:
+            if self.config.name == "sgd" or grad.is_coalesced():
                 apply_sparse_update(self.config, param, self._row_state(param), grad)
         return loss
 

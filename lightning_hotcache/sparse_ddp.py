@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from lightning_hotcache import collectives
 from lightning_hotcache._compat import set_ddp_ignored_parameters
+from lightning_hotcache.sorting import sum_by_index
 
 
 def keep_out_of_ddp(module: nn.Module, parameters: Iterable[Tensor]) -> None:
@@ -51,7 +52,7 @@ def average_sparse_gradients(parameters: Sequence[Tensor], group: dist.ProcessGr
     stacked by row offset: one all-gather of the rows' counts for all widths, then two per
     width (row indices, gradient rows), however many tables. Dense all-gathers rather than a
     sparse all-reduce: every backend has them (NCCL has no sparse all-reduce). Each result
-    is coalesced (rows sorted, repeats summed).
+    is coalesced (rows sorted, repeats summed, by `sum_by_index`: no sparse COO coalesce).
     """
     by_width: dict[tuple[int, torch.dtype], list[Tensor]] = defaultdict(list)
     for param in parameters:
@@ -76,12 +77,10 @@ def average_sparse_gradients(parameters: Sequence[Tensor], group: dist.ProcessGr
         padded_values[: len(values)] = values
         every_indices = _all_gather(padded_indices, group)
         every_values = _all_gather(padded_values, group)
-        summed = torch.sparse_coo_tensor(
-            torch.cat([i[:n] for i, n in zip(every_indices, sizes)]).unsqueeze(0),
-            torch.cat([v[:n] for v, n in zip(every_values, sizes)]),
-            (offsets[-1], width),
-        ).coalesce()
-        rows, row_values = summed.indices()[0], summed.values() / world
+        rows, row_values = sum_by_index(
+            torch.cat([i[:n] for i, n in zip(every_indices, sizes)]), torch.cat([v[:n] for v, n in zip(every_values, sizes)])
+        )
+        row_values = row_values.div_(world).to(params[0].dtype)
         bounds = torch.searchsorted(rows, torch.tensor(offsets, device=rows.device)).tolist()
         for param, offset, start, end in zip(params, offsets, bounds, bounds[1:]):
             if param.grad is None and start == end:

@@ -61,6 +61,7 @@ from lightning_hotcache.checkpoint import (
     write_atomically,
 )
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
+from lightning_hotcache.even_batches import check_even_batches
 from lightning_hotcache.guards import finite_loss_or_skip
 from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
 from lightning_hotcache.planner import (
@@ -420,6 +421,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
+        if hot_cold_modules(self.lightning_module):
+            check_even_batches(dataloader, self.world_size, self.strategy_name)
         return _PrefetchingLoader(dataloader, self)
 
     # ----------------------------------------------------------- checkpoints

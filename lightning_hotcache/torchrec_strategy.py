@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_hotcache import collectives
 from lightning_hotcache.accumulation import refuse_gradient_accumulation
+from lightning_hotcache.even_batches import check_even_batches
 from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
 from lightning_hotcache.planner import _quiet_torchrec_planner
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
@@ -78,6 +79,11 @@ class TorchRecStrategy(LikeAutoInOneProcess):
         if any(isinstance(m, EmbeddingBagCollection) for m in self.lightning_module.modules()):
             refuse_gradient_accumulation(trainer, self.strategy_name)  # rows are stepped in backward
         super().setup(trainer)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        check_even_batches(dataloader, self.world_size, self.strategy_name)  # sharded lookups are all-to-alls
+        return super().process_dataloader(dataloader)
 
     @override
     def configure_ddp(self) -> None:

@@ -112,7 +112,8 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             when fit starts. Rows come from each table's ``init_fn`` (see `initial_rows`).
         non_finite_loss: what a NaN/inf training loss does, before any row or weight learns
             from it: ``"raise"`` stops with an error naming the step and batch; ``"skip"``
-            skips the batch (no backward, no optimizer step) with a warning.
+            skips the batch (no backward, no optimizer step) with a warning, in one process
+            only (refused at fit start with more: Lightning cannot skip a step on every rank).
     """
 
     # training_step checks its loss itself (see `non_finite_loss`): the hotcache strategy
@@ -362,6 +363,18 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     def _tables_outside_ddp(self) -> bool:
         """Whether the tables are replicated on every rank but left out of DDP (see sparse_ddp)."""
         return isinstance(self.trainer.strategy.model, DistributedDataParallel) and self.trainer.world_size > 1
+
+    @override
+    def setup(self, stage: str) -> None:
+        # Refused now, not at the first NaN hours in: Lightning does not let a training_step
+        # return None with several processes, and a zero loss in its place would still move
+        # Adam's moments (dense and lazy row state), so it would not be a skip.
+        if stage == "fit" and self.hparams.non_finite_loss == "skip" and self.trainer.world_size > 1:
+            raise ValueError(
+                f"non_finite_loss='skip' needs one process; this fit has {self.trainer.world_size}. Lightning cannot "
+                "skip a training step on every rank. Use non_finite_loss='raise' (the default: the run stops at the "
+                "first non-finite loss, naming the rank, step and batch, before anything learns from it)."
+            )
 
     @override
     def on_fit_start(self) -> None:

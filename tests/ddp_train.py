@@ -49,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--resume-ckpt", type=Path, help="resume from this checkpoint (of a run with any number of processes)")
     parser.add_argument("--nan-at-step", type=int, help="poison one dense value of the last rank's batch at this step")
+    parser.add_argument("--predict-batches", type=int, help="predict this many batches of a plain DataLoader instead of fitting")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args()
 
@@ -137,8 +138,31 @@ def check_resume(args: argparse.Namespace) -> None:
         torch.save(runs, args.out)
 
 
+def check_uneven_predict(args: argparse.Namespace) -> None:
+    """``trainer.predict`` with a user's DataLoader of ``--predict-batches`` batches, which
+    Lightning splits across the ranks without repeats: each rank writes the error it raised."""
+    from torch.utils.data import DataLoader
+
+    pl.seed_everything(0)
+    dm = tiny_synthetic(batch_size=args.batch_size, scale=0.01, num_embeddings_cap=None)
+    model = create_model(args.model, dm.tables, dm.num_dense_features)
+    strategy = HotCacheStrategy(device_budget=args.device_budget, profile_batches=2) if args.device_budget else args.strategy
+    trainer = cpu_trainer(strategy=strategy, devices=args.devices)
+    source = dm.source("train")
+    batches = [source.batch(k * args.batch_size, (k + 1) * args.batch_size) for k in range(args.predict_batches)]
+    try:
+        trainer.predict(model, DataLoader(batches, batch_size=None))
+        error = "no error"
+    except RuntimeError as err:
+        error = str(err)
+    Path(f"{args.out}.rank{trainer.global_rank}").write_text(error)
+
+
 def main() -> None:
     args = parse_args()
+    if args.predict_batches is not None:
+        check_uneven_predict(args)
+        return
     if args.nan_at_step is not None:
         check_non_finite_loss(args)
         return

@@ -131,6 +131,20 @@ def test_nan_loss_on_one_rank_stops_every_rank(tmp_path: Path, strategy: str) ->
         assert "not finite on rank 1 (nan) at global step 2 " in Path(f"{out}.rank{rank}").read_text()
 
 
+@pytest.mark.parametrize("strategy", ["hotcache", "torchrec"])
+def test_predict_with_uneven_user_batches_fails_on_every_rank_at_once(tmp_path: Path, strategy: str) -> None:
+    # Issue 29 item 6: Lightning gives rank 0 three batches and rank 1 two; the forward's
+    # collectives then waited forever on rank 0's third batch.
+    out = tmp_path / "predict"
+    budget = ["--device-budget=1.0"] if strategy == "hotcache" else []  # no stats needed: nothing to profile in predict
+    cmd = [sys.executable, str(SCRIPT), "--devices=2", "--batch-size=64", f"--strategy={strategy}", *budget,
+           "--predict-batches=5", f"--out={out}"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=tmp_path, env=_launch_env(), capture_output=True, text=True, timeout=300)
+    _assert_exited_cleanly(result)
+    for rank in (0, 1):
+        assert "different numbers of batches (rank 0: 3, rank 1: 2)" in Path(f"{out}.rank{rank}").read_text()
+
+
 def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path) -> None:
     """Multi-node as a cluster runs it: one torchrun per "node" (here both on this machine),
     Lightning's num_nodes; 2 nodes x 2 processes x batch 64 learn what 1 process x 256 learns."""

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_hotcache.cache.exchange import RowSharding, exchange_table_rows, send_rows_to_owners, sum_rows_by_index
+from lightning_hotcache.cache.exchange import RowSharding, exchange_table_rows, send_rows_to_owners
+from lightning_hotcache.sorting import sum_rows_by_index
 from lightning_hotcache.sparse_ddp import average_sparse_gradients
 
 

@@ -102,6 +102,16 @@ def test_hotcache_checks_the_loss_of_any_model(tmp_path) -> None:
     assert_all_finite(model, saved_state(trainer, tmp_path))
 
 
+def test_skip_with_several_processes_is_refused_at_fit_start() -> None:
+    # Issue 29 item 7: it stopped at the first NaN, hours in, with Lightning's refusal of a None step.
+    _, dm = batches(poisoned=False)
+    model = DLRM(dm.tables, dm.num_dense_features, non_finite_loss="skip")
+    model.trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)  # not launched
+    with pytest.raises(ValueError, match=r"non_finite_loss='skip' needs one process; this fit has 2"):
+        model.setup("fit")
+    model.setup("validate")  # evaluation skips nothing
+
+
 def test_unknown_action_is_refused() -> None:
     _, dm = batches(poisoned=False)
     with pytest.raises(ValueError, match="non_finite_loss must be one of"):

@@ -40,7 +40,7 @@ from torch import Tensor
 from lightning_hotcache.cache.exchange import RowSharding, gather_table
 from lightning_hotcache.cache.host import HostStore
 from lightning_hotcache.cache.slot_map import make_slot_map
-from lightning_hotcache.cache.sorting import unique
+from lightning_hotcache.sorting import unique
 from lightning_hotcache.cache.upload import RowUpload
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig, apply_sparse_update, step_rows
 

@@ -15,7 +15,6 @@ between caches and their owners.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -23,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_hotcache import collectives
-from lightning_hotcache.cache.sorting import group_by_owner, unique
+from lightning_hotcache.sorting import group_by_owner
 
 
 @dataclass(frozen=True)
@@ -171,22 +170,3 @@ def gather_table(local: Tensor, num_embeddings: int, sharding: RowSharding) -> T
         n = len(range(rank, num_embeddings, sharding.world))
         full[rank :: sharding.world] = part[:n]
     return full
-
-
-def sum_rows_by_index(indices: Sequence[Tensor], rows: Sequence[Tensor], sizes: Sequence[int]) -> list[tuple[Tensor, Tensor]]:
-    """Per table ``k``: its distinct ``indices[k]`` (ascending, each below ``sizes[k]``) and the
-    sum of ``rows[k]`` at each. Tables of one width are summed in one sort, not one per table
-    (26 tables' coalescing was a tenth of a step across ranks)."""
-    out: list[tuple[Tensor, Tensor] | None] = [None] * len(indices)
-    for width in {r.shape[1] for r in rows}:
-        group = [k for k, r in enumerate(rows) if r.shape[1] == width]
-        base = list(itertools.accumulate((sizes[k] for k in group), initial=0))  # each table's first key
-        keys = torch.cat([indices[k] + base[j] for j, k in enumerate(group)])
-        distinct, inverse = unique(keys)
-        summed = torch.zeros(len(distinct), width, dtype=torch.float32, device=keys.device)
-        summed.index_add_(0, inverse, torch.cat([rows[k] for k in group]).to(torch.float32))
-        per_table = torch.searchsorted(distinct, torch.tensor(base, device=distinct.device)).tolist()
-        for j, k in enumerate(group):
-            a, b = per_table[j], per_table[j + 1]
-            out[k] = (distinct[a:b] - base[j], summed[a:b])
-    return out  # type: ignore[return-value]

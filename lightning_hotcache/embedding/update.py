@@ -38,10 +38,9 @@ from lightning_hotcache.cache.exchange import (
     route_to_owners,
     send_rows_along,
     send_rows_to_owners,
-    sum_rows_by_index,
 )
 from lightning_hotcache.cache.owned_rows import OwnedRows
-from lightning_hotcache.cache.sorting import unique
+from lightning_hotcache.sorting import sum_rows_by_index, unique
 from lightning_hotcache.embedding.batch import StagedBatch
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.embedding.staging import Staging

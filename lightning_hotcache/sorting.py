@@ -1,0 +1,72 @@
+"""A batch's ids sorted on the CPU through numpy: their distinct values, and grouped by owner;
+and gradient rows summed by row index, with one sort and no sparse COO tensor.
+
+Every step sorts the ids a batch reads, several times across processes (the cache's distinct
+ids, the rows a device table reads, the keys of summed gradients, ids grouped by owning
+rank). On CPU, torch sorts int64 with a stable sort that takes 240 us for 8k ids on 2 cores
+where numpy's introsort takes 56 (``torch.unique`` sorts with it: 250 vs 115 us with the
+inverse and counts; 1.0 vs 0.8 ms for 53k ids), and grouping by owner, a stable sort of
+small integers, is a radix sort in numpy (23 vs 122 us for 8k ids). Both give exactly
+torch's results. Tensors on other devices use torch's own ops.
+
+Summing gradient rows by index (`sum_by_index`) is a sparse COO gradient's ``coalesce``
+without the COO: the distinct indices and an ``index_add_`` of the rows into them. On CPU it
+took 2.8 vs 5.0 ms for 33k Zipf ids of dim 128; on CUDA, ``coalesce``'s values kernel sums a
+row's duplicates one after another, which cost 19 of a 32 ms DLRM step on an H200 for the hot
+rows of 26 tables (first GPU run), where ``index_add_`` adds them in parallel.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def unique(ids: Tensor, return_counts: bool = False) -> tuple[Tensor, ...]:
+    """``torch.unique(ids, sorted=True, return_inverse=True, return_counts=...)`` of 1-D ``ids``:
+    the distinct ids ascending, each id's position among them, and (asked for) their counts."""
+    if ids.device.type != "cpu" or ids.dim() != 1:
+        return torch.unique(ids, return_inverse=True, return_counts=return_counts)
+    found = np.unique(ids.numpy(), return_inverse=True, return_counts=return_counts)
+    distinct, inverse = torch.from_numpy(found[0]), torch.from_numpy(found[1].reshape(-1).astype(np.int64, copy=False))
+    if return_counts:
+        return distinct, inverse, torch.from_numpy(found[2].astype(np.int64, copy=False))
+    return distinct, inverse
+
+
+def group_by_owner(owners: Tensor, world: int) -> Tensor:
+    """The stable permutation that sorts ``owners`` (ranks in ``[0, world)``):
+    ``torch.argsort(owners, stable=True)``."""
+    if owners.device.type != "cpu":
+        return torch.argsort(owners, stable=True)
+    narrow = np.int8 if world <= 127 else np.int16 if world <= 32767 else np.int32  # radix-sorted up to 16 bits
+    return torch.from_numpy(np.argsort(owners.numpy().astype(narrow), kind="stable").astype(np.int64, copy=False))
+
+
+def sum_by_index(indices: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """The distinct ``indices`` (ascending) and the float32 sum of ``rows`` at each: what
+    coalescing a sparse gradient with these indices and values gives."""
+    distinct, inverse = unique(indices)
+    summed = torch.zeros(len(distinct), rows.shape[1], dtype=torch.float32, device=rows.device)
+    return distinct, summed.index_add_(0, inverse.to(rows.device), rows.to(torch.float32))
+
+
+def sum_rows_by_index(indices: Sequence[Tensor], rows: Sequence[Tensor], sizes: Sequence[int]) -> list[tuple[Tensor, Tensor]]:
+    """Per table ``k``: its distinct ``indices[k]`` (ascending, each below ``sizes[k]``) and the
+    sum of ``rows[k]`` at each. Tables of one width are summed in one sort, not one per table
+    (26 tables' coalescing was a tenth of a step across ranks)."""
+    out: list[tuple[Tensor, Tensor] | None] = [None] * len(indices)
+    for width in {r.shape[1] for r in rows}:
+        group = [k for k, r in enumerate(rows) if r.shape[1] == width]
+        base = list(itertools.accumulate((sizes[k] for k in group), initial=0))  # each table's first key
+        keys = torch.cat([indices[k] + base[j] for j, k in enumerate(group)])
+        distinct, summed = sum_by_index(keys, torch.cat([rows[k] for k in group]))
+        per_table = torch.searchsorted(distinct, torch.tensor(base, device=distinct.device)).tolist()
+        for j, k in enumerate(group):
+            a, b = per_table[j], per_table[j + 1]
+            out[k] = (distinct[a:b] - base[j], summed[a:b])
+    return out  # type: ignore[return-value]
