@@ -14,6 +14,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def _version(package: str) -> str:
     try:
@@ -121,13 +123,22 @@ def add_ratios(results: dict[str, dict[str, Any]], baselines: Sequence[str]) -> 
                 r[f"x_{baseline}_paired"] = statistics.median(a / b for a, b in zip(r["rounds"], base["rounds"], strict=True))
 
 
+def _relative(path: Path) -> str:
+    """``path`` relative to the repository where it lies inside it (results are committed: an
+    absolute path would name the machine's folders)."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def write_report(name: str, args: argparse.Namespace, results: Any, echo: bool = True, **settings: Any) -> dict[str, Any]:
     """Write ``args.out`` as JSON (machine, settings from ``args`` and ``settings``, results) and print it
     (unless ``echo`` is False, e.g. for a partial report written while a long benchmark runs)."""
     report = {
         "benchmark": name,
         "machine": machine(),
-        "settings": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **settings},
+        "settings": {**{k: _relative(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **settings},
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

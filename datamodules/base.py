@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchrec import EmbeddingBagConfig, PoolingType
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from typing_extensions import override
 
 from lightning_hotcache._compat import fit_resume_point
 from lightning_hotcache.global_batch import BatchShare, share_bounds
@@ -201,6 +202,7 @@ class CTRDataModule(pl.LightningDataModule):
         self.shuffle = shuffle
         self.feature_cardinalities: dict[str, int] = {}
         self.num_dense_features: int = 0
+        self._saved_global_batch: int | None = None  # of the checkpoint a fit resumes, if any
 
     @property
     def feature_names(self) -> list[str]:
@@ -235,11 +237,7 @@ class CTRDataModule(pl.LightningDataModule):
         # data, and a plain RandomSampler draws from the global RNG, so either would make the
         # order depend on the strategy). N processes x batch B thus see the batches of
         # 1 process x N*B, shuffled or not, with no sample repeated at an uneven epoch end.
-        trainer = self.trainer
-        num_shares, share = 1, 0
-        if trainer is not None and isinstance(trainer.strategy, ParallelStrategy):
-            replicas = trainer.distributed_sampler_kwargs
-            num_shares, share = replicas["num_replicas"], replicas["rank"]
+        num_shares, share = self._shares()
         dataset = BatchDataset(self.source(split), self.batch_size, num_shares, share)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         return DataLoader(
@@ -251,11 +249,46 @@ class CTRDataModule(pl.LightningDataModule):
             persistent_workers=self.num_workers > 0,
         )
 
+    def _shares(self) -> tuple[int, int]:
+        """Processes a global batch is split across, and this process' share."""
+        trainer = self.trainer
+        if trainer is not None and isinstance(trainer.strategy, ParallelStrategy):
+            replicas = trainer.distributed_sampler_kwargs
+            return replicas["num_replicas"], replicas["rank"]
+        return 1, 0
+
     def train_dataloader(self) -> DataLoader[BatchShare]:
         loader = self.dataloader("train", shuffle=self.shuffle)
         if self.trainer is not None:
-            loader.sampler.resume_at(*fit_resume_point(self.trainer))
+            epoch, batches_done = fit_resume_point(self.trainer)
+            self._check_resumable(epoch, batches_done)
+            loader.sampler.resume_at(epoch, batches_done)
         return loader
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_batch_samples": self.batch_size * self._shares()[0]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved_global_batch = state_dict.get("global_batch_samples")
+
+    def _check_resumable(self, epoch: int, batches_done: int) -> None:
+        # The resume point is counted in global batches: with another global batch size (another
+        # number of processes, or batch size) the same count is other samples, and the epoch's
+        # order of global batches another one.
+        saved = self._saved_global_batch
+        num_shares = self._shares()[0]
+        now = self.batch_size * num_shares
+        if batches_done == 0 or saved is None or saved == now:
+            return
+        raise ValueError(
+            f"This checkpoint was saved {batches_done} global batches of {saved} samples ({batches_done * saved} "
+            f"samples) into epoch {epoch}; this run's global batches have {now} samples (batch_size {self.batch_size} "
+            f"x {num_shares} process(es)), so it would go on from sample {batches_done * now} of another order. Resume "
+            f"with batch_size x processes = {saved} (the saved run's global batch), or from a checkpoint taken at an "
+            "epoch's end."
+        )
 
     def val_dataloader(self) -> DataLoader[BatchShare]:
         return self.dataloader("val")

@@ -144,14 +144,41 @@ def remove_shards(checkpoint_path: _PATH, keep: str | None = None) -> None:
             file.unlink(missing_ok=True)
 
 
+def check_output_file(out: _PATH, what: str) -> None:
+    """Refuse an output path that cannot take a file, before the work that makes the file (and
+    since a failed write's own error names a hidden temporary file)."""
+    if not str(out).strip():
+        raise ValueError(f"the output path for the {what} is empty; give a file name, e.g. {what.replace(' ', '_')}.out")
+    if Path(out).is_dir():
+        raise IsADirectoryError(f"cannot save the {what} as {out}: it is a folder; give a file path, e.g. {Path(out) / 'out'}.")
+    if not Path(out).parent.is_dir():
+        raise FileNotFoundError(f"cannot save {out}: the output folder {Path(out).parent} does not exist; create it first.")
+
+
+def _load_main_file(path: _PATH) -> dict[str, Any]:
+    """A checkpoint's main file, or an error saying it is none."""
+    not_ours = f"{path} is not a checkpoint (torch.save's format, as Lightning writes them); give a checkpoint's main file."
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path} does not exist or is not a file; give a checkpoint's main file.")
+    with open(path, "rb") as f:
+        if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+            raise ValueError(not_ours)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, KeyError) as err:
+        raise ValueError(f"{not_ours} ({type(err).__name__}: {err})") from err
+    if not isinstance(checkpoint, dict):
+        raise ValueError(not_ours)
+    return checkpoint
+
+
 def consolidate_checkpoint(path: _PATH, out: _PATH | None = None) -> dict[str, Any]:
     """A plain checkpoint from one saved with ``checkpoint_shards=True``: the shard files of
     every rank are interleaved back into whole tables (state_dict) and row state. Needs the
     whole tables in memory. Saves to ``out`` when given."""
-    # Checked before the long load, and since the write's own error names its hidden temporary file.
-    if out is not None and not Path(out).parent.is_dir():
-        raise FileNotFoundError(f"cannot save {out}: the output folder {Path(out).parent} does not exist; create it first.")
-    checkpoint = consolidated(torch.load(path, map_location="cpu", weights_only=True), path)
+    if out is not None:
+        check_output_file(out, "plain checkpoint")
+    checkpoint = consolidated(_load_main_file(path), path)
     if out is not None:
         write_atomically(checkpoint, out)
     return checkpoint
@@ -215,6 +242,16 @@ def consolidated(checkpoint: dict[str, Any], path: _PATH) -> dict[str, Any]:
 
 def _load_shard(main_file: Path, save_id: str, rank: int, world: int, checksummed: bool) -> dict[str, Any]:
     file = shard_path(main_file, save_id, rank, world)
+    if file.is_symlink() and not file.exists():
+        raise FileNotFoundError(
+            f"{file} is a link to {os.readlink(file)}, which does not exist: the checkpoint {main_file} (save "
+            f"{save_id}) needs rank {rank}'s shard there. Put the shard file back, or use another checkpoint."
+        )
+    if file.exists() and not file.is_file():
+        raise ValueError(
+            f"{file} is a folder (or another non-file), not a hotcache shard file: the checkpoint {main_file} (save "
+            f"{save_id}) needs rank {rank}'s shard there. Put the shard file back, or use another checkpoint."
+        )
     if not file.is_file():
         found = _own_files(main_file)
         same_save = sorted(other.name for other, other_id in found if other_id == save_id)

@@ -53,6 +53,12 @@ class HotCacheCLI(LightningCLI):
         if isinstance(strategy, str) and "." in strategy and strategy.lower() not in StrategyRegistry:
             _check_strategy_class_path(strategy)
             trainer["strategy"] = Namespace(class_path=strategy, init_args=Namespace())
+        elif isinstance(strategy, str) and strategy != "auto" and strategy not in StrategyRegistry:
+            # Lightning's own message lists a few of its names, none of ours.
+            raise ValueError(
+                f"--trainer.strategy={strategy} is not a registered strategy name; the names are auto, "
+                f"{', '.join(StrategyRegistry.available_strategies())}, or give a Strategy's class path."
+            )
         elif isinstance(strategy, Namespace):
             _check_strategy_settings(strategy)
 
@@ -212,6 +218,7 @@ def _given(option: Any, default: Any) -> Any:
 def run_tool(command: str, argv: Sequence[str]) -> Any:
     """``hotcache profile`` / ``hotcache plan``: model and data from the config, no training."""
     from lightning_hotcache.planner import HotColdPlanner, StatsNeededError
+    from lightning_hotcache.checkpoint import check_output_file
     from lightning_hotcache.profiling import AccessStats, plot_coverage
     from lightning_hotcache.rowwise import RowWiseOptimizerConfig
     from lightning_hotcache.strategy import HotCacheStrategy
@@ -223,8 +230,11 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
     for option in ("out", "plot"):
         target = getattr(options, option, None)
         # Checked now: these files are written after profiling, which can take minutes.
-        if target and not Path(target).parent.is_dir():
-            parser.error(f"--{option} {target}: the folder {Path(target).parent} does not exist")
+        if target is not None:
+            try:
+                check_output_file(target, {"out": "stats" if command == "profile" else "plan", "plot": "plot"}[option])
+            except (OSError, ValueError) as error:
+                parser.error(f"--{option}: {error}")
     with warnings.catch_warnings():
         # We hand LightningCLI the config part of our own command line on purpose.
         warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")

@@ -51,3 +51,14 @@ def test_scaling_jobs_run_behind_a_shaped_loopback_of_their_own() -> None:
     assert "tbf" in shown.stdout and "rate 2Gbit" in shown.stdout, shown.stdout
     unshaped = subprocess.run([*scaling.namespace_wrapper(2, None), "tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True)
     assert "tbf" not in unshaped.stdout
+
+
+def test_reports_record_output_paths_relative_to_the_repository(tmp_path, capsys) -> None:
+    # Issue 29: committed results named the machine's folders (settings.out was absolute).
+    import argparse
+
+    inside = report.REPO / "benchmarks" / "results" / "x.json"
+    args = argparse.Namespace(out=tmp_path / "r.json", baseline=inside)
+    written = report.write_report("t", args, {}, echo=False)
+    assert written["settings"]["baseline"] == "benchmarks/results/x.json"
+    assert written["settings"]["out"] == str(tmp_path / "r.json")  # outside the repository: as given

@@ -339,6 +339,62 @@ def test_a_sharded_checkpoint_under_another_strategy_says_to_consolidate(run, tm
         trainer.fit(model, dm, ckpt_path=saved / "a.ckpt")
 
 
+@pytest.mark.parametrize(
+    ("out", "error", "message"),
+    [
+        ("folder", IsADirectoryError, r"cannot save the plain checkpoint as .*folder: it is a folder"),
+        ("", ValueError, "the output path for the plain checkpoint is empty"),
+    ],
+)
+def test_consolidate_into_a_folder_or_nowhere_says_so_before_loading(run, tmp_path, monkeypatch, out, error, message) -> None:
+    # Issue 29 item 15: a folder failed after the whole load, naming a hidden temporary file.
+    import lightning_hotcache.checkpoint as checkpoint_module
+
+    _, saved = run
+    (tmp_path / "folder").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(checkpoint_module, "_load_main_file", lambda path: pytest.fail("loaded first"))
+    with pytest.raises(error, match=message):
+        main(["consolidate", str(saved / "a.ckpt"), "--out", out])
+
+
+@pytest.mark.parametrize("content", [b"step,loss\n1,0.5\n", b""], ids=["text", "empty"])
+def test_consolidate_of_a_file_that_is_no_checkpoint_says_so(tmp_path, content: bytes) -> None:
+    # Issue 29 item 15: a text file ended in "KeyError: 101".
+    (tmp_path / "notes.ckpt").write_bytes(content)
+    with pytest.raises(ValueError, match=r"notes\.ckpt is not a checkpoint \(torch\.save's format"):
+        main(["consolidate", str(tmp_path / "notes.ckpt"), "--out", str(tmp_path / "plain.ckpt")])
+
+
+def _shard_made_a_folder(folder: Path) -> None:
+    shard = _shard(folder)
+    shard.unlink()
+    shard.mkdir()
+
+
+def _shard_made_a_dangling_link(folder: Path) -> None:
+    shard = _shard(folder)
+    shard.unlink()
+    shard.symlink_to(folder / "gone")
+
+
+@pytest.mark.parametrize(
+    ("damage", "error", "message"),
+    [
+        (_shard_made_a_folder, ValueError, r"rank0-of-1 is a folder \(or another non-file\), not a hotcache shard file"),
+        (_shard_made_a_dangling_link, FileNotFoundError, r"rank0-of-1 is a link to .*gone, which does not exist"),
+    ],
+    ids=["folder", "dangling-link"],
+)
+def test_a_shard_that_is_no_file_is_named_as_such(run, tmp_path, damage, error, message) -> None:
+    # Issue 29 item 15: both were reported "missing" while listed among the files present.
+    trainer, saved = run
+    folder = _copy(saved, tmp_path / "run", prefix="a.ckpt")
+    damage(folder)
+    with pytest.raises(error, match=message):
+        trainer.strategy.load_checkpoint(folder / "a.ckpt")
+
+
 def test_consolidate_into_a_missing_folder_says_so(run, tmp_path) -> None:
     # Issue 23 item 10: before, a FileNotFoundError naming a hidden temporary file, after the whole load.
     _, saved = run

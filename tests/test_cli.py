@@ -276,6 +276,14 @@ def test_strategy_by_class_path_alone(class_path: str, tmp_path: Path, monkeypat
     assert cli.trainer.global_step == 1
 
 
+def test_unknown_strategy_name_lists_the_hotcache_presets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 29 item 15: Lightning's message lists a few of its own names ("auto, ddp, ddp_spawn, deepspeed, ...").
+    monkeypatch.chdir(tmp_path)
+    config = str(REPO / "configs" / "deepfm_synthetic.yaml")
+    with pytest.raises(ValueError, match=r"strategy=hotcach is not a registered strategy name; .*hotcache, hotcache_10pct"):
+        main(["fit", "-c", config, "--trainer.fast_dev_run=true", "--trainer.strategy=hotcach", *SMALL_SYNTHETIC])
+
+
 @pytest.mark.parametrize("value", ["lightning_hotcache.NoSuch", "no_such_package.Strategy", "collections.OrderedDict"])
 def test_strategy_class_path_that_is_no_strategy(value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -307,9 +315,17 @@ def test_constructor_errors_are_shown_as_raised(tmp_path: Path, monkeypatch: pyt
               "--data.init_args.num_embeddings_per_feature=10"])  # fmt: skip
 
 
-@pytest.mark.parametrize("outputs", [["--out", "missing/stats.npz"], ["--out", "stats.npz", "--plot", "missing/c.png"]])
-def test_profile_output_folder_is_checked_before_profiling(
-    outputs: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+@pytest.mark.parametrize(
+    ("outputs", "message"),
+    [
+        (["--out", "missing/stats.npz"], "the output folder missing does not exist"),
+        (["--out", "stats.npz", "--plot", "missing/c.png"], "the output folder missing does not exist"),
+        (["--out", "."], "--out: cannot save the stats as .: it is a folder"),  # issue 29 item 15
+        (["--out", ""], "--out: the output path for the stats is empty"),
+    ],
+)
+def test_profile_output_is_checked_before_profiling(
+    outputs: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     import lightning_hotcache.cli as cli_module
 
@@ -317,7 +333,7 @@ def test_profile_output_folder_is_checked_before_profiling(
     monkeypatch.setattr(cli_module, "_lightning_cli", lambda *args, **kwargs: pytest.fail("profiled first"))
     with pytest.raises(SystemExit):
         main(["profile", "-c", str(REPO / "configs" / "dlrm_synthetic.yaml"), *outputs])
-    assert "the folder missing does not exist" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def _documented(config: Path, step: str) -> list[str]:

@@ -194,6 +194,38 @@ def test_full_disk_is_a_clear_error_before_training(tmp_path, monkeypatch) -> No
     assert not list(rows.glob("*.f32"))  # the file that did not fit is not left behind
 
 
+def test_file_size_limit_is_a_clear_error_and_leaves_no_file(tmp_path) -> None:
+    # Issue 29 item 14: a raw "[Errno 27] File too large" from posix_fallocate and a 0-byte file left.
+    probe = textwrap.dedent(f"""
+        import resource
+        from pathlib import Path
+        from lightning_hotcache.cache import HostDirectory
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        directory = HostDirectory({str(tmp_path / "rows")!r})
+        try:
+            directory.create("t.weight.f32", 100_000, 16)
+        except OSError as err:
+            print(err.errno, err.strerror)
+        print(sorted(p.name for p in Path({str(tmp_path / "rows")!r}).glob("*.f32")))
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"{errno.EFBIG} host_storage {tmp_path / 'rows'}: t.weight.f32 needs 6,400,000 bytes" in done.stdout
+    assert "file-size limit, `ulimit -f`, is 65,536 bytes" in done.stdout
+    assert done.stdout.strip().endswith("[]")
+
+
+def test_read_only_host_storage_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    import lightning_hotcache.cache.host as host
+
+    def read_only(path: Path, flags: int) -> int:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(host, "_open_no_symlink", read_only)
+    with pytest.raises(OSError, match=rf"host_storage {tmp_path} is not writable \(Read-only file system\).*'memory'"):
+        HostDirectory(tmp_path)
+
+
 def test_filesystem_that_cannot_reserve_gets_a_sparse_file_and_a_warning(tmp_path, monkeypatch) -> None:
     def unsupported(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))

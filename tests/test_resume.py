@@ -137,3 +137,20 @@ def test_two_processes_resume_exactly(tmp_path: Path, strategy: str, options: li
     for step, (resumed_steps, resumed_weights) in runs.items():
         assert resumed_steps == steps, f"resumed from step {step}"
         torch.testing.assert_close(resumed_weights, weights, msg=lambda m: f"resumed from step {step}: {m}")
+
+
+def test_resuming_mid_epoch_with_another_global_batch_is_refused_with_the_arithmetic(
+    uninterrupted: Callable[..., Uninterrupted], tmp_path: Path
+) -> None:
+    # Issue 29 item 11: the resume point is counted in global batches, so 2 processes x B resumed
+    # as 1 x B trained 1,025 samples of an 897-sample epoch. Here 1 x 64 resumed as 1 x 32.
+    run = uninterrupted("auto", 2, False)
+    pl.seed_everything(0)
+    dm = tiny_synthetic(scale=0.01, num_embeddings_cap=None, num_train_samples=4 * 64, batch_size=32, shuffle=False)
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad"})
+    trainer = cpu_trainer(max_epochs=2, limit_val_batches=0)
+    message = r"saved 2 global batches of 64 samples \(128 samples\) into epoch 1; this run's global batches have 32"
+    with pytest.raises(ValueError, match=message + r".*batch_size x processes = 64"):
+        trainer.fit(model, dm, ckpt_path=run.checkpoints / POSITIONS["mid_epoch"])
+    # From an epoch's end, any global batch goes on from the next epoch's first sample.
+    cpu_trainer(max_epochs=2, limit_val_batches=0).fit(model, dm, ckpt_path=run.checkpoints / POSITIONS["epoch_end"])

@@ -391,3 +391,26 @@ def test_gradient_accumulation_is_refused_where_rows_step_in_backward(strategy: 
     cpu_trainer(strategy=strategy, **kwargs).validate(model, dm, verbose=False)  # evaluation accumulates nothing
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_to_torchrec_during_a_fit_is_refused_and_a_deep_copy_is_the_way() -> None:
+    # Issue 29 item 8: from a callback mid-fit, the next step failed with advice about sparse gradients.
+    from lightning_hotcache import to_torchrec
+
+    class ExportMidFit(pl.Callback):
+        def __init__(self) -> None:
+            self.copy: torch.nn.Module | None = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx == 1:
+                with pytest.raises(RuntimeError, match="this fit is still training them.*copy.deepcopy"):
+                    to_torchrec(pl_module)
+                self.copy = copy.deepcopy(pl_module)
+
+    pl.seed_everything(0)
+    dm = data()
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    callback = ExportMidFit()
+    cpu_trainer(strategy=HotCacheStrategy(device_budget=0.1, profile_batches=4), max_steps=4, callbacks=[callback]).fit(model, dm)
+    assert hot_cold_modules(model) and callback.copy is not None and not hot_cold_modules(callback.copy)
+    assert to_torchrec(model) is model and not hot_cold_modules(model)  # after the fit

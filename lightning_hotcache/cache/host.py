@@ -17,6 +17,7 @@ import errno
 import fcntl
 import mmap
 import os
+import resource
 import socket
 import sys
 import warnings
@@ -62,10 +63,19 @@ class HostDirectory:
                 f"host_storage {self.path} is a file; it must be a directory (created if missing) for the "
                 "memory-mapped tables, or 'memory'."
             )
-        self.path.mkdir(parents=True, exist_ok=True)
         self._fd: int | None = None
         self._finalizer: weakref.finalize | None = None
-        self.acquire()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.acquire()  # the first write there: the lock file
+        except OSError as err:
+            if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            raise OSError(
+                err.errno,
+                f"host_storage {self.path} is not writable ({err.strerror}): the memory-mapped tables and the run's "
+                "lock are written there. Give a writable directory, or 'memory'.",
+            ) from None
 
     @property
     def locked(self) -> bool:
@@ -176,6 +186,16 @@ def _reserve(fd: int, path: Path, size: int) -> None:
                 f"{free:,} are free. The memory-mapped host tables reserve their whole size when they are made, "
                 "so a full disk cannot kill training later; free space there, or set host_storage to a directory "
                 "on a larger disk (or 'memory').",
+            ) from None
+        if err.errno == errno.EFBIG:
+            path.unlink()
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            allowed = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit:,} bytes"
+            raise OSError(
+                err.errno,
+                f"host_storage {path.parent}: {path.name} needs {size:,} bytes, more than one file may hold here "
+                f"(this process' file-size limit, `ulimit -f`, is {allowed}; or the filesystem's own). Raise the "
+                "limit, or set host_storage to a directory on a filesystem that takes files this large (or 'memory').",
             ) from None
         if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
