@@ -29,7 +29,7 @@ test: setup
 clean:
 	rm -rf $(VENV) wandb lightning_logs checkpoints .pytest_cache .gpu_site
 
-# ---- The lent GPU machine (benchmarks/requirements-gpu.txt says what it has and lacks). Here,
+# ---- A GPU machine without network access (benchmarks/requirements-gpu.txt says what it has and lacks). Here,
 # `make gpu-wheels` downloads the wheels it lacks into $(GPU_WHEELS) (git-ignored: carry it
 # with the working tree); there, `make gpu-check` installs them offline and runs the CUDA
 # tests and benchmarks/gpu.py (benchmarks/gpu_check.sh: how, and what it writes).

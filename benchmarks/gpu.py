@@ -22,9 +22,20 @@ own transfer, the same for every strategy, is not counted); the peak device memo
   CUDA kernels for its host/UVM placements), so `HostLookupDLRM` here does it by hand.
   ``hotcache`` with ``cache_policy="static"`` is FAE itself (hot rows on the device).
 
+Tables larger than the GPU: ``--device-memory GIB`` caps the memory each run may take on the
+GPU (``torch.cuda.set_per_process_memory_fraction``; the GPU machines here have more GPU memory
+than host memory and disk for tables, so the tables cannot simply outgrow the card). A run that
+does not fit (``auto`` holding every table) is reported as such (``does_not_fit``), not as a
+failure of the benchmark.
+
+``--profile-steps N`` runs the chosen strategies once each, in this process, and prints
+torch.profiler's key averages of N steps after the warm-up (by device time, then host time)
+instead of timing them; it writes no results.
+
 Prints a table and writes benchmarks/results/gpu.json.
 
     python benchmarks/gpu.py [--scale 1.0] [--batch-size 8192] [--steps 200] [--rounds 3] [--strategies auto hotcache@0.1]
+    python benchmarks/gpu.py --scale 1.0 --device-memory 8 --strategies auto hotcache@0.1   # tables larger than the GPU
     python benchmarks/gpu.py --device cpu --scale 0.001 --steps 5 --rounds 1   # smoke mode, seconds on a CPU
 """
 
@@ -91,7 +102,61 @@ def strategies(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+class ProfileSteps(pl.Callback):
+    """torch.profiler over ``steps`` training steps from batch ``start``; prints the key averages."""
+
+    def __init__(self, start: int, steps: int, device: str) -> None:
+        self.start, self.steps, self.device = start, steps, device
+        self.profiler: torch.profiler.profile | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx != self.start + self.steps - 1 or self.profiler is None:
+            return
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        self.profiler.__exit__(None, None, None)
+        averages = self.profiler.key_averages()
+        sort_keys = ("self_device_time_total", "self_cpu_time_total") if self.device == "cuda" else ("self_cpu_time_total",)
+        for key in sort_keys:
+            print(f"# {self.steps} steps from batch {self.start}, by {key}")
+            print(averages.table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
+
+
+def _cap_device_memory(args: argparse.Namespace) -> int | None:
+    """Cap this process' GPU memory at ``--device-memory`` GiB; the cap in bytes (None: none)."""
+    if args.device_memory is None:
+        return None
+    cap = int(args.device_memory * 2**30)
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+    return cap
+
+
+def _does_not_fit(error: BaseException, cap: int | None) -> dict[str, Any]:
+    keys = ("hit_rate", "fetched_rows_per_step", "h2d_bytes_per_step", "d2h_bytes_per_step", "device_peak_bytes", "peak_rss_mib")
+    return {
+        "samples_per_s": float("nan"), **dict.fromkeys(keys), "device_memory_cap_bytes": cap,
+        "does_not_fit": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}",
+    }  # fmt: skip
+
+
 def train(strategy: Any, args: argparse.Namespace, host_lookup: bool = False) -> dict[str, Any]:
+    cap = _cap_device_memory(args)
+    try:
+        return _train(strategy, args, host_lookup) | {"device_memory_cap_bytes": cap}
+    except torch.OutOfMemoryError as error:
+        return _does_not_fit(error, cap)
+
+
+def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[str, Any]:
     pl.seed_everything(0)
     dm = SyntheticCTRDataModule(scale=args.scale, embedding_dim=args.dim, batch_size=args.batch_size, num_workers=args.num_workers,
                                 num_train_samples=args.batch_size * (args.steps + 1), shuffle=False)  # fmt: skip
@@ -101,6 +166,8 @@ def train(strategy: Any, args: argparse.Namespace, host_lookup: bool = False) ->
     model = model_class(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
     clock = StepClock(args.warmup, probe=lambda: cache_counters(model))
     trainer = timed_trainer(strategy, args.steps, clock, accelerator=args.device)
+    if args.profile_steps:
+        trainer.callbacks.append(ProfileSteps(args.warmup, args.profile_steps, args.device))
     trainer.fit(model, dm)
     steps = args.steps - args.warmup
     moved = {key: clock.at_end[key] - clock.at_start[key] for key in clock.at_end}
@@ -136,6 +203,9 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         f"{'device peak MiB':>17}{'cache MiB':>11}{'peak RSS MiB':>14}  rounds"
     )
     for name, r in results.items():
+        if "does_not_fit" in r:
+            print(f"{name:<16}{'does not fit':>12}  {r['does_not_fit']}")
+            continue
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         print(
             f"{name:<16}{r['samples_per_s']:>12,.0f}{r['x_auto']:>8.2f}{r['x_cpu-lookup']:>14.2f}{hit:>10}{_mib(r['h2d_bytes_per_step']):>14}"
@@ -156,14 +226,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="runs of every strategy; the median is reported")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--strategies", nargs="+", help="a subset to run (default: all; auto is the baseline)")
+    parser.add_argument("--device-memory", type=float, help="cap each run's GPU memory at this many GiB (CUDA only)")
+    parser.add_argument("--profile-steps", type=int, default=0, help="profile this many steps after the warm-up instead")
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu.json")
     parser.add_argument("--job", help=argparse.SUPPRESS)  # one run in this process; prints its JSON
     args = parser.parse_args(argv)
+    if args.device_memory is not None and (args.device != "cuda" or not args.device_memory > 0):
+        parser.error(f"--device-memory caps CUDA memory: it needs --device cuda and a positive size; got {args.device_memory}")
+    if args.profile_steps < 0:
+        parser.error(f"--profile-steps must be >= 0, got {args.profile_steps}")
     if args.warmup is None:
         args.warmup = min(20, args.steps // 2)
     if args.num_workers is None:
         # One process draws ~60k synthetic samples/s at batch 8192: a GPU step must not wait on it.
         args.num_workers = 12 if args.device == "cuda" else 0
+    if args.profile_steps and args.warmup + args.profile_steps > args.steps:
+        parser.error(f"--profile-steps {args.profile_steps} after {args.warmup} warm-up steps needs --steps >= {args.warmup + args.profile_steps}")
     if not 0 < args.warmup < args.steps:
         parser.error(f"--warmup must be in [1, --steps - 1] so that some steps are timed; got {args.warmup} of {args.steps}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -182,10 +260,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps(result))
         return result
     chosen = [name for name in runs if not args.strategies or name in args.strategies]
+    if args.profile_steps:  # in this process, so that the tables reach the output
+        for name in chosen:
+            print(f"## {name}", flush=True)
+            train(runs[name](), args, host_lookup=name == "cpu-lookup")
+        return {}
     settings = [
         "--scale", str(args.scale), "--dim", str(args.dim), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--profile-batches", str(args.profile_batches), "--device", args.device,
         "--num-workers", str(args.num_workers),
+        *(["--device-memory", str(args.device_memory)] if args.device_memory is not None else []),
     ]  # fmt: skip
     results = rounds_of_jobs(__file__, settings, chosen, args.rounds)
     add_ratios(results, ("auto", "cpu-lookup"))

@@ -21,7 +21,8 @@ from conftest import cpu_trainer, tiny_synthetic  # noqa: E402
 
 from lightning_hotcache import HotCacheStrategy  # noqa: E402  (importing registers the strategies)
 from lightning_hotcache.embedding import hot_cold_modules  # noqa: E402
-from models import CTRModel, create_model  # noqa: E402
+from lightning_hotcache.global_batch import share_mean  # noqa: E402
+from models import MODEL_REGISTRY, CTRModel, create_model  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--resume-ckpt", type=Path, help="resume from this checkpoint (of a run with any number of processes)")
     parser.add_argument("--nan-at-step", type=int, help="poison one dense value of the last rank's batch at this step")
+    parser.add_argument("--manual-optimization", action="store_true", help="the model steps its optimizers itself")
     parser.add_argument("--predict-batches", type=int, help="predict this many batches of a plain DataLoader instead of fitting")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args()
@@ -63,6 +65,24 @@ class PoisonLastRank(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
         if trainer.global_step == self.step and trainer.global_rank == trainer.world_size - 1:
             batch.dense_features[0, 0] = float("nan")
+
+
+class ManualOptimization:
+    """Mixed into a zoo model: its training step calls backward and the dense optimizer itself,
+    as Lightning's manual optimization does (the tables' rule runs as in automatic mode)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx: int):
+        optimizer = self.optimizers()
+        logits, _ = self.logits_and_squared_norms(batch.dense_features, batch.sparse_features)
+        loss = share_mean(self.loss_fn(logits, batch.labels), batch)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
 
 
 class CountBatches(pl.Callback):
@@ -98,10 +118,12 @@ def fit(
         batch_size=args.batch_size, num_train_samples=args.train_samples, shuffle=args.shuffle,
         num_val_samples=args.val_samples or 2048, **tables,
     )  # fmt: skip
-    model = create_model(
-        args.model, dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer},
-        defer_table_init=args.defer_tables,
-    )  # fmt: skip
+    model_class = MODEL_REGISTRY[args.model]
+    if args.manual_optimization:
+        model_class = type(f"Manual{model_class.__name__}", (ManualOptimization, model_class), {})
+    model = model_class(
+        dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer}, defer_table_init=args.defer_tables
+    )
     # hotcache runs in one process too when asked (e.g. to resume a run of several).
     processes = args.devices * args.num_nodes
     strategy = args.strategy if processes > 1 or args.strategy == "hotcache" else "auto"

@@ -69,6 +69,15 @@ def test_torchrec_two_processes_match_one_with_double_batch(tmp_path: Path) -> N
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", ["torchrec", "ddp"])
+def test_manual_optimization_on_two_processes_matches_one_with_double_batch(tmp_path: Path, strategy: str) -> None:
+    # Issue 29 item 17: under torchrec the ranks' dense gradients were not averaged (TorchRec's
+    # DDP wrapper forced static_graph, whose first reduction Lightning's manual path never ran).
+    two = _train(tmp_path, 2, 128, "rowwise_adagrad", strategy, "--manual-optimization")
+    one = _train(tmp_path, 1, 256, "rowwise_adagrad", "auto", "--manual-optimization")
+    torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("strategy", ["torchrec", "hotcache", "ddp"])
 def test_ranks_seeded_apart_start_from_rank_zeros_weights(tmp_path: Path, strategy: str) -> None:
     # Lightning's DDP contract: every rank trains rank 0's model, however each rank was seeded.

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # appended: shadows nothing
 import gpu  # noqa: E402
@@ -47,6 +49,8 @@ def test_smoke_mode_reports_every_strategy(tmp_path, monkeypatch) -> None:
     [
         (["--device", "cpu", "--steps", "5", "--warmup", "5"], "--warmup must be in"),
         (["--device", "cpu", "--strategies", "torchrec"], "unknown strategies"),
+        (["--device", "cpu", "--device-memory", "8"], "--device-memory caps CUDA memory: it needs --device cuda"),
+        (["--device", "cpu", "--steps", "5", "--warmup", "2", "--profile-steps", "4"], "needs --steps >= 6"),
     ],
 )
 def test_bad_settings_are_clear_errors(argv, error, capsys) -> None:
@@ -72,13 +76,17 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:] + logs
     stages = (tmp_path / "stages.txt").read_text().splitlines()
     assert [line.split(":")[0] for line in stages] == [
-        "stage 1 imports-and-2-step-fit", "stage 2 cuda-tests", "stage 3 gpu-benchmark"
-    ]
+        "stage 1 imports-and-2-step-fit", "stage 2 cuda-tests", "stage 3 gpu-benchmark",
+        "stage 4 tables-larger-than-the-gpu", "stage 5 profile",
+    ]  # fmt: skip
     assert all(": rc 0," in line for line in stages), stages
     assert "torch" in (tmp_path / "stage1.log").read_text()
     assert "skipped" in (tmp_path / "stage2.log").read_text()  # found, and skipped without CUDA
     results = json.loads((tmp_path / "gpu.json").read_text())["results"]
     assert list(results) == ["auto", "cpu-lookup", "hotcache@0.1", "hotcache@0.01"]
+    assert list(json.loads((tmp_path / "beyond_gpu.json").read_text())["results"]) == ["auto", "hotcache@0.1"]
+    assert "## hotcache@0.1" in (tmp_path / "stage5.log").read_text()
+    assert len(list(tmp_path.iterdir())) <= 8  # what one device call brings back, with room to read
 
 
 def test_gpu_wheel_set_fits_the_machine_with_the_repository() -> None:
@@ -155,3 +163,25 @@ def test_step_clock_times_the_window_after_warm_up() -> None:
         assert clock.samples == (batches - 2) * 32
         assert (clock.at_start, clock.at_end) == (len(readings) - 1, len(readings))  # read at the two ends only
         assert clock.end > clock.start and clock.samples_per_s > 0
+
+
+def test_a_run_that_does_not_fit_the_gpu_is_reported_as_such(monkeypatch, capsys) -> None:
+    # Tables larger than the (capped) GPU: `auto` cannot hold them; the benchmark goes on and says so.
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 17.30 GiB\nmore detail")
+
+    monkeypatch.setattr(gpu, "_train", out_of_memory)
+    args = gpu.parse_args(SMOKE)
+    result = gpu.train("auto", args)
+    assert result["does_not_fit"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 17.30 GiB"
+    assert math.isnan(result["samples_per_s"]) and result["device_memory_cap_bytes"] is None
+    result |= {"rounds": [result["samples_per_s"]], "x_auto": float("nan"), "x_cpu-lookup": float("nan")}
+    gpu.print_table({"auto": result})
+    assert "does not fit" in capsys.readouterr().out
+
+
+def test_profile_mode_prints_where_the_steps_time_goes(capsys) -> None:
+    gpu.main([*SMOKE, "--batch-size", "64", "--warmup", "2", "--profile-steps", "2", "--strategies", "hotcache@0.1"])
+    printed = capsys.readouterr().out
+    assert "## hotcache@0.1" in printed and "# 2 steps from batch 2, by self_cpu_time_total" in printed
+    assert "aten::" in printed  # the ops of the profiled steps
