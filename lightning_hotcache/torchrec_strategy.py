@@ -14,12 +14,14 @@ under any strategy.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Sequence
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 from torchrec import EmbeddingBagCollection
 from typing_extensions import override
 
@@ -31,6 +33,17 @@ from lightning_hotcache.planner import _quiet_torchrec_planner
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
 log = logging.getLogger(__name__)
+
+# DDPStrategy settings this strategy cannot honour, with the one value it takes (see TorchRecStrategy).
+_UNSUPPORTED_SETTINGS: dict[str, Any] = {
+    "ddp_comm_hook": None,
+    "ddp_comm_state": None,
+    "ddp_comm_wrapper": None,
+    "model_averaging_period": None,
+    "start_method": "popen",
+}
+# DistributedDataParallel arguments TorchRec's wrapper sets itself (see TorchRecStrategy._dense_ddp).
+_SET_BY_TORCHREC = frozenset({"module", "device_ids", "process_group", "gradient_as_bucket_view", "broadcast_buffers"})
 
 def _torchrec_optimizer(config: RowWiseOptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """TorchRec's optimizer for our rule: its fused kernels do SGD and row-wise Adagrad with
@@ -61,15 +74,40 @@ class TorchRecStrategy(LikeAutoInOneProcess):
             learns (tested); TorchRec's ``data_parallel`` path (dense gradients, replicated
             tables) measured about 1e-4 apart after one SGD step on tiny tables, not yet
             explained, so it is opt-in. On CPU TorchRec supports these two.
-        **kwargs: DDPStrategy options (process group backend, timeout, ...).
+        **kwargs: DDPStrategy options (process group backend, timeout, ...). The DDP settings
+            (``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb`` and the rest of
+            ``DistributedDataParallel``'s) go to the DDP that DistributedModelParallel wraps the
+            dense layers in, with Lightning's defaults (TorchRec's own would force
+            ``static_graph=True``), but for ``gradient_as_bucket_view=True`` and
+            ``broadcast_buffers=False``, which TorchRec fixes. DDP communication hooks, model
+            averaging (they need Lightning's own DDP module) and ``start_method`` other than
+            ``"popen"`` (spawned processes would hand back sharded tensors, which cannot be
+            pickled) are refused.
 
     TorchRec's fused optimizer state (e.g. row-wise Adagrad's momentum) lives inside its
-    kernels and is not in Lightning checkpoints yet: resuming restarts it.
+    kernels and is not in Lightning checkpoints yet: resuming restarts it. After a run the
+    model is unwrapped (``trainer.model`` is the LightningModule again, as under DDP), but its
+    tables stay TorchRec's sharded modules; checkpoints and ``lightning_module_state_dict()``
+    hold plain tensors.
     """
 
     strategy_name = "torchrec"
 
     def __init__(self, sharding_types: Sequence[str] = ("table_wise",), **kwargs: Any) -> None:
+        refused = {name: kwargs[name] for name, default in _UNSUPPORTED_SETTINGS.items() if kwargs.get(name, default) != default}
+        if refused:
+            raise ValueError(
+                f"The torchrec strategy cannot honour {', '.join(f'{k}={v!r}' for k, v in refused.items())}: TorchRec's "
+                "DistributedModelParallel builds the DDP of the dense layers itself, which Lightning's communication "
+                "hooks and model averaging do not reach, and processes started other than by popen would hand back "
+                "sharded tensors. Leave them out, or use strategy='ddp' or 'hotcache'."
+            )
+        # What goes to DistributedDataParallel (all that DDPStrategy does not take itself), less
+        # what DistributedModelParallel's wrapper sets.
+        strategy_settings = set(inspect.signature(DDPStrategy.__init__).parameters)
+        self._dense_ddp_settings = {
+            k: v for k, v in kwargs.items() if k not in strategy_settings and k not in _SET_BY_TORCHREC
+        }
         super().__init__(**kwargs)
         self.sharding_types = list(sharding_types)
         self.sharding_plan: Any = None
@@ -78,6 +116,15 @@ class TorchRecStrategy(LikeAutoInOneProcess):
     def setup(self, trainer: pl.Trainer) -> None:
         if any(isinstance(m, EmbeddingBagCollection) for m in self.lightning_module.modules()):
             refuse_gradient_accumulation(trainer, self.strategy_name)  # rows are stepped in backward
+        if self.world_size > 1 and not self.lightning_module.automatic_optimization:
+            # Lightning's manual optimization drives its own DDP module around the training step
+            # (forward redirection, prepare_for_backward); the DDP inside DistributedModelParallel
+            # gets none of it, and its second forward fails inside the first backward's bookkeeping.
+            raise ValueError(
+                "The torchrec strategy does not run manual optimization with several processes (the dense layers' "
+                "DDP sits inside TorchRec's DistributedModelParallel, out of Lightning's reach). Use automatic "
+                "optimization, one process, or strategy='ddp' or 'hotcache'."
+            )
         super().setup(trainer)
 
     @override
@@ -122,10 +169,33 @@ class TorchRecStrategy(LikeAutoInOneProcess):
         # Sharding draws fresh initial tables from the global RNG; the run must not see that
         # (it would then shuffle and drop out differently from `auto`).
         with global_rngs_restored():
-            self.model = DistributedModelParallel(self.model, device=self.root_device, plan=self.sharding_plan)
+            self.model = DistributedModelParallel(
+                self.model, device=self.root_device, plan=self.sharding_plan, data_parallel_wrapper=self._dense_ddp()
+            )
         # Sharding builds new tables with fresh initial values: put the model's own back
         # (its initialization, or the weights a checkpoint restored before setup).
         self._copy_into_shards(tables)
+
+    def _dense_ddp(self) -> Any:
+        """How DistributedModelParallel wraps the dense layers: in a DDP with this strategy's
+        settings, on Lightning's defaults rather than TorchRec's (which force a static graph)."""
+        from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+
+        settings = dict(self._dense_ddp_settings)
+        return DefaultDataParallelWrapper(
+            bucket_cap_mb=settings.pop("bucket_cap_mb", None) or 25,  # DDP's default, as None means there
+            static_graph=settings.pop("static_graph", False),
+            find_unused_parameters=settings.pop("find_unused_parameters", False),
+            ddp_kwargs=settings,
+        )
+
+    @override
+    def teardown(self) -> None:
+        from torchrec.distributed import DistributedModelParallel
+
+        if isinstance(self.model, DistributedModelParallel):  # as DDPStrategy unwraps its DDP
+            self.model = self.lightning_module
+        super().teardown()
 
     @torch.no_grad()
     def _copy_into_shards(self, full: dict[str, torch.Tensor]) -> None:

@@ -414,3 +414,37 @@ def test_to_torchrec_during_a_fit_is_refused_and_a_deep_copy_is_the_way() -> Non
     cpu_trainer(strategy=HotCacheStrategy(device_budget=0.1, profile_batches=4), max_steps=4, callbacks=[callback]).fit(model, dm)
     assert hot_cold_modules(model) and callback.copy is not None and not hot_cold_modules(callback.copy)
     assert to_torchrec(model) is model and not hot_cold_modules(model)  # after the fit
+
+
+def test_torchrec_hands_its_ddp_settings_to_the_dense_ddp_and_unwraps_after_fit() -> None:
+    # Issue 29 item 18: the settings were kept on the strategy and TorchRec's defaults used instead
+    # (static_graph forced on), and the model stayed wrapped in DistributedModelParallel after fit.
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_hotcache import TorchRecStrategy
+
+    class InspectDenseDDP(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            ddp = trainer.strategy.model._dmp_wrapped_module
+            assert isinstance(ddp, DistributedDataParallel)
+            self.settings = (ddp.find_unused_parameters, ddp.static_graph, ddp.bucket_bytes_cap)
+
+    pl.seed_everything(0)
+    dm = data()
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    inspect = InspectDenseDDP()
+    strategy = TorchRecStrategy(find_unused_parameters=True, bucket_cap_mb=5)
+    trainer = cpu_trainer(strategy=strategy, max_steps=2, limit_val_batches=0, callbacks=[inspect])
+    trainer.fit(model, dm)
+    assert inspect.settings == (True, False, 5 * 2**20)
+    assert trainer.model is model
+
+
+@pytest.mark.parametrize(
+    "settings", [{"start_method": "spawn"}, {"ddp_comm_hook": lambda state, bucket: None}, {"model_averaging_period": 4}]
+)
+def test_torchrec_refuses_ddp_settings_it_cannot_honour(settings: dict) -> None:
+    from lightning_hotcache import TorchRecStrategy
+
+    with pytest.raises(ValueError, match=f"torchrec strategy cannot honour {next(iter(settings))}="):
+        TorchRecStrategy(**settings)
