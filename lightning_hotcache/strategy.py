@@ -72,7 +72,7 @@ from lightning_hotcache.planner import (
     prefetch_thread_used,
     resolve_budget,
 )
-from lightning_hotcache.profiling import AccessStats, run_batch_size, profile_batches
+from lightning_hotcache.profiling import AccessStats, profile_batches, run_batch_size
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
 from lightning_hotcache.sparse_ddp import broadcast_from_rank_zero
 from lightning_hotcache.table_init import draw_seed, is_deferred

@@ -33,16 +33,20 @@ ROWS, DIM, BATCH, SLOTS = 2000, 8, 64, 160
 SLACK = 8
 # Calls per step of one cache that would wait for a CUDA device (see `_CountSyncPoints`): a
 # bound, so that one more is a decision (DESIGN.md lists them), not an accident.
-SYNC_POINTS_PER_STEP = {"pytorch": 16, "fbgemm": 20}
+# The PyTorch path's 17th is its gradient's distinct rows (`sum_by_index`'s unique): coalescing
+# the sparse gradient, as before, waited as well, but the counter did not see it.
+SYNC_POINTS_PER_STEP = {"pytorch": 17, "fbgemm": 20}
 
 
 class _CountOps(TorchDispatchMode):
+    """Ops that compute (views, such as a slice of each feature's ids, launch no kernel)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.count += 1
+        self.count += not func.is_view
         return func(*args, **(kwargs or {}))
 
 
@@ -152,8 +156,10 @@ def _ops_per_step(
     return max(counts)
 
 
-def test_step_ops_do_not_grow_with_tables_in_one_process() -> None:
-    few, many = _ops_per_step(8), _ops_per_step(26)
+@pytest.mark.parametrize("kernel", ["auto", "pytorch"])
+def test_step_ops_do_not_grow_with_tables_in_one_process(kernel: str) -> None:
+    # On the PyTorch path too: one embedding_bag per cache (a stack of split tables), not per feature.
+    few, many = _ops_per_step(8, kernel=kernel), _ops_per_step(26, kernel=kernel)
     assert many - few <= SLACK, (few, many)
 
 

@@ -5,8 +5,8 @@
 - `LookupForOwners`: the same call, but its backward hands the output's gradient to a
   callback instead of updating this rank's copies (across ranks, each row's owner applies
   the ranks' mean gradient; see `OwnersUpdate`).
-- `EmbeddingBagLookup`: one ``embedding_bag`` per feature on its cache's slots, with sparse
-  gradients that a hook on each cache's weights applies (see `HookUpdate`).
+- `EmbeddingBagLookup`: one ``embedding_bag`` per cache (and pooling mode) on its slots, with
+  sparse gradients that a hook on each cache's weights applies (see `HookUpdate`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torchrec.modules.embedding_configs import PoolingType
 
 from lightning_hotcache.cache.device import DeviceCache
 from lightning_hotcache.cache.fused import FusedTables
-from lightning_hotcache.embedding.batch import StagedBatch, bag_offsets
+from lightning_hotcache.embedding.batch import StagedBatch, bag_offsets, concat_spans
 from lightning_hotcache.embedding.layout import Layout
 
 
@@ -81,28 +81,41 @@ class LookupForOwners(FusedLookup):
 
 
 class EmbeddingBagLookup:
-    """One ``embedding_bag`` per feature on its cache's slots (sparse gradients)."""
+    """One ``embedding_bag`` per cache and pooling mode on its slots (sparse gradients): all the
+    features a cache serves (a stack's split tables of one width, or a whole table's features)
+    read it in one call, so a step's lookups and their gradients follow the caches, not the
+    features (26 split tables: one call, not 26). The features of a cache need not be adjacent
+    in the output's (table) order: their ids are cut out and put end to end, and their pooled
+    rows back in order with one concatenation."""
 
     def __init__(self, layout: Layout, caches: dict[str, DeviceCache], is_weighted: bool, device: torch.device) -> None:
-        self.features = [(layout.table_of[f], caches[layout.cache_of_feature[f]]) for f in layout.features]
+        groups: dict[tuple[str, PoolingType], list[int]] = {}
+        for k, feature in enumerate(layout.features):
+            groups.setdefault((layout.cache_of_feature[feature], layout.table_of[feature].pooling), []).append(k)
+        self.groups = [(caches[key], "sum" if pooling == PoolingType.SUM else "mean", ks) for (key, pooling), ks in groups.items()]
+        # Where each feature's pooled rows are in the groups' outputs, end to end.
+        order = [k for _, _, ks in self.groups for k in ks]
+        self.output_order = [order.index(k) for k in range(len(layout.features))]
         self.is_weighted = is_weighted
         self.device = device
 
     def __call__(self, staged: StagedBatch) -> Tensor:
         ours = staged.ours
         offsets, bounds, batch = bag_offsets(ours).to(self.device, torch.int64), ours.offset_per_key(), ours.stride()
-        pooled = []
-        for k, (table, cache) in enumerate(self.features):
-            a, b = bounds[k], bounds[k + 1]
-            pooled.append(
-                nn.functional.embedding_bag(
-                    staged.indices[a:b],
-                    cache.weight,
-                    offsets[k * batch : (k + 1) * batch + 1] - a,
-                    mode="sum" if table.pooling == PoolingType.SUM else "mean",
-                    sparse=True,
-                    per_sample_weights=ours.weights()[a:b] if self.is_weighted else None,
-                    include_last_offset=True,
-                )
+        lengths = offsets.diff()
+        weights = ours.weights() if self.is_weighted else None
+        pooled: list[Tensor] = []
+        for cache, mode, ks in self.groups:
+            spans = [(bounds[k], bounds[k + 1]) for k in ks]
+            bag_lengths = concat_spans(lengths, [(k * batch, (k + 1) * batch) for k in ks])
+            rows = nn.functional.embedding_bag(
+                concat_spans(staged.indices, spans),
+                cache.weight,
+                torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)]),
+                mode=mode,
+                sparse=True,
+                per_sample_weights=None if weights is None else concat_spans(weights, spans),
+                include_last_offset=True,
             )
-        return torch.cat(pooled, dim=1)
+            pooled.extend(rows.view(len(ks), batch, -1).unbind(0))
+        return torch.cat([pooled[j] for j in self.output_order], dim=1)
