@@ -9,7 +9,11 @@ same device memory:
 * ``ours``: HotColdPlanner's plan (hot rows from the profile + LFU dynamic slots);
 * ``static``: FAE, the planner's static-policy plan (hot rows; misses staged per batch);
 * ``lru`` / ``lfu``: no static rows, the same number of device rows per table as ``ours``,
-  all dynamic.
+  all dynamic;
+* ``belady``: the ceiling of any cache of those rows (Belady's MIN, offline: on a miss, evict
+  the row whose next use is farthest in the trace), with the rows of the batch being looked
+  up never evicted, as the device caches lock them. The gap between LFU and this is what a
+  lookahead cache (which knows the next batches' ids) can win.
 
 Prints a table and writes benchmarks/results/hit_rate.json.
 
@@ -19,6 +23,7 @@ Prints a table and writes benchmarks/results/hit_rate.json.
 from __future__ import annotations
 
 import argparse
+import heapq
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -35,7 +40,7 @@ from lightning_hotcache.profiling import profile_batches
 
 RESULTS = Path(__file__).parent / "results"
 SGD = RowWiseOptimizerConfig(name="sgd")
-POLICIES = ("ours", "static", "lru", "lfu")
+POLICIES = ("ours", "static", "lru", "lfu", "belady")
 
 
 def replay(tables: list[EmbeddingBagConfig], plan: HotColdPlan, policy: str, trace: Iterable[Any]) -> float:
@@ -56,6 +61,66 @@ def replay(tables: list[EmbeddingBagConfig], plan: HotColdPlan, policy: str, tra
             caches[t.name].release(ticket)
     lookups = sum(c.counters.lookups for c in caches.values())
     return sum(c.counters.hits for c in caches.values()) / lookups
+
+
+def belady_hits(batches: list[np.ndarray], capacity: int, initial: Iterable[int] = ()) -> int:
+    """Lookups found resident by Belady's MIN over ``batches`` (each the ids one batch reads,
+    repeats counted) with ``capacity`` rows, ``initial`` resident at the start (a plan's
+    profiled static rows: the other policies start with them too): a batch's rows are all
+    made resident before the next batch, evicting the rows (not of this batch) whose next use
+    is farthest.
+
+    Written here because no library ships an offline optimal cache; a heap with lazy deletion
+    keeps each eviction O(log rows)."""
+    distinct = [np.unique(ids, return_counts=True) for ids in batches]
+    # next_use[b][k]: the next batch after b that reads distinct[b][0][k] (len(batches): never).
+    next_use: list[np.ndarray] = [np.empty(0, np.int64)] * len(batches)
+    upcoming: dict[int, int] = {}
+    for b in range(len(batches) - 1, -1, -1):
+        ids = distinct[b][0]
+        next_use[b] = np.array([upcoming.get(int(i), len(batches)) for i in ids], dtype=np.int64)
+        upcoming.update((int(i), b) for i in ids)
+    resident = {int(i): upcoming.get(int(i), len(batches)) for i in initial}  # id -> its next use
+    if len(resident) > capacity:
+        raise ValueError(f"{len(resident)} initial rows, more than the {capacity} the cache holds")
+    heap = [(-nxt, i) for i, nxt in resident.items()]  # (-next use, id), stale entries skipped
+    heapq.heapify(heap)
+    hits = 0
+    for b, (ids, counts) in enumerate(distinct):
+        now = set(ids.tolist())
+        if len(now) > capacity:
+            raise ValueError(f"a batch reads {len(now)} rows, more than the {capacity} the cache holds")
+        hits += int(counts[[int(i) in resident for i in ids]].sum()) if len(ids) else 0
+        for i, nxt in zip(ids.tolist(), next_use[b].tolist()):
+            resident[i] = nxt
+            heapq.heappush(heap, (-nxt, i))
+        kept = []
+        while len(resident) > capacity:
+            nxt, i = heapq.heappop(heap)
+            if resident.get(i) != -nxt:
+                continue  # stale: evicted, or its next use moved since
+            if i in now:
+                kept.append((nxt, i))  # read by this batch: locked
+                continue
+            del resident[i]
+        for entry in kept:
+            heapq.heappush(heap, entry)
+    return hits
+
+
+def belady(tables: list[EmbeddingBagConfig], plan: HotColdPlan, trace: list[Any]) -> float:
+    """Belady's hit rate over ``trace`` with each table's device rows of ``plan``, starting from
+    its static rows (a table wholly on the device hits always)."""
+    hits = lookups = 0
+    for t in tables:
+        per_batch = [
+            torch.cat([b.sparse_features.to_dict()[f].values() for f in t.feature_names]).numpy() for b in trace
+        ]
+        lookups += sum(len(ids) for ids in per_batch)
+        p = plan.table(t.name)
+        rows = len(p.static_ids) + p.cache_slots
+        hits += sum(len(ids) for ids in per_batch) if p.on_device else belady_hits(per_batch, rows, p.static_ids.tolist())
+    return hits / lookups
 
 
 def all_dynamic(plan: HotColdPlan) -> HotColdPlan:
@@ -93,6 +158,7 @@ def run(name: str, dm: Any, budgets: list[float], profile: int, trace_len: int) 
             result["static"] = None
         result["lru"] = replay(dm.tables, all_dynamic(ours), "lru", trace)
         result["lfu"] = replay(dm.tables, all_dynamic(ours), "lfu", trace)
+        result["belady"] = belady(dm.tables, ours, trace)
         others = [result[p] for p in ("static", "lru", "lfu") if result[p] is not None]
         result["ours_at_least_best_other"] = bool(result["ours"] >= max(others) - 1e-9)
         out.append(result)
