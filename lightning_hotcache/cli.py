@@ -113,7 +113,8 @@ class HotCacheCLI(LightningCLI):
     before_validate = before_test = before_predict = _check_last_checkpoint_exists
 
 
-def _check_strategy_class_path(class_path: str) -> None:
+def _check_strategy_class_path(class_path: str) -> type[Strategy]:
+    """The Strategy subclass ``class_path`` names, or an error listing what may be given."""
     module, _, name = class_path.rpartition(".")
     try:
         cls = getattr(import_module(module), name, None)
@@ -124,19 +125,19 @@ def _check_strategy_class_path(class_path: str) -> None:
             f"--trainer.strategy={class_path} is neither a registered strategy name "
             f"({', '.join(StrategyRegistry.available_strategies())}) nor the class path of a Strategy subclass."
         )
+    return cls
 
 
 def _check_strategy_settings(strategy: Namespace) -> None:
     """Build the configured strategy once, to report a bad setting with the strategy's own message:
     jsonargparse would try the next type of ``Trainer(strategy: str | Strategy)`` and report only
     that the settings are not a string."""
-    _check_strategy_class_path(strategy.class_path)
-    module, _, name = strategy.class_path.rpartition(".")
+    strategy_class = _check_strategy_class_path(strategy.class_path)
     settings = (strategy.get("init_args") or Namespace()).as_dict()
     if any(isinstance(value, dict) for value in settings.values()):
         return  # nested class settings (a cluster environment, ...): jsonargparse builds those
     try:
-        getattr(import_module(module), name)(**settings)
+        strategy_class(**settings)
     except (ValueError, TypeError, OSError) as error:
         raise ValueError(f"--trainer.strategy ({strategy.class_path}): {error}") from None
 

@@ -10,7 +10,7 @@ wherever they live. `tests/test_collectives.py` checks that the library calls
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -71,11 +71,13 @@ def all_reduce(tensor: Tensor, group: Any = None) -> None:
     tensor.copy_(on_device)
 
 
-def broadcast(tensor: Tensor, src: int = 0, group: Any = None) -> None:
-    """`torch.distributed.broadcast` of rank ``src``'s ``tensor`` into every rank's, in place,
-    on ``group``'s device."""
+@torch.no_grad()
+def broadcast_from_rank_zero(tensors: Iterable[Tensor], group: Any = None) -> None:
+    """Give every rank of ``group`` rank 0's values of ``tensors`` (in place; a
+    `torch.distributed.broadcast` each, on ``group``'s device)."""
     device = group_device(group)
-    on_device = tensor.to(device)
-    dist.broadcast(on_device, src=src, group=group)
-    if on_device is not tensor:
-        tensor.copy_(on_device)
+    for tensor in tensors:
+        on_device = tensor.to(device)
+        dist.broadcast(on_device, src=0, group=group)
+        if on_device is not tensor:
+            tensor.copy_(on_device)

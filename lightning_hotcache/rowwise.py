@@ -179,7 +179,9 @@ class RowWiseOptimizer(torch.optim.Optimizer):
                     )
                 taken.append((param, param.grad))
                 param.grad = None
-        to_sum = [(p, g) for p, g in taken if self.config.name != "sgd" and not g.is_coalesced()]
+        # SGD scatter-adds repeats itself, and a coalesced gradient (sparse_ddp's) is summed already.
+        summed_here = [self.config.name != "sgd" and not g.is_coalesced() for _, g in taken]
+        to_sum = [pair for pair, here in zip(taken, summed_here) if here]
         if to_sum:
             # The rows of all tables of one width summed with one sort (not one per table).
             summed = sum_rows_by_index(
@@ -187,8 +189,8 @@ class RowWiseOptimizer(torch.optim.Optimizer):
             )
             for (param, _), (rows, grads) in zip(to_sum, summed):
                 step_rows(self.config, param, self._row_state(param), rows, grads)
-        for param, grad in taken:
-            if self.config.name == "sgd" or grad.is_coalesced():
+        for (param, grad), here in zip(taken, summed_here):
+            if not here:
                 apply_sparse_update(self.config, param, self._row_state(param), grad)
         return loss
 

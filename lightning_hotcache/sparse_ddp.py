@@ -10,8 +10,9 @@ Lightning, no library code), while the same gradients reduced by a synchronous c
 after backward ran 12,000 steps clean. So the tables stay out of DDP (`keep_out_of_ddp`) and
 `average_sparse_gradients` averages their gradients right before the row-wise step, with
 dense all-gathers that every backend has. Left out of DDP, they are also left out of the
-broadcast of rank 0's weights DDP makes when it wraps the model: `broadcast_from_rank_zero`
-does that for them, so ranks seeded apart still train one model.
+broadcast of rank 0's weights DDP makes when it wraps the model: the zoo's models broadcast
+them at fit start (`collectives.broadcast_from_rank_zero`), so ranks seeded apart still train
+one model.
 """
 
 from __future__ import annotations
@@ -34,13 +35,6 @@ def keep_out_of_ddp(module: nn.Module, parameters: Iterable[Tensor]) -> None:
     (their gradients are then the caller's to reduce, e.g. with `average_sparse_gradients`)."""
     ids = {id(p) for p in parameters}
     set_ddp_ignored_parameters(module, [name for name, p in module.named_parameters() if id(p) in ids])
-
-
-@torch.no_grad()
-def broadcast_from_rank_zero(parameters: Iterable[Tensor], group: dist.ProcessGroup | None = None) -> None:
-    """Give every rank of ``group`` rank 0's values of ``parameters`` (in place)."""
-    for param in parameters:
-        collectives.broadcast(param, group=group)
 
 
 @torch.no_grad()

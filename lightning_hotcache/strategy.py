@@ -60,6 +60,7 @@ from lightning_hotcache.checkpoint import (
     shard_path,
     write_atomically,
 )
+from lightning_hotcache.collectives import broadcast_from_rank_zero
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
 from lightning_hotcache.even_batches import check_even_batches
 from lightning_hotcache.guards import finite_loss_or_skip
@@ -74,7 +75,6 @@ from lightning_hotcache.planner import (
 )
 from lightning_hotcache.profiling import AccessStats, profile_batches, run_batch_size
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
-from lightning_hotcache.sparse_ddp import broadcast_from_rank_zero
 from lightning_hotcache.table_init import draw_seed, is_deferred
 
 PLAN_KEY = "hotcache_plan"

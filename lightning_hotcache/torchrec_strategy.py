@@ -164,8 +164,7 @@ class TorchRecStrategy(LikeAutoInOneProcess):
             # Every rank starts from rank 0's weights, as under DDP: the copy back below would
             # otherwise give each rank its own initialization (dense layers included, undoing
             # the broadcast of the DDP that DMP wraps them in) whenever ranks are seeded apart.
-            for value in tables.values():
-                collectives.broadcast(value)
+            collectives.broadcast_from_rank_zero(tables.values())
         # Sharding draws fresh initial tables from the global RNG; the run must not see that
         # (it would then shuffle and drop out differently from `auto`).
         with global_rngs_restored():

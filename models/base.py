@@ -35,6 +35,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from typing_extensions import override
 
 from lightning_hotcache.checkpoint import check_not_sharded
+from lightning_hotcache.collectives import broadcast_from_rank_zero
 from lightning_hotcache.global_batch import real_samples, share_mean
 from lightning_hotcache.guards import (
     NonFiniteLossAction,
@@ -43,7 +44,7 @@ from lightning_hotcache.guards import (
     finite_loss_or_skip,
 )
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
-from lightning_hotcache.sparse_ddp import average_sparse_gradients, broadcast_from_rank_zero, keep_out_of_ddp
+from lightning_hotcache.sparse_ddp import average_sparse_gradients, keep_out_of_ddp
 from lightning_hotcache.table_init import draw_seed, materialize_tables
 from models.first_order import FirstOrderArch
 
