@@ -126,6 +126,21 @@ def apply_sparse_update(
 
 
 @torch.no_grad()
+def step_read_rows(
+    config: RowWiseOptimizerConfig, table: Tensor, state: dict[str, Tensor], rows: Tensor, inverse: Tensor, value_grads: Tensor
+) -> None:
+    """One step of ``config`` for the distinct ``rows`` of ``table`` a batch read, from the
+    gradient row of every value it read (``inverse``: the position in ``rows`` of each).
+    Staging knows the distinct rows, so summing duplicates is one ``index_add_``, no sort; SGD,
+    being linear, scatters the value rows straight into the table, as `apply_sparse_update` does."""
+    if config.name == "sgd":
+        table.index_add_(0, rows.index_select(0, inverse), value_grads.to(table.dtype), alpha=-config.lr)
+        return
+    summed = torch.zeros(len(rows), value_grads.shape[1], dtype=torch.float32, device=value_grads.device)
+    step_rows(config, table, state, rows, summed.index_add_(0, inverse, value_grads.to(torch.float32)))
+
+
+@torch.no_grad()
 def step_rows(config: RowWiseOptimizerConfig, table: Tensor, state: dict[str, Tensor], rows: Tensor, grads: Tensor) -> None:
     """One step of ``config`` on the distinct ``rows`` of ``table`` (and of its per-row
     ``state``), ``grads`` being their summed gradient rows: gather, step, scatter."""

@@ -123,12 +123,14 @@ class _PrefetchingLoader:
         # A plain move, not strategy.batch_to_device: that runs the module's transfer hooks,
         # which mark the module as inside a hook and would break `self.log` on the training
         # thread. The loop runs the hooks itself afterwards, on a batch already in place.
-        batch = move_data_to_device(batch, self.strategy.root_device)
-        for features in _features_of(batch):
+        # The ids are staged from the host batch (the caches' directories are there), the
+        # moved batch is what forward will get.
+        moved = move_data_to_device(batch, self.strategy.root_device)
+        for features, arriving in zip(_features_of(batch), _features_of(moved)):
             for module in modules:
                 if module.reads(features):
-                    module.prefetch(features)
-        return batch
+                    module.prefetch(features, arrives_as=arriving)
+        return moved
 
     def _staged_inline(self, modules: list[HotColdEmbeddingBagCollection]) -> Iterator[Any]:
         ahead: deque[Any] = deque()

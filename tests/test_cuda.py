@@ -26,7 +26,7 @@ from conftest import cpu_trainer
 from test_strategy import OPTIMIZER, assert_hotcache_matches_auto, data, fit, stats_paths  # noqa: F401 (stats_paths: a fixture)
 
 from test_ddp import _train
-from test_step_ops import _ops_per_step
+from test_step_ops import _batches, _module, _ops_per_step
 
 from lightning_hotcache import HotCacheStrategy
 from lightning_hotcache.cache.host import HostStore
@@ -103,11 +103,23 @@ def test_gpu_path_logs_its_kernel_and_keeps_within_the_budget(caplog, stats_path
     assert sum(m.device_bytes() for m in modules) <= trainer.strategy.plan.budget_bytes
 
 
-def test_gpu_path_host_syncs_per_step_do_not_grow_with_tables() -> None:
-    few = _ops_per_step(8, kernel="pytorch", counter_type=_CountCudaSyncs, device="cuda")
-    many = _ops_per_step(26, kernel="pytorch", counter_type=_CountCudaSyncs, device="cuda")
-    print(f"host syncs per steady-state step on CUDA (pytorch path, one stack): {few} for 8 tables, {many} for 26")
-    assert few == many
+def test_gpu_path_step_of_a_staged_batch_waits_for_no_device() -> None:
+    few = _ops_per_step(8, kernel="pytorch", counter_type=_CountCudaSyncs, device="cuda", staged_ahead=True)
+    many = _ops_per_step(26, kernel="pytorch", counter_type=_CountCudaSyncs, device="cuda", staged_ahead=True)
+    print(f"host syncs per steady-state step of a staged batch on CUDA (pytorch path): {few} for 8 tables, {many} for 26")
+    assert few == many == 0
+
+
+def test_gpu_path_staging_a_host_batch_waits_for_no_device() -> None:
+    # The directory is on the host: staging (misses, victims, write-backs) reads nothing back.
+    module = _module(26, kernel="pytorch", device="cuda")
+    for step, batch in enumerate(_batches(26, steps=10, seed=0)):
+        arriving = batch.to(torch.device("cuda"))
+        with _CountCudaSyncs() as syncs:
+            module.prefetch(batch, arrives_as=arriving)
+        assert syncs.count == 0, f"staging step {step} waited for the device"
+        module(arriving).values().sum().backward()
+    assert sum(c.counters.written_back_rows for c in module.caches.values()) > 0
 
 
 def test_gpu_path_stages_rows_through_pinned_buffers_not_pinned_tables() -> None:

@@ -12,6 +12,16 @@ same slots, so a row and its state always move together.
 When the static region covers the whole table, slot == id and there is no host copy and
 no bookkeeping at all: the table simply lives on the device.
 
+The directory (id -> slot map, slot -> id, locks, scores, dirty marks, counters) lives on the
+host (`books`) whatever the device: a batch's ids are there already while it is staged, ahead
+of its step, and every decision (hits, victims, what to write back) is made there without
+reading the device. Only rows and slot indices cross: the misses go up through pinned buffers
+on a side stream (`RowUpload`), the evicted dirty rows come down into pinned memory whose host
+write waits for the copy's event (`_WriteBack`). A row fetched again before its write-back has
+landed is taken from the evicted copy on the device instead of the stale host row. So
+staging, on a prefetch thread, makes the training thread wait for nothing. On the CPU the
+same code runs, the copies being plain ones.
+
 Across data-parallel ranks (`RowSharding`), each rank's host store holds its round-robin
 shard of the rows, and only a row's owner updates it and writes it back (owner-computes, as
 in HugeCTR's hybrid embedding and TorchRec's row-wise sharding). Staging reads only this
@@ -31,6 +41,7 @@ static region chosen from measured frequencies.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -42,7 +53,7 @@ from lightning_hotcache.cache.host import HostStore
 from lightning_hotcache.cache.slot_map import make_slot_map
 from lightning_hotcache.sorting import unique
 from lightning_hotcache.cache.upload import RowUpload
-from lightning_hotcache.rowwise import RowWiseOptimizerConfig, apply_sparse_update, step_rows
+from lightning_hotcache.rowwise import RowWiseOptimizerConfig, step_rows
 
 CachePolicy = Literal["lfu", "lru", "static"]
 CACHE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static")
@@ -55,6 +66,8 @@ def check_cache_policy(policy: str) -> None:
 
 # A victim scan reserves slots for this many batches' misses (see `DeviceCache._choose_victims`).
 RESERVE_BATCHES = 8
+# Write-backs whose copy to the host may still be running; beyond this the oldest is waited for.
+MAX_PENDING_WRITE_BACKS = 4
 
 _LOOKUPS, _MISSES, _FETCHED, _EVICTED, _WRITTEN_BACK = range(5)  # rows of DeviceCache._segment_tally
 
@@ -123,6 +136,7 @@ class DeviceCache:
         self.sharding = sharding
         self.policy = policy
         self.device = device
+        self.books = torch.device("cpu")  # where the directory lives (see the module's docstring)
         self.identity = len(static_ids) == num_embeddings
         if not self.identity and host is None:
             raise ValueError(f"Table {name!r} is not wholly on the device, so it needs a host store.")
@@ -134,19 +148,20 @@ class DeviceCache:
         self.counters = CacheCounters()
         # Per-segment tallies (lookups, misses, fetched, evicted, written back) in one tensor,
         # so that counting costs a few ops per step and no host sync; see `segment_counters`.
-        self._segment_bounds = None if segment_starts is None else torch.tensor(list(segment_starts)[1:-1], device=device)
+        self._segment_bounds = None if segment_starts is None else torch.tensor(list(segment_starts)[1:-1])
         num_segments = 0 if segment_starts is None else len(segment_starts) - 1
-        self._segment_tally = torch.zeros(5, num_segments, dtype=torch.int64, device=device)
+        self._segment_tally = torch.zeros(5, num_segments, dtype=torch.int64)
         self._issued = 0
         # Dynamic slots never used yet are [num_static + _never_used_from, end): a cold cache
         # fills from there without scoring every slot.
         self._never_used_from = 0
         # Victims reserved by the last scan of the dynamic slots (see `_choose_victims`), in
         # eviction order, and the ticket during which that scan ran.
-        self._reserve = torch.empty(0, dtype=torch.int64, device=device)
+        self._reserve = torch.empty(0, dtype=torch.int64)
         self._reserve_ticket = 0
         self._released_upto = 0
         self._released_early: set[int] = set()
+        self._write_backs: deque[_WriteBack] = deque()  # oldest first
 
         widths = {"weight": embedding_dim, **optimizer.state_widths(embedding_dim)}
         if storage is None:
@@ -157,13 +172,13 @@ class DeviceCache:
         self.slots: dict[str, Tensor] = storage
         if self.identity:
             return
-        self.id_of_slot = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
-        self.slot_map = make_slot_map(num_embeddings, static_ids.to(device), num_slots, device, self.id_of_slot)
-        self.dirty = torch.zeros(num_slots, dtype=torch.bool, device=device)
+        self.id_of_slot = torch.full((num_slots,), -1, dtype=torch.int64)
+        self.slot_map = make_slot_map(num_embeddings, static_ids, num_slots, self.books, self.id_of_slot)
+        self.dirty = torch.zeros(num_slots, dtype=torch.bool)
         # Ticket of the latest batch that read each slot; tickets <= _released_upto are done.
-        self.last_used = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        self.frequency = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        self.id_of_slot[: self.num_static] = static_ids.to(device)
+        self.last_used = torch.zeros(num_slots, dtype=torch.int64)
+        self.frequency = torch.zeros(num_slots, dtype=torch.int64)
+        self.id_of_slot[: self.num_static] = static_ids
 
     @staticmethod
     def num_slots(num_embeddings: int, static_ids: Tensor, num_dynamic: int) -> int:
@@ -197,10 +212,11 @@ class DeviceCache:
         return CacheCounters(lookups, lookups - misses, fetched, evicted, written_back)
 
     def device_bytes(self) -> int:
-        """Bytes this cache holds on its device: slot rows, their optimizer state, the id ->
-        slot map and per-slot bookkeeping (what the planner's budget must cover)."""
+        """Bytes this cache holds on its device: slot rows and their optimizer state, and on
+        the CPU, where the directory lives on the device too, the id -> slot map and per-slot
+        bookkeeping (the planner's budget covers both everywhere)."""
         arrays = list(self.slots.values())
-        if not self.identity:
+        if not self.identity and self.device == self.books:
             arrays += [self.id_of_slot, self.dirty, self.last_used, self.frequency, *self.slot_map.tensors()]
         return sum(a.numel() * a.element_size() for a in arrays)
 
@@ -208,18 +224,21 @@ class DeviceCache:
     def acquire(self, ids: Tensor) -> tuple[Tensor, int]:
         """Slots of ``ids`` (any order, duplicates allowed), fetching missing rows, and the
         ticket that keeps them locked until `release`."""
-        slots, ticket, _ = DeviceCache.acquire_all([self], [ids])[0]
-        return slots, ticket
+        acquired = DeviceCache.acquire_all([self], [ids])[0]
+        return acquired.slots, acquired.ticket  # on the host
 
     @staticmethod
     @torch.no_grad()
-    def acquire_all(caches: Sequence["DeviceCache"], ids: Sequence[Tensor]) -> list[tuple[Tensor, int, Tensor]]:
+    def acquire_all(caches: Sequence["DeviceCache"], ids: Sequence[Tensor]) -> list[Acquired]:
         """`acquire` for several caches at once (misses of every cache first, then every
-        install: a prefetch thread sees no cache half-staged); per cache also the distinct
-        slots read (all of them where the table is wholly on the device, repeats included)."""
+        install: a prefetch thread sees no cache half-staged). Slots are on the host; only
+        the fetched rows and their slots go to the device."""
         started = [cache._begin_acquire(i) for cache, i in zip(caches, ids)]
         rows = [None if a.needed is None else cache._read_own(a.needed) for cache, a in zip(caches, started)]
-        return [cache._finish_acquire(a, r) for cache, a, r in zip(caches, started, rows)]
+        acquired = [cache._finish_acquire(a, r) for cache, a, r in zip(caches, started, rows)]
+        for cache in caches:
+            cache._land_write_backs(everything=False)
+        return acquired
 
     def _begin_acquire(self, ids: Tensor) -> _Acquire:
         """Lock the hits and free slots for the misses (their rows come next).
@@ -227,7 +246,7 @@ class DeviceCache:
         The batch's ids are deduplicated first: every later step works on distinct ids, and
         the slot map's binary searches run on sorted queries, which walk the same paths
         (2.6x faster than the batch's raw ids for Criteo-like skew in a micro-benchmark)."""
-        ids = ids.to(self.device, torch.int64)
+        ids = ids.to(self.books, torch.int64)
         self.counters.lookups += ids.numel()
         self._issued += 1
         if self.identity:
@@ -254,15 +273,15 @@ class DeviceCache:
         self._evict(acquire.victims[self.id_of_slot[acquire.victims] >= 0])
         return acquire
 
-    def _finish_acquire(self, acquire: _Acquire, rows: dict[str, Tensor] | None) -> tuple[Tensor, int, Tensor]:
-        """Install the fetched ``rows`` (of ``acquire.needed``) and lock them; the slot of
-        every id of the batch (in its order), the ticket, and the distinct slots read."""
+    def _finish_acquire(self, acquire: _Acquire, rows: dict[str, Tensor] | None) -> Acquired:
+        """Install the fetched ``rows`` (of ``acquire.needed``) and lock them."""
         slots = acquire.slots
         if acquire.needed is not None:
             assert rows is not None and acquire.victims is not None and acquire.missing is not None
             victims, needed = acquire.victims, acquire.needed
+            at = self._upload.to_device(victims)
             for key, tensor in self.slots.items():
-                tensor.index_copy_(0, victims, rows[key])
+                tensor.index_copy_(0, at, rows[key])
             self.slot_map.assign(needed, victims, ascending=True)  # distinct ids come sorted
             self.id_of_slot[victims] = needed
             self.frequency[victims] = 0
@@ -272,11 +291,11 @@ class DeviceCache:
             slots[acquire.missing] = victims
             self.last_used[victims] = acquire.ticket
         if acquire.inverse is None:  # identity: slots are the ids
-            return slots, acquire.ticket, slots
+            return Acquired(slots, acquire.ticket, slots)
         if self.policy == "lfu":
             assert acquire.counts is not None
             self.frequency.index_add_(0, slots, acquire.counts)
-        return slots[acquire.inverse], acquire.ticket, slots
+        return Acquired(slots[acquire.inverse], acquire.ticket, slots, acquire.inverse)
 
     def count_lookups(self, count: int) -> None:
         """Lookups served without an `acquire` (a table wholly on the device, read at its rows)."""
@@ -301,7 +320,7 @@ class DeviceCache:
             self._released_upto += 1
             self._released_early.remove(self._released_upto)
         if self.policy == "static":
-            dynamic = torch.arange(self.num_static, self.num_static + self.num_dynamic, device=self.device)
+            dynamic = torch.arange(self.num_static, self.num_static + self.num_dynamic)
             unlocked = self.last_used[dynamic] <= self._released_upto
             self._evict(dynamic[(self.id_of_slot[dynamic] >= 0) & unlocked])
 
@@ -312,15 +331,18 @@ class DeviceCache:
     def _read_own(self, ids: Tensor) -> dict[str, Tensor]:
         """Host rows (and state) of ``ids`` for staging, on the device: across ranks only this
         rank's own rows are read; other ranks' rows are zeros until the forward that reads
-        them fetches them."""
+        them fetches them. ``ids`` ascending, on the host."""
         assert self.host is not None
         if self.sharding.world == 1:
-            return self._upload.gather(self.host, ids)
-        owned = self.sharding.owned(ids)
-        widths = self._row_widths
-        rows = {key: torch.zeros(len(ids), width, dtype=torch.float32, device=self.device) for key, width in widths.items()}
-        for key, values in self._upload.gather(self.host, self.sharding.local(ids[owned])).items():
-            rows[key][owned] = values
+            rows = self._upload.gather(self.host, ids)
+        else:
+            owned = self.sharding.owned(ids)
+            rows = {key: torch.zeros(len(ids), width, dtype=torch.float32, device=self.device) for key, width in self._row_widths.items()}
+            at = self._upload.to_device(owned.nonzero().squeeze(1))
+            for key, values in self._upload.gather(self.host, self.sharding.local(ids[owned])).items():
+                rows[key][at] = values
+        for write_back in self._write_backs:  # oldest first: the latest copy of a row wins
+            write_back.serve_evicted(ids, rows, self._upload)
         return rows
 
     def serve_weights(self, ids: Tensor) -> Tensor:
@@ -328,15 +350,17 @@ class DeviceCache:
         if self.identity:
             return self.weight[ids.to(self.device)]
         assert self.host is not None
-        weights = self.host.weight.index_select(0, self.sharding.local(ids).cpu()).to(self.device)
-        slots = self.slot_map.lookup(ids.to(self.device))
+        self._land_write_backs(everything=True)
+        ids = ids.to(self.books)
+        weights = self.host.weight.index_select(0, self.sharding.local(ids)).to(self.device)
+        slots = self.slot_map.lookup(ids)
         cached = slots >= 0
-        weights[cached] = self.weight[slots[cached]]
+        weights[cached.to(self.device)] = self.weight[slots[cached].to(self.device)]
         return weights
 
     def remote_slots(self, slots: Tensor) -> Tensor:
-        """The distinct slots among ``slots`` (distinct already unless the table is wholly on the
-        device) that hold another rank's row."""
+        """The distinct slots among ``slots`` (on the host; distinct already unless the table is
+        wholly on the device) that hold another rank's row."""
         if self.sharding.world == 1:
             return slots[:0]
         distinct = unique(slots)[0] if self.identity else slots
@@ -358,7 +382,7 @@ class DeviceCache:
             # Never-used slots are empty and unlocked: the scoring below would pick them first.
             first = start + self._never_used_from
             self._never_used_from += count
-            return torch.arange(first, first + count, device=self.device)
+            return torch.arange(first, first + count)
         self._never_used_from = self.num_dynamic
         if self.policy != "static" and len(self._reserve) >= count:
             unread = self._reserve[self.last_used[self._reserve] < self._reserve_ticket]
@@ -397,46 +421,60 @@ class DeviceCache:
         self._tally(_EVICTED, ids)
 
     def _write_back(self, slots: Tensor) -> None:
+        """Start writing ``slots``' rows back: copied off the device now (behind every update
+        queued), written to the host store once the copy is done (`_land_write_backs`)."""
         if len(slots) == 0:
             return
-        assert self.host is not None
         # In id order: the host store's writes then go through memory in one direction, and a
         # stack of stores takes each table's rows as one slice. `index_select`, not
         # ``tensor[slots]``: 3x faster for rows on CPU.
         ids, order = self.id_of_slot[slots].sort()
         slots = slots[order]
-        self.host.write(self.sharding.local(ids), {key: tensor.index_select(0, slots) for key, tensor in self.slots.items()})
+        at = self._upload.to_device(slots)
+        evicted = {key: tensor.index_select(0, at) for key, tensor in self.slots.items()}
+        rows, copied = self._upload.download(evicted)
+        self._write_backs.append(_WriteBack(ids, evicted, rows, copied, self._issued))
         self.dirty[slots] = False
         self.counters.written_back_rows += len(slots)
         self._tally(_WRITTEN_BACK, ids, ascending=True)
 
+    def _land_write_backs(self, everything: bool) -> None:
+        """Write the rows of finished copies to the host store, oldest first. Unless
+        ``everything`` (which waits for every copy), the latest acquire's stay in flight, and
+        a copy still running is waited for only beyond `MAX_PENDING_WRITE_BACKS`."""
+        while self._write_backs:
+            oldest = self._write_backs[0]
+            wait = everything or len(self._write_backs) > MAX_PENDING_WRITE_BACKS
+            if not wait and (oldest.issued >= self._issued or not oldest.copied_yet()):
+                return
+            assert self.host is not None
+            oldest.land(self.host, self.sharding)
+            self._write_backs.popleft()
+
     # -------------------------------------------------------------- updates
     @property
-    def _state(self) -> dict[str, Tensor]:
+    def slot_state(self) -> dict[str, Tensor]:
         """The slots' optimizer state arrays (all but the weights)."""
         return {key: tensor for key, tensor in self.slots.items() if key != "weight"}
-
-    def apply_update(self, grad: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
-        """One row-wise step from a sparse gradient over slots."""
-        self.mark_updated(apply_sparse_update(optimizer, self.weight, self._state, grad))
 
     def mark_updated(self, slots: Tensor) -> None:
         """Note that ``slots`` (repeats allowed) were updated, so eviction writes them back."""
         if self.identity:
             return
+        slots = slots.to(self.books)
         if self.sharding.world == 1:
             self.dirty[slots] = True
         else:  # only the owner writes a row back: other ranks' copies are dropped on eviction
             self.dirty[slots] = self.dirty[slots] | self.sharding.owned(self.id_of_slot[slots])
 
     def cached_slots(self, ids: Tensor) -> Tensor:
-        """The slot of each of ``ids``, -1 where the row is not on the device."""
-        return ids.to(self.device) if self.identity else self.slot_map.lookup(ids)
+        """The slot of each of ``ids``, -1 where the row is not on the device (where ``ids`` are)."""
+        return ids.to(self.device) if self.identity else self.slot_map.lookup(ids.to(self.books)).to(ids.device)
 
     @torch.no_grad()
     def update_slots(self, slots: Tensor, grads: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
         """One row-wise step for distinct ``slots`` (no coalescing, which sorts)."""
-        step_rows(optimizer, self.weight, self._state, slots, grads)
+        step_rows(optimizer, self.weight, self.slot_state, slots.to(self.device), grads)
         self.mark_updated(slots)
 
     @torch.no_grad()
@@ -445,6 +483,7 @@ class DeviceCache:
         if len(ids) == 0:
             return
         assert self.host is not None
+        self._land_write_backs(everything=True)
         local = self.sharding.local(ids)
         rows = self.host.read(local)
         weights = rows.pop("weight")
@@ -452,13 +491,15 @@ class DeviceCache:
         self.host.write(local, {"weight": weights, **rows})
 
     def ids_of_slots(self, slots: Tensor) -> Tensor:
-        return slots if self.identity else self.id_of_slot[slots]
+        """The id each of ``slots`` holds (where ``slots`` are)."""
+        return slots if self.identity else self.id_of_slot[slots.to(self.books)].to(slots.device)
 
     @torch.no_grad()
     def write_back(self) -> None:
         """Write every changed row (and its state) back to the host store."""
         if not self.identity:
             self._write_back(self.dirty.nonzero().squeeze(1))
+            self._land_write_backs(everything=True)
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -502,6 +543,7 @@ class DeviceCache:
             self.slots[key][start:stop].copy_(values.to(self.device))
             return
         assert self.host is not None
+        self._land_write_backs(everything=True)  # none may land on these rows later
         values = values.cpu()
         first = start + (self.sharding.rank - start) % self.sharding.world  # first id of ours
         if first < stop:
@@ -509,7 +551,17 @@ class DeviceCache:
         cached = (self.id_of_slot >= start) & (self.id_of_slot < stop)
         slots = cached.nonzero().squeeze(1)
         if len(slots):
-            self.slots[key][slots] = values[(self.id_of_slot[slots] - start).cpu()].to(self.device)
+            self.slots[key][slots.to(self.device)] = values[self.id_of_slot[slots] - start].to(self.device)
+
+
+@dataclass
+class Acquired:
+    """What `DeviceCache.acquire_all` gives per cache, on the host."""
+
+    slots: Tensor  # the slot of every id asked for, in their order
+    ticket: int  # keeps the slots locked until released
+    read: Tensor  # the distinct slots read (all of `slots` where the table is wholly on the device)
+    inverse: Tensor | None = None  # position in `read` of each id (None: `read` is `slots`)
 
 
 @dataclass
@@ -524,3 +576,34 @@ class _Acquire:
     missing: Tensor | None = None  # which of `ids` miss, when there is a fetch
     needed: Tensor | None = None  # their ids
     victims: Tensor | None = None  # the slots they go to
+
+
+class _WriteBack:
+    """Evicted rows on their way to the host store: ``evicted`` on the device (serving a
+    re-fetch until they land), ``rows`` their host copies, complete once ``copied`` fires."""
+
+    def __init__(self, ids: Tensor, evicted: dict[str, Tensor], rows: dict[str, Tensor], copied: torch.cuda.Event | None, issued: int) -> None:
+        self.ids = ids  # ascending global ids, on the host
+        self.evicted = evicted
+        self.rows = rows
+        self.copied = copied
+        self.issued = issued  # the acquire that evicted them
+
+    def copied_yet(self) -> bool:
+        return self.copied is None or self.copied.query()
+
+    def serve_evicted(self, ids: Tensor, rows: dict[str, Tensor], upload: RowUpload) -> None:
+        """Where ``ids`` (ascending, on the host) are among these rows, put their evicted
+        copies into ``rows`` (on the device): the host store does not hold them yet."""
+        position = torch.searchsorted(self.ids, ids).clamp_(max=len(self.ids) - 1)
+        here = self.ids[position] == ids
+        if not bool(here.any()):  # a host tensor: no device wait
+            return
+        at, source = upload.to_device(here.nonzero().squeeze(1)), upload.to_device(position[here])
+        for key, values in rows.items():
+            values.index_copy_(0, at, self.evicted[key].index_select(0, source))
+
+    def land(self, host: HostStore, sharding: RowSharding) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+        host.write(sharding.local(self.ids), self.rows)

@@ -78,7 +78,7 @@ class OwnedRows:
         keys = rows + self._key_minus_row[regions]
         if self.stack is not None:  # the stack's rows come first
             cut = int(torch.searchsorted(rows, self._stack_rows))
-            keys[:cut] = self.stack.id_of_slot[rows[:cut]]
+            keys[:cut] = self.stack.ids_of_slots(rows[:cut])
         return keys
 
     def rows_of_keys(self, keys: Tensor) -> Tensor:

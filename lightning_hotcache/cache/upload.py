@@ -1,4 +1,4 @@
-"""Host rows to a CUDA device through page-locked buffers on a side stream.
+"""Host rows to a CUDA device through page-locked buffers on a side stream, and back.
 
 A ``non_blocking`` host->device copy is asynchronous only from page-locked memory. Pinning
 whole host tables costs a second copy of each while it is pinned, the pinned allocator rounds
@@ -9,6 +9,11 @@ stream that installs them waits on an event, not the host. Buffers alternate, so
 the next batch's rows waits (on the host) only for the copy before last, long done by then.
 
 On other devices there is nothing to copy: rows are the host store's `HostStore.read`.
+
+The cache's directory lives on the host (see `DeviceCache`), so a batch's slot indices go up
+too (`to_device`: through the caching host allocator's page-locked memory, which keeps a block
+until its copy is done), and evicted rows come down (`download`: into page-locked memory, with
+an event the host write waits for). Neither makes the host wait for the device.
 """
 
 from __future__ import annotations
@@ -20,6 +25,14 @@ from lightning_hotcache.cache.host import HostStore
 
 # Buffers in rotation: the gather of batch k waits for the copy of batch k - BUFFERS.
 BUFFERS = 2
+
+
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor`` (on the host) on ``device``, queued behind the current stream's work: the
+    host does not wait (from pageable memory CUDA would wait for the stream first)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class RowUpload:
@@ -61,6 +74,23 @@ class RowUpload:
         for tensor in rows.values():
             tensor.record_stream(consumer)  # made on the side stream, freed after the consumer's use
         return rows
+
+    def to_device(self, tensor: Tensor) -> Tensor:
+        return to_device(tensor, self.device)
+
+    def download(self, rows: dict[str, Tensor]) -> tuple[dict[str, Tensor], torch.cuda.Event | None]:
+        """Device ``rows`` copied to the host, and the event after which the copies hold them
+        (None: they hold them now). The copies are queued behind the current stream's work,
+        so they see every update queued before."""
+        if not self.asynchronous:
+            return {key: value.cpu() for key, value in rows.items()}, None
+        host = {}
+        for key, value in rows.items():
+            host[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            host[key].copy_(value, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(self.device))
+        return host, copied
 
     def _buffer(self, k: int, key: str, num_rows: int, width: int) -> Tensor:
         buffer = self._buffers[k].get(key)

@@ -9,12 +9,21 @@ tensors.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+
+@dataclass(frozen=True)
+class CacheReads:
+    """One cache's reads in a staged batch, for an update that sums each row's gradient itself."""
+
+    rows: Tensor  # the distinct slots read, on the device
+    inverse: Tensor  # position in `rows` of each value its features read (features end to end), on the device
+    host_rows: Tensor  # `rows` on the host (the cache's directory marks them updated)
 
 
 @dataclass
@@ -30,6 +39,8 @@ class StagedBatch:
     output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
     # What the update across ranks keeps from forward for backward (see `OwnersUpdate`).
     exchange: Any = None
+    # Per cache key, its reads, where the update sums gradients itself (`Staging.sums_gradients`).
+    reads: dict[str, CacheReads] = field(default_factory=dict)
 
 
 def same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
@@ -95,10 +106,15 @@ def check_one_batch_size(features: KeyedJaggedTensor) -> None:
 
 
 def in_feature_order(
-    features: KeyedJaggedTensor, order: list[str], input_of: dict[str, str], table_of: dict[str, EmbeddingBagConfig]
+    features: KeyedJaggedTensor,
+    order: list[str],
+    input_of: dict[str, str],
+    table_of: dict[str, EmbeddingBagConfig],
+    sizes: KeyedJaggedTensor | None = None,
 ) -> KeyedJaggedTensor:
     """The values ``order``'s features read (``input_of`` says which input key each reads; a
-    key may be read by several), keyed by ``order`` (as given when it already is)."""
+    key may be read by several), keyed by ``order`` (as given when it already is). ``sizes``:
+    the same batch elsewhere, whose values per key are known (default: ``features``)."""
     check_one_batch_size(features)
     keys = features.keys()
     if keys == order:
@@ -110,7 +126,7 @@ def in_feature_order(
                 f"Feature {input_of[feature]!r} of table {table_of[feature].name!r} is missing from the batch (it has {keys})."
             )
     picked = [position[input_of[f]] for f in order]
-    batch, per_key = features.stride(), features.length_per_key()
+    batch, per_key = features.stride(), (sizes or features).length_per_key()
 
     def reordered(flat: Tensor, sizes: int | list[int]) -> Tensor:
         parts = flat.split(sizes)
@@ -123,4 +139,22 @@ def in_feature_order(
         lengths=reordered(features.lengths(), batch),
         weights=None if weights is None else reordered(weights, per_key),
         stride=batch,
+    )
+
+
+def on_device(
+    arriving: KeyedJaggedTensor, host: KeyedJaggedTensor, host_ours: KeyedJaggedTensor, order: list[str], input_of: dict[str, str]
+) -> KeyedJaggedTensor:
+    """``arriving`` (the batch on the device; ``host``: the same batch on the host) in the
+    module's feature order, with the sizes per feature that ``host_ours`` (that order, on the
+    host) knows: a KJT computes them from its lengths, which on the device would wait for it."""
+    ours = in_feature_order(arriving, order, input_of, {}, sizes=host)
+    return KeyedJaggedTensor(
+        keys=ours.keys(),
+        values=ours.values(),
+        lengths=ours.lengths(),
+        weights=ours.weights_or_none(),
+        stride=ours.stride(),
+        length_per_key=host_ours.length_per_key(),
+        offset_per_key=host_ours.offset_per_key(),
     )

@@ -16,8 +16,8 @@ number of processes:
 |---------|-----------|----------------------|------------------------------------------------|
 | fbgemm  | 1         | `FusedLookup`        | `FusedUpdate`: the kernel's backward           |
 | fbgemm  | several   | `LookupForOwners`    | `OwnersUpdate`: owners step a width's rows     |
-| pytorch | 1         | `EmbeddingBagLookup` | `LocalHookUpdate`: a hook per cache            |
-| pytorch | several   | `EmbeddingBagLookup` | `OwnersHookUpdate`: hooks, then owners         |
+| pytorch | 1         | `EmbeddingBagLookup` | `SummingUpdate`: rows summed, stepped per cache |
+| pytorch | several   | `EmbeddingBagLookup` | `OwnersSummingUpdate`: sums, then owners       |
 
 Where the rows live (`Layout`) is decided alongside; nothing in a step tests the
 configuration again.
@@ -49,7 +49,7 @@ from lightning_hotcache.cache.owned_rows import OwnedRows
 from lightning_hotcache.embedding.layout import Layout, build_layout
 from lightning_hotcache.embedding.lookup import EmbeddingBagLookup, FusedLookup, LookupForOwners
 from lightning_hotcache.embedding.staging import Staging
-from lightning_hotcache.embedding.update import FusedUpdate, LocalHookUpdate, OwnersHookUpdate, OwnersUpdate
+from lightning_hotcache.embedding.update import FusedUpdate, OwnersSummingUpdate, OwnersUpdate, SummingUpdate
 from lightning_hotcache.planner import HotColdPlan
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 from lightning_hotcache.table_init import draw_seed, initial_rows, is_deferred
@@ -205,8 +205,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
             owned = [self._owned_rows(k) for k in range(len(self.layout.device_rows))]
             update = OwnersUpdate(self.layout, owned, staging, lock, self.optimizer, self._sharding, self._is_weighted)
             return LookupForOwners(self._fused, self._is_weighted, self.device, update.on_output_gradient), update
-        hooks = (LocalHookUpdate if world == 1 else OwnersHookUpdate)(self._caches, staging, lock, self.optimizer)
-        return EmbeddingBagLookup(self.layout, self._caches, self._is_weighted, self.device), hooks
+        summing = (SummingUpdate if world == 1 else OwnersSummingUpdate)(self.layout, self._caches, staging, lock, self.optimizer, self._is_weighted)
+        return EmbeddingBagLookup(self.layout, self._caches, self._is_weighted, self.device, summing.on_output_gradient), summing
 
     def _why_not_fused(self, kernel: KernelChoice, fewest_slots: int) -> str | None:
         """Why the device tier cannot be FBGEMM's fused kernel here (None: it can); sets `kernel_note`."""
@@ -347,9 +347,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
 
     # -------------------------------------------------------------- a step
     @_locked
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
-        """Make a future batch's rows resident and lock them (call in forward order)."""
-        self._staging.queue.append(self._staging.stage(features))
+    def prefetch(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None) -> None:
+        """Make a future batch's rows resident and lock them (call in forward order).
+        ``features`` are read on the host: pass the batch before its move to the device, and
+        the moved batch, which forward will get, as ``arrives_as``."""
+        self._staging.queue.append(self._staging.stage(features, arrives_as))
 
     @_locked
     def clear_prefetched(self) -> None:

@@ -5,8 +5,9 @@
 - `LookupForOwners`: the same call, but its backward hands the output's gradient to a
   callback instead of updating this rank's copies (across ranks, each row's owner applies
   the ranks' mean gradient; see `OwnersUpdate`).
-- `EmbeddingBagLookup`: one ``embedding_bag`` per cache (and pooling mode) on its slots, with
-  sparse gradients that a hook on each cache's weights applies (see `HookUpdate`).
+- `EmbeddingBagLookup`: one ``embedding_bag`` per cache (and pooling mode) on its slots, whose
+  backward, like `LookupForOwners`', hands the output's gradient to the update (see
+  `SummingUpdate`): no sparse gradient, which would need sorting to sum.
 """
 
 from __future__ import annotations
@@ -37,26 +38,29 @@ class FusedLookup:
         return bag_offsets(ours).to(self.device, torch.int64), weights
 
     def __call__(self, staged: StagedBatch) -> Tensor:
+        return self.pooled(staged)
+
+    def pooled(self, staged: StagedBatch) -> Tensor:
         offsets, weights = self._inputs(staged)
         return self.fused(staged.indices, offsets, weights)
 
 
-class _NoKernelBackward(torch.autograd.Function):
-    """FBGEMM's lookup with a backward that passes the output's gradient to ``on_gradient``.
-    ``anchor`` is a scalar that requires grad, so that autograd calls this backward (the TBE's
-    weights take no part)."""
+class _GradientToCallback(torch.autograd.Function):
+    """A lookup whose backward passes the output's gradient to ``on_gradient``, which updates
+    the rows itself. ``anchor`` is a scalar that requires grad, so that autograd calls this
+    backward (no table takes part in autograd)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         anchor: Tensor,
-        lookup: FusedLookup,
+        pooled: Callable[[StagedBatch], Tensor],
         on_gradient: Callable[[StagedBatch, Tensor], None],
         staged: StagedBatch,
     ) -> Tensor:
         ctx.on_gradient, ctx.staged = on_gradient, staged
         with torch.no_grad():
-            return FusedLookup.__call__(lookup, staged)
+            return pooled(staged)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:  # type: ignore[override]
@@ -76,19 +80,27 @@ class LookupForOwners(FusedLookup):
 
     def __call__(self, staged: StagedBatch) -> Tensor:
         if not torch.is_grad_enabled():
-            return super().__call__(staged)
-        return _NoKernelBackward.apply(self._anchor, self, self.on_gradient, staged)
+            return self.pooled(staged)
+        return _GradientToCallback.apply(self._anchor, self.pooled, self.on_gradient, staged)
 
 
 class EmbeddingBagLookup:
-    """One ``embedding_bag`` per cache and pooling mode on its slots (sparse gradients): all the
+    """One ``embedding_bag`` per cache and pooling mode on its slots: all the
     features a cache serves (a stack's split tables of one width, or a whole table's features)
     read it in one call, so a step's lookups and their gradients follow the caches, not the
     features (26 split tables: one call, not 26). The features of a cache need not be adjacent
     in the output's (table) order: their ids are cut out and put end to end, and their pooled
-    rows back in order with one concatenation."""
+    rows back in order with one concatenation. Its backward calls ``on_gradient(staged,
+    output_grad)``."""
 
-    def __init__(self, layout: Layout, caches: dict[str, DeviceCache], is_weighted: bool, device: torch.device) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        caches: dict[str, DeviceCache],
+        is_weighted: bool,
+        device: torch.device,
+        on_gradient: Callable[[StagedBatch, Tensor], None],
+    ) -> None:
         groups: dict[tuple[str, PoolingType], list[int]] = {}
         for k, feature in enumerate(layout.features):
             groups.setdefault((layout.cache_of_feature[feature], layout.table_of[feature].pooling), []).append(k)
@@ -98,8 +110,15 @@ class EmbeddingBagLookup:
         self.output_order = [order.index(k) for k in range(len(layout.features))]
         self.is_weighted = is_weighted
         self.device = device
+        self.on_gradient = on_gradient
+        self._anchor = torch.zeros((), requires_grad=True)  # not a parameter: nothing trains it
 
     def __call__(self, staged: StagedBatch) -> Tensor:
+        if not torch.is_grad_enabled():
+            return self.pooled(staged)
+        return _GradientToCallback.apply(self._anchor, self.pooled, self.on_gradient, staged)
+
+    def pooled(self, staged: StagedBatch) -> Tensor:
         ours = staged.ours
         offsets, bounds, batch = bag_offsets(ours).to(self.device, torch.int64), ours.offset_per_key(), ours.stride()
         lengths = offsets.diff()
@@ -113,7 +132,6 @@ class EmbeddingBagLookup:
                 cache.weight,
                 torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)]),
                 mode=mode,
-                sparse=True,
                 per_sample_weights=None if weights is None else concat_spans(weights, spans),
                 include_last_offset=True,
             )

@@ -1,6 +1,11 @@
 """Staging: a batch's ids checked, put in the module's feature order, and turned into locked
 slots of the device tables, ahead of its forward (`prefetch`) or at its start.
 
+All of it runs on the host, where the batch's ids are before they go to the device and where
+the caches keep their directories: the device receives the batch's slots in one copy and the
+rows it missed, and is never read. (A batch handed over on the device is copied back to the
+host first, which waits for it: prefetching stages the batch before its move.)
+
 The caches that lock rows are acquired all at once (`DeviceCache.acquire_all`: every cache's misses
 are read before any is installed, so a prefetch thread never leaves one half-staged). Tables
 wholly on the device in shared device tables lock nothing (slot == row): their ids become rows
@@ -17,9 +22,11 @@ from torch import Tensor
 from torchrec import KeyedJaggedTensor
 
 from lightning_hotcache.cache.device import DeviceCache
-from lightning_hotcache.embedding.batch import StagedBatch, check_ids, concat_spans, in_feature_order, same_batch
+from lightning_hotcache.cache.upload import to_device
+from lightning_hotcache.embedding.batch import CacheReads, StagedBatch, check_ids, concat_spans, in_feature_order, on_device, same_batch
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.guards import check_not_empty
+from lightning_hotcache.sorting import unique
 
 
 class Staging:
@@ -39,42 +46,56 @@ class Staging:
         # values of a run are one slice (a stack of every table is one run, not one per table).
         self._runs = {key: _runs(self._positions[key]) for key in self._acquired}
         self._value_base = layout.value_base()
+        # Whether staged batches carry each cache's distinct reads on the device (`CacheReads`),
+        # for an update that sums gradients itself (set by it).
+        self.sums_gradients = False
         self.queue: deque[StagedBatch] = deque()
         self.in_flight: list[StagedBatch] = []
 
-    def stage(self, features: KeyedJaggedTensor) -> StagedBatch:
+    def stage(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None) -> StagedBatch:
+        """Stage ``features``, the batch as forward will get it (``arrives_as``: the same batch
+        already moved to the device, whose values are then never read here)."""
+        arriving = features if arrives_as is None else arrives_as
+        if features.values().device.type != "cpu":
+            features = features.to(torch.device("cpu"))
         check_not_empty(features)
         ours = in_feature_order(features, self.layout.features, self.layout.input_of, self.layout.table_of)
         check_ids(ours, self.layout.table_of)  # everything validated before any row is touched
-        values = ours.values().to(self.device, torch.int64)
+        values = ours.values().to(torch.int64)
         bounds, per_key = ours.offset_per_key(), ours.length_per_key()
         if self._value_base is None:
             indices = values.clone()  # the caches' slots are written into it
         else:
-            base = torch.repeat_interleave(self._value_base, torch.tensor(per_key), output_size=len(values))
-            indices = values + base.to(self.device)
+            indices = values + torch.repeat_interleave(self._value_base, torch.tensor(per_key), output_size=len(values))
         spans = {key: [(bounds[a], bounds[b]) for a, b in self._runs[key]] for key in self._acquired}
         # A stack reads global ids (in `indices`); a table of its own reads its ids.
         ids = [concat_spans(indices if key in self.layout.stacks else values, spans[key]) for key in self._acquired]
         acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids)
         tickets: dict[str, list[int]] = {}
         read: list[tuple[DeviceCache, Tensor]] = []
-        for key, (cache_slots, ticket, distinct) in zip(self._acquired, acquired):
+        reads: dict[str, CacheReads] = {}
+        for key, got in zip(self._acquired, acquired):
             cache = self.caches[key]
-            tickets[key] = [ticket]
-            read.append((cache, distinct))
+            tickets[key] = [got.ticket]
+            read.append((cache, got.read))
+            if self.sums_gradients:
+                distinct, inverse = unique(got.slots) if got.inverse is None else (got.read, got.inverse)
+                reads[key] = CacheReads(to_device(distinct, self.device), to_device(inverse, self.device), distinct)
             if cache.identity:  # slot == id: `indices` holds it already
                 continue
             start = self.layout.regions[key].start  # the kernel reads slots at their place in its table
-            parts = (cache_slots + start if start else cache_slots).split([b - a for a, b in spans[key]])
+            parts = (got.slots + start if start else got.slots).split([b - a for a, b in spans[key]])
             for (a, b), part in zip(spans[key], parts):
                 indices[a:b] = part
         for key in self._counted_only:
             self.caches[key].count_lookups(sum(per_key[k] for k in self._positions[key]))
-        return StagedBatch(features, ours, indices, tickets, read)
+        if arriving.values().device != values.device:
+            ours = on_device(arriving, features, ours, self.layout.features, self.layout.input_of)
+        return StagedBatch(arriving, ours, to_device(indices, self.device), tickets, read, reads=reads)
 
     def take(self, features: KeyedJaggedTensor, training: bool) -> StagedBatch:
-        """The staged batch of ``features``: the next prefetched one, or staged now."""
+        """The staged batch of ``features``: the next prefetched one, or staged now (from the
+        host: a batch on the device is copied back, and the copy waits for the device)."""
         self.release_abandoned()
         if self.queue and same_batch(self.queue[0].features, features):
             return self.queue.popleft()

@@ -4,10 +4,11 @@
   its autograd node unlocks them once it has (not when the output is freed: autograd frees
   it before the TBE's own backward runs, and a prefetch thread could then evict rows about
   to be updated).
-- `LocalHookUpdate` (PyTorch, one process): a post-accumulate hook on each cache's slot
-  weights applies the rule to the sparse slot gradient.
-- `OwnersHookUpdate` (PyTorch, several processes): those hooks wait until every cache's
-  gradient is in, then each row's owner applies the ranks' mean gradient, per cache.
+- `SummingUpdate` (PyTorch, one process): the lookup's backward hands over the output's
+  gradient; each cache sums its rows' gradients (staging knows the distinct rows: no sort, no
+  sparse tensor) and applies the rule.
+- `OwnersSummingUpdate` (PyTorch, several processes): the same sums, then each row's owner
+  applies the ranks' mean gradient (one exchange for all caches).
 - `OwnersUpdate` (FBGEMM, several processes): before the lookup, the other ranks' rows the
   batch reads are fetched from their owners; in backward every read row's gradient goes to
   its owner, which applies the ranks' mean, one device table (one width) at a time
@@ -41,10 +42,10 @@ from lightning_hotcache.cache.exchange import (
 )
 from lightning_hotcache.cache.owned_rows import OwnedRows
 from lightning_hotcache.sorting import sum_rows_by_index, unique
-from lightning_hotcache.embedding.batch import StagedBatch
+from lightning_hotcache.embedding.batch import StagedBatch, concat_spans
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.embedding.staging import Staging
-from lightning_hotcache.rowwise import RowWiseOptimizerConfig
+from lightning_hotcache.rowwise import RowWiseOptimizerConfig, step_read_rows
 
 
 def _weak_call(obj: object, method: str) -> Callable[..., None]:
@@ -87,16 +88,23 @@ class FusedUpdate:
             self.staging.finish(staged)
 
 
-class LocalHookUpdate:
-    def __init__(self, caches: dict[str, DeviceCache], staging: Staging, lock: threading.RLock, optimizer: RowWiseOptimizerConfig) -> None:
+class SummingUpdate:
+    """PyTorch, one process: the lookup's backward hands over the output's gradient, and each
+    cache's rows get the rule from their summed gradient. Staging knows the batch's distinct
+    slots and each value's place among them (`CacheReads`), so a cache's step is a fixed
+    number of ops (gradient rows of its values, one ``index_add_``, gather-step-scatter) with
+    no sort, no sparse tensor and nothing for the host to wait on."""
+
+    def __init__(
+        self, layout: Layout, caches: dict[str, DeviceCache], staging: Staging, lock: threading.RLock, optimizer: RowWiseOptimizerConfig, is_weighted: bool
+    ) -> None:
         self.caches = caches
         self.staging = staging
         self.lock = lock
         self.optimizer = optimizer
-        for key, cache in caches.items():
-            cache.weight.requires_grad_(True)
-            hook = _weak_call(self, "_on_gradient")
-            cache.weight.register_post_accumulate_grad_hook(lambda weight, key=key: hook(key, weight))
+        self.is_weighted = is_weighted
+        self._features = {key: _CacheFeatures.of(layout, key) for key in caches}
+        staging.sums_gradients = True
 
     def before_lookup(self, staged: StagedBatch) -> None:
         pass
@@ -107,22 +115,24 @@ class LocalHookUpdate:
     def settle(self) -> None:
         """Every update is applied in backward: nothing waits."""
 
-    def _on_gradient(self, key: str, weight: Tensor) -> None:
-        """Backward of one cache (the gradient is taken, not copied)."""
+    def on_output_gradient(self, staged: StagedBatch, grad: Tensor) -> None:
         with self.lock:
-            grad, weight.grad = weight.grad, None
-            if grad is not None:
-                self._apply(key, grad)
+            for key, cache in self.caches.items():
+                reads = staged.reads[key]
+                rows = self._features[key].value_gradients(staged.ours, grad, self.is_weighted)
+                step_read_rows(self.optimizer, cache.weight, cache.slot_state, reads.rows, reads.inverse, rows)
+                cache.mark_updated(reads.host_rows)
+            self.staging.finish(staged)
 
-    def _apply(self, key: str, grad: Tensor) -> None:
-        self.caches[key].apply_update(grad, self.optimizer)
-        self.staging.finish_tables([key])
 
+class OwnersSummingUpdate(SummingUpdate):
+    """PyTorch, several processes: the summed gradient of every row a rank read goes to the
+    row's owner, which applies the ranks' mean (one exchange for all caches)."""
 
-class OwnersHookUpdate(LocalHookUpdate):
-    def __init__(self, caches: dict[str, DeviceCache], staging: Staging, lock: threading.RLock, optimizer: RowWiseOptimizerConfig) -> None:
-        super().__init__(caches, staging, lock, optimizer)
-        self._pending: dict[str, Tensor] = {}  # gradients of the caches whose hooks have run
+    def __init__(
+        self, layout: Layout, caches: dict[str, DeviceCache], staging: Staging, lock: threading.RLock, optimizer: RowWiseOptimizerConfig, is_weighted: bool
+    ) -> None:
+        super().__init__(layout, caches, staging, lock, optimizer, is_weighted)
         self.sharding = next(iter(caches.values())).sharding
 
     @torch.no_grad()
@@ -135,19 +145,20 @@ class OwnersHookUpdate(LocalHookUpdate):
         ids = [cache.ids_of_slots(r) for cache, r in zip(caches, remote)]
         rows = exchange_table_rows(ids, [c.serve_weights for c in caches], [c.weight.shape[1] for c in caches], self.sharding)
         for cache, r, i, w in zip(caches, remote, ids, rows):
-            cache.weight[r] = w
+            cache.weight[r.to(cache.device)] = w
             cache.count_fetched(i)
 
-    def _apply(self, key: str, grad: Tensor) -> None:
-        # Every cache's pooled output is part of the one tensor forward returns, so a backward
-        # that reaches one cache reaches them all: wait for all, then one exchange.
-        self._pending[key] = grad
-        if len(self._pending) < len(self.caches):
-            return
-        grads = [self._pending.pop(k) for k in self.caches]
-        # Uncoalesced (public .indices() would sort): the sum over repeats is made for all caches at once.
-        self._owners_step(list(self.caches.values()), [g._indices()[0] for g in grads], [g._values() for g in grads])
-        self.staging.finish_tables(list(self.caches))
+    def on_output_gradient(self, staged: StagedBatch, grad: Tensor) -> None:
+        with self.lock:
+            slots, summed = [], []
+            for key in self.caches:
+                reads = staged.reads[key]
+                rows = self._features[key].value_gradients(staged.ours, grad, self.is_weighted)
+                zeros = torch.zeros(len(reads.rows), rows.shape[1], dtype=torch.float32, device=rows.device)
+                slots.append(reads.rows)
+                summed.append(zeros.index_add_(0, reads.inverse, rows))
+            self._owners_step(list(self.caches.values()), slots, summed)
+            self.staging.finish(staged)
 
     @torch.no_grad()
     def _owners_step(self, caches: list[DeviceCache], slots: list[Tensor], rows: list[Tensor]) -> None:
@@ -167,6 +178,51 @@ class OwnersHookUpdate(LocalHookUpdate):
             cached = at >= 0
             cache.update_slots(at[cached], total[cached], self.optimizer)
             cache.update_host_rows(ids[~cached], total[~cached], self.optimizer)
+
+
+@dataclass(frozen=True)
+class _CacheFeatures:
+    """Where one cache's features are in a batch and in the module's output, for the gradient
+    row of every value they read (what ``embedding_bag``'s sparse backward forms)."""
+
+    features: list[int]  # ascending: the order staging puts the cache's values in
+    columns: Tensor | None  # the features' output columns, feature after feature (None: contiguous)
+    first_column: int
+    dim: int
+    mean: Tensor | None  # per feature, whether it pools by mean (None: none does)
+
+    @classmethod
+    def of(cls, layout: Layout, key: str) -> "_CacheFeatures":
+        features = layout.positions(key)
+        dim = layout.table_of[layout.features[features[0]]].embedding_dim
+        columns = [c for f in features for c in range(layout.columns[f], layout.columns[f] + dim)]
+        contiguous = columns == list(range(columns[0], columns[0] + len(columns)))
+        mean = [layout.table_of[layout.features[f]].pooling == PoolingType.MEAN for f in features]
+        return cls(features, None if contiguous else torch.tensor(columns), columns[0], dim, torch.tensor(mean) if any(mean) else None)
+
+    def value_gradients(self, ours: KeyedJaggedTensor, grad: Tensor, is_weighted: bool) -> Tensor:
+        """The gradient row of each value of these features in ``ours``, features end to end,
+        from the output's gradient ``grad`` (batch, sum of dims)."""
+        batch, count = ours.stride(), len(self.features)
+        if self.columns is None:
+            per_bag = grad[:, self.first_column : self.first_column + count * self.dim]
+        else:
+            per_bag = grad.index_select(1, self.columns.to(grad.device))
+        # Sample-major columns to feature-major bags, as the values come.
+        per_bag = per_bag.reshape(batch, count, self.dim).transpose(0, 1).reshape(count * batch, self.dim)
+        spans = [(ours.offset_per_key()[f], ours.offset_per_key()[f + 1]) for f in self.features]
+        bag_lengths = concat_spans(ours.lengths(), [(f * batch, (f + 1) * batch) for f in self.features]).to(grad.device)
+        if self.mean is not None:
+            scale = bag_lengths.clamp(min=1).to(grad.dtype).reciprocal()  # as embedding_bag: times 1 / size
+            if not bool(self.mean.all()):  # a host tensor
+                scale = torch.where(self.mean.to(grad.device).repeat_interleave(batch, output_size=count * batch), scale, 1.0)
+            per_bag = per_bag * scale[:, None]
+        num_values = sum(b - a for a, b in spans)
+        bag_of_value = torch.repeat_interleave(torch.arange(count * batch, device=grad.device), bag_lengths, output_size=num_values)
+        rows = per_bag.index_select(0, bag_of_value)
+        if is_weighted:
+            rows = rows * concat_spans(ours.weights(), spans).to(grad.device, grad.dtype)[:, None]
+        return rows
 
 
 @dataclass(frozen=True)
