@@ -344,3 +344,46 @@ def test_batches_with_other_features_or_order_read_the_same_rows(kernel, weighte
         expected = module(batch).values()
         got = module(shuffled).values()
     torch.testing.assert_close(got, expected)
+
+
+def test_a_row_fetched_again_before_its_write_back_lands_comes_from_the_evicted_copy() -> None:
+    # The directory decides on the host; evicted rows land in the host store only once their
+    # copy off the device is done (at the acquire after next, on the CPU). A row evicted and
+    # fetched again in between must come back with its update, not as the host's stale row.
+    from lightning_hotcache import RowWiseOptimizerConfig
+    from lightning_hotcache.cache import DeviceCache, HostStore
+
+    sgd = RowWiseOptimizerConfig(name="sgd")
+    host = HostStore("t", 10, 2, sgd.state_widths(2))
+    host.load("weight", torch.zeros(10, 2))
+    cache = DeviceCache("t", 10, 2, sgd, torch.empty(0, dtype=torch.int64), 1, "lru", host, torch.device("cpu"))
+    slots, ticket = cache.acquire(torch.tensor([3]))
+    cache.weight[slots] = 7.0  # an update of row 3
+    cache.mark_updated(slots)
+    cache.release(ticket)
+    cache.release(cache.acquire(torch.tensor([5]))[1])  # evicts row 3: its write-back is in flight
+    assert cache.counters.written_back_rows == 1 and torch.equal(host.weight[3], torch.zeros(2))
+    slots, ticket = cache.acquire(torch.tensor([3]))  # fetched again before it landed
+    assert torch.equal(cache.weight[slots], torch.full((1, 2), 7.0))
+    assert torch.equal(host.weight[3], torch.full((2,), 7.0))  # landed after this acquire's fetch
+    cache.release(ticket)
+    assert torch.equal(cache.full()[3], torch.full((2,), 7.0))
+
+
+def test_whole_table_reads_land_every_write_back_first() -> None:
+    from lightning_hotcache import RowWiseOptimizerConfig
+    from lightning_hotcache.cache import DeviceCache, HostStore
+
+    sgd = RowWiseOptimizerConfig(name="sgd")
+    host = HostStore("t", 10, 2, sgd.state_widths(2))
+    host.load("weight", torch.zeros(10, 2))
+    cache = DeviceCache("t", 10, 2, sgd, torch.empty(0, dtype=torch.int64), 1, "lru", host, torch.device("cpu"))
+    slots, ticket = cache.acquire(torch.tensor([3]))
+    cache.weight[slots] = 7.0
+    cache.mark_updated(slots)
+    cache.release(ticket)
+    cache.release(cache.acquire(torch.tensor([5]))[1])  # row 3's write-back in flight
+    assert torch.equal(cache.serve_weights(torch.tensor([3])), torch.full((1, 2), 7.0))
+    cache.load_rows("weight", 0, torch.ones(10, 2))  # a load after the write-back: nothing lands over it later
+    cache.release(cache.acquire(torch.tensor([6]))[1])
+    assert torch.equal(cache.full(), torch.ones(10, 2))
