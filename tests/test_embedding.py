@@ -383,7 +383,7 @@ def test_whole_table_reads_land_every_write_back_first() -> None:
     cache.mark_updated(slots)
     cache.release(ticket)
     cache.release(cache.acquire(torch.tensor([5]))[1])  # row 3's write-back in flight
-    assert torch.equal(cache.serve_weights(torch.tensor([3])), torch.full((1, 2), 7.0))
+    assert torch.equal(cache.host_weights(torch.tensor([3])), torch.full((1, 2), 7.0))
     cache.load_rows("weight", 0, torch.ones(10, 2))  # a load after the write-back: nothing lands over it later
     cache.release(cache.acquire(torch.tensor([6]))[1])
     assert torch.equal(cache.full(), torch.ones(10, 2))

@@ -297,11 +297,9 @@ def test_row_gradients_formed_from_the_output_gradient_are_the_kernels(weighted,
     width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
     grad = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(0))
     staged = module._staging.stage(batch)
-    positions = update._value_positions(staged.ours)
-    rows = update.value_gradients(staged.ours, grad, positions)
+    rows = update.value_gradients(staged.ours, grad)
     before = [o.storage["weight"].clone() for o in owned]
     (module._lookup(staged) * grad).sum().backward()  # FBGEMM's backward, SGD fused in
-    for k, (o, value_rows, at) in enumerate(zip(owned, rows, positions)):
-        read = staged.indices if at is None else staged.indices[at]
-        expected = torch.zeros_like(before[k]).index_add_(0, read, value_rows)
+    for k, (o, value_rows, reads) in enumerate(zip(owned, rows, staged.reads)):
+        expected = torch.zeros_like(before[k]).index_add_(0, reads.rows[reads.inverse], value_rows)
         torch.testing.assert_close(before[k] - o.storage["weight"], expected, msg=f"device table {k}")

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_hotcache.cache.exchange import RowSharding, exchange_table_rows, send_rows_to_owners
+from lightning_hotcache.cache.exchange import RowSharding, fetch_rows, route_to_owners, send_rows_along
 from lightning_hotcache.sorting import sum_rows_by_index
 from lightning_hotcache.sparse_ddp import average_sparse_gradients
 
@@ -33,12 +33,13 @@ def _collectives(rank: int) -> None:
     sharding = RowSharding(rank, 2, None)
     asked = [torch.tensor([5, 2, 7, 4, 4][rank * 2 :]), torch.tensor([[], [3, 8]][rank], dtype=torch.int64)]
     serves = [lambda ids, t=t: _answer(t, ids, rank) for t in range(2)]
-    rows = exchange_table_rows(asked, serves, [2, 3], sharding)
+    rows = fetch_rows(route_to_owners(asked, sharding), serves, [2, 3], sharding)
     for t in range(2):
         assert torch.equal(rows[t], _answer(t, asked[t], owner=None)), t
     # Gradient rows go to their owners: each rank gets exactly the rows of its ids, from rank 0's first.
-    got = send_rows_to_owners(_parts(rank), sharding)
-    for t, (ids, rows) in enumerate(got):
+    routed = route_to_owners([ids for ids, _ in _parts(rank)], sharding)
+    got = send_rows_along(routed, [rows for _, rows in _parts(rank)], sharding).wait()
+    for t, (ids, rows) in enumerate(zip(routed.ids, got)):
         every = [_parts(r)[t] for r in range(2)]
         mine = [(i[i % 2 == rank], x[i % 2 == rank]) for i, x in every]
         assert bool((ids % 2 == rank).all()), t

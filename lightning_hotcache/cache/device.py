@@ -53,7 +53,7 @@ from lightning_hotcache.cache.host import HostStore
 from lightning_hotcache.cache.slot_map import make_slot_map
 from lightning_hotcache.sorting import unique
 from lightning_hotcache.cache.upload import RowUpload
-from lightning_hotcache.rowwise import RowWiseOptimizerConfig, step_rows
+from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
 CachePolicy = Literal["lfu", "lru", "static"]
 CACHE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static")
@@ -345,26 +345,11 @@ class DeviceCache:
             write_back.serve_evicted(ids, rows, self._upload)
         return rows
 
-    def serve_weights(self, ids: Tensor) -> Tensor:
-        """Current weights of ``ids`` (all owned here): the cached copy if any, else the host's."""
-        if self.identity:
-            return self.weight[ids.to(self.device)]
+    def host_weights(self, ids: Tensor) -> Tensor:
+        """This rank's host weights of ``ids`` (owned here), every write-back landed first."""
         assert self.host is not None
         self._land_write_backs(everything=True)
-        ids = ids.to(self.books)
-        weights = self.host.weight.index_select(0, self.sharding.local(ids)).to(self.device)
-        slots = self.slot_map.lookup(ids)
-        cached = slots >= 0
-        weights[cached.to(self.device)] = self.weight[slots[cached].to(self.device)]
-        return weights
-
-    def remote_slots(self, slots: Tensor) -> Tensor:
-        """The distinct slots among ``slots`` (on the host; distinct already unless the table is
-        wholly on the device) that hold another rank's row."""
-        if self.sharding.world == 1:
-            return slots[:0]
-        distinct = unique(slots)[0] if self.identity else slots
-        return distinct[~self.sharding.owned(self.ids_of_slots(distinct))]
+        return self.host.weight.index_select(0, self.sharding.local(ids.to(self.books)))
 
     def _choose_victims(self, count: int) -> Tensor:
         """``count`` unlocked dynamic slots to refill, emptiest first, then the least used.
@@ -452,11 +437,6 @@ class DeviceCache:
             self._write_backs.popleft()
 
     # -------------------------------------------------------------- updates
-    @property
-    def slot_state(self) -> dict[str, Tensor]:
-        """The slots' optimizer state arrays (all but the weights)."""
-        return {key: tensor for key, tensor in self.slots.items() if key != "weight"}
-
     def mark_updated(self, slots: Tensor) -> None:
         """Note that ``slots`` (repeats allowed) were updated, so eviction writes them back."""
         if self.identity:
@@ -470,12 +450,6 @@ class DeviceCache:
     def cached_slots(self, ids: Tensor) -> Tensor:
         """The slot of each of ``ids``, -1 where the row is not on the device (where ``ids`` are)."""
         return ids.to(self.device) if self.identity else self.slot_map.lookup(ids.to(self.books)).to(ids.device)
-
-    @torch.no_grad()
-    def update_slots(self, slots: Tensor, grads: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
-        """One row-wise step for distinct ``slots`` (no coalescing, which sorts)."""
-        step_rows(optimizer, self.weight, self.slot_state, slots.to(self.device), grads)
-        self.mark_updated(slots)
 
     @torch.no_grad()
     def update_host_rows(self, ids: Tensor, grads: Tensor, optimizer: RowWiseOptimizerConfig) -> None:

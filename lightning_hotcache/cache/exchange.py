@@ -3,10 +3,11 @@
 Host stores are sharded round-robin: row ``i`` lives in the host store of rank
 ``i % world`` at local index ``i // world``, and that rank (its owner) is the only one that
 updates it. Every rank runs the same sequence of collectives, each covering all tables so
-that its cost does not grow with the number of tables: per forward one fetch of the current
-rows of other ranks' rows (`exchange_table_rows`), per backward one all-to-all of gradient
-rows to their owners (`send_rows_to_owners`). That holds because ranks forward and train
-the same number of batches.
+that its cost does not grow with the number of tables: per forward the ids of the other
+ranks' rows a batch reads go to their owners (`route_to_owners`) and their current rows come
+back (`fetch_rows`); per backward the gradient rows of those rows go back along the same route
+(`send_rows_along`), while the rest of the step goes on. That holds because ranks forward and
+train the same number of batches.
 
 Written on torch.distributed directly (all_to_all_single, all_gather): TorchRec's
 collectives move pooled embeddings between table shards, not raw rows and gradient rows
@@ -110,22 +111,13 @@ def _all_to_all_floats(
     return RowsInFlight(work, send, got, sizes, widths)
 
 
-def exchange_table_rows(
-    requests: Sequence[Tensor], serves: Sequence[Callable[[Tensor], Tensor]], widths: Sequence[int], sharding: RowSharding
-) -> list[Tensor]:
-    """Rows of several tables from their owners, in three collectives however many tables.
-
-    ``requests[t]``: ids of table ``t`` this rank wants; ``serves[t]`` answers a request for
-    rows of table ``t`` this rank owns with ``(n, widths[t])`` floats. Returns the rows of
-    ``requests[t]`` in request order. Every rank must call it with the same tables, with or
-    without ids."""
-    return fetch_rows(route_to_owners(requests, sharding), serves, widths, sharding)
-
-
 def fetch_rows(
     routed: Routed, serves: Sequence[Callable[[Tensor], Tensor]], widths: Sequence[int], sharding: RowSharding
 ) -> list[Tensor]:
-    """`exchange_table_rows` for requests already routed: one collective."""
+    """Rows of several tables from their owners, for requests routed by `route_to_owners`, in
+    one collective however many tables. ``serves[t]`` answers a request for rows of table ``t``
+    this rank owns with ``(n, widths[t])`` floats. Returns the rows of each table's request in
+    request order. Every rank must call it with the same tables, with or without ids."""
     answers = [serves[t](asked).to(asked.device, torch.float32) for t, asked in enumerate(routed.ids)]
     # The answers go back the way the requests came: the counts swap roles.
     rows = _all_to_all_floats(answers, routed.received, routed.sent, widths, sharding.group).wait()
@@ -135,17 +127,6 @@ def fetch_rows(
         unsorted[order] = got
         out.append(unsorted)
     return out
-
-
-def send_rows_to_owners(parts: Sequence[tuple[Tensor, Tensor]], sharding: RowSharding) -> list[tuple[Tensor, Tensor]]:
-    """Each table's ``(ids, float32 rows)`` to the owners of the ids, in three collectives
-    however many tables. Returns per table the ``(ids, rows)`` this rank got (all owned here),
-    from rank 0's first; every rank passes the same tables, with or without ids."""
-    routed = route_to_owners([ids for ids, _ in parts], sharding)
-    rows = [r[order] for (_, r), order in zip(parts, routed.orders)]
-    widths = [r.shape[1] for _, r in parts]
-    got = _all_to_all_floats(rows, routed.sent, routed.received, widths, sharding.group).wait()
-    return list(zip(routed.ids, got))
 
 
 def send_rows_along(routed: Routed, rows: Sequence[Tensor], sharding: RowSharding) -> RowsInFlight:

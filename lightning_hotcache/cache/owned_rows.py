@@ -96,8 +96,8 @@ class OwnedRows:
         weights = self.storage["weight"].index_select(0, rows.clamp(min=0))
         missing = (rows < 0).nonzero().squeeze(1)
         if len(missing):
-            assert self.stack is not None and self.stack.host is not None
-            weights[missing] = self.stack.host.read(self.sharding.local(keys[missing]))["weight"].to(weights.device)
+            assert self.stack is not None
+            weights[missing] = self.stack.host_weights(keys[missing]).to(weights.device)
         return weights
 
     @torch.no_grad()

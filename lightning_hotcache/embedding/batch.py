@@ -18,12 +18,12 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 
 @dataclass(frozen=True)
-class CacheReads:
-    """One cache's reads in a staged batch, for an update that sums each row's gradient itself."""
+class TableReads:
+    """One device table's reads in a staged batch, found on the host while staging, for an
+    update that sums each row's gradient itself (no sort in backward)."""
 
-    rows: Tensor  # the distinct slots read, on the device
+    rows: Tensor  # the distinct rows read, ascending, on the device
     inverse: Tensor  # position in `rows` of each value its features read (features end to end), on the device
-    host_rows: Tensor  # `rows` on the host (the cache's directory marks them updated)
 
 
 @dataclass
@@ -39,8 +39,8 @@ class StagedBatch:
     output: weakref.ref[Tensor] | None = None  # alive while a backward may still come
     # What the update across ranks keeps from forward for backward (see `OwnersUpdate`).
     exchange: Any = None
-    # Per cache key, its reads, where the update sums gradients itself (`Staging.sums_gradients`).
-    reads: dict[str, CacheReads] = field(default_factory=dict)
+    # Per device table, its reads, where the update sums gradients itself (`Staging.sums_gradients`).
+    reads: list[TableReads] = field(default_factory=list)
 
 
 def same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:

@@ -16,8 +16,8 @@ number of processes:
 |---------|-----------|----------------------|------------------------------------------------|
 | fbgemm  | 1         | `FusedLookup`        | `FusedUpdate`: the kernel's backward           |
 | fbgemm  | several   | `LookupForOwners`    | `OwnersUpdate`: owners step a width's rows     |
-| pytorch | 1         | `EmbeddingBagLookup` | `SummingUpdate`: rows summed, stepped per cache |
-| pytorch | several   | `EmbeddingBagLookup` | `OwnersSummingUpdate`: sums, then owners       |
+| pytorch | 1         | `EmbeddingBagLookup` | `SummingUpdate`: rows summed, a width at once  |
+| pytorch | several   | `EmbeddingBagLookup` | `OwnersUpdate`, as FBGEMM's                    |
 
 Where the rows live (`Layout`) is decided alongside; nothing in a step tests the
 configuration again.
@@ -49,7 +49,7 @@ from lightning_hotcache.cache.owned_rows import OwnedRows
 from lightning_hotcache.embedding.layout import Layout, build_layout
 from lightning_hotcache.embedding.lookup import EmbeddingBagLookup, FusedLookup, LookupForOwners
 from lightning_hotcache.embedding.staging import Staging
-from lightning_hotcache.embedding.update import FusedUpdate, OwnersSummingUpdate, OwnersUpdate, SummingUpdate
+from lightning_hotcache.embedding.update import FusedUpdate, OwnersUpdate, SummingUpdate
 from lightning_hotcache.planner import HotColdPlan
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 from lightning_hotcache.table_init import draw_seed, initial_rows, is_deferred
@@ -157,6 +157,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
         reason = self._why_not_fused(kernel, min(slot_counts.values()))
         self.layout = build_layout(self._tables, slot_counts, split, reason is None, sharding.world)
         self._fused = None if reason is not None else self._fused_tables(self.layout)
+        # Each device table's arrays (weight and optimizer state): the TBE's memory, or, on the
+        # PyTorch path, arrays of our own.
+        self._device_tables = [
+            self._own_device_table(k) if self._fused is None else self._fused.storage(k) for k in range(len(self.layout.device_rows))
+        ]
         # Every cache, by key (a stack, or a table of its own); `caches` is by table.
         self._caches: dict[str, DeviceCache] = {}
         self.caches: dict[str, DeviceCache | TableInGroup] = {}
@@ -201,12 +206,16 @@ class HotColdEmbeddingBagCollection(nn.Module):
         lock, staging, world = self._lock, self._staging, self._sharding.world
         if self._fused is not None and world == 1:
             return FusedLookup(self._fused, self._is_weighted, self.device), FusedUpdate(staging, lock)
-        if self._fused is not None:
+        update: OwnersUpdate | SummingUpdate
+        if world > 1:
             owned = [self._owned_rows(k) for k in range(len(self.layout.device_rows))]
             update = OwnersUpdate(self.layout, owned, staging, lock, self.optimizer, self._sharding, self._is_weighted)
+        else:
+            update = SummingUpdate(self.layout, self._device_tables, staging, lock, self.optimizer, self._is_weighted)
+        if self._fused is not None:
             return LookupForOwners(self._fused, self._is_weighted, self.device, update.on_output_gradient), update
-        summing = (SummingUpdate if world == 1 else OwnersSummingUpdate)(self.layout, self._caches, staging, lock, self.optimizer, self._is_weighted)
-        return EmbeddingBagLookup(self.layout, self._caches, self._is_weighted, self.device, summing.on_output_gradient), summing
+        weights = [table["weight"] for table in self._device_tables]
+        return EmbeddingBagLookup(self.layout, weights, self._is_weighted, self.device, update.on_output_gradient), update
 
     def _why_not_fused(self, kernel: KernelChoice, fewest_slots: int) -> str | None:
         """Why the device tier cannot be FBGEMM's fused kernel here (None: it can); sets `kernel_note`."""
@@ -235,12 +244,15 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self.optimizer, self.device, table_of_feature if layout.shared else None,
         )  # fmt: skip
 
-    def _region(self, key: str) -> dict[str, Tensor] | None:
-        """Views of one cache's slots in the TBE's memory (None on the PyTorch path: its own arrays)."""
-        if self._fused is None:
-            return None
+    def _own_device_table(self, table: int) -> dict[str, Tensor]:
+        rows, dim = self.layout.device_rows[table], self.layout.device_dims[table]
+        widths = {"weight": dim, **self.optimizer.state_widths(dim)}
+        return {key: torch.zeros(rows, width, dtype=torch.float32, device=self.device) for key, width in widths.items()}
+
+    def _region(self, key: str) -> dict[str, Tensor]:
+        """Views of one cache's slots in its device table."""
         region = self.layout.regions[key]
-        return {name: array[region.start : region.start + region.rows] for name, array in self._fused.storage(region.table).items()}
+        return {name: array[region.start : region.start + region.rows] for name, array in self._device_tables[region.table].items()}
 
     def _host_store(self, name: str, rows: int, dim: int) -> HostStore:
         """This rank's host rows (and optimizer state) of a split table, or of a stack of them."""
@@ -268,13 +280,12 @@ class HotColdEmbeddingBagCollection(nn.Module):
 
     def _owned_rows(self, table: int) -> OwnedRows:
         """Device table ``table``'s rows as its owners step them (across ranks, shared device tables)."""
-        assert self._fused is not None
         keys = [k for k, region in self.layout.regions.items() if region.table == table]
         stacks = [k for k in keys if k in self.layout.stacks]
         stack = self._caches[stacks[0]] if stacks else None
         wholes = [(self._caches[k], self.layout.regions[k].start) for k in keys if k not in self.layout.stacks]
         stack_keys = self.layout.stack_ids[stacks[0]] if stacks else 0
-        return OwnedRows(self._fused.storage(table), stack, stack_keys, wholes, self._sharding)
+        return OwnedRows(self._device_tables[table], stack, stack_keys, wholes, self._sharding)
 
     @classmethod
     def from_ebc(

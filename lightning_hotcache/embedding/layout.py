@@ -12,10 +12,11 @@ owner (``id % world``) is its table row's owner (see `RowSharding`). Across proc
 are stacks wherever a table is split; in one process where the stack's ids fit FBGEMM's int32
 hash map (past it, each table keeps the hashed map of its own).
 
-Shared device tables (FBGEMM's kernel; across processes always, in one process when there
-are stacks): one device table per width, holding that width's stack first, then each whole
-table of that width ("regions"). Otherwise (the PyTorch path, and FBGEMM in one process where
-nothing is stacked) every cache is a device table of its own.
+Shared device tables: one device table per width, holding that width's stack first, then
+each whole table of that width ("regions"), so that a step reads (one ``embedding_bag`` per
+pooling on the PyTorch path) and updates a width's rows at once, whatever the number of
+tables. Everywhere but FBGEMM's kernel in one process with nothing stacked, where every cache
+is a table of its own (FBGEMM's one call reads them all alike).
 """
 
 from __future__ import annotations
@@ -116,9 +117,9 @@ def build_layout(
     cache_of = {f: stack_key(table_of[f].embedding_dim) if table_of[f].name in id_starts else table_of[f].name for f in features}
     unstacked = [t for t in tables if t.name not in id_starts]
     # Across ranks the owners' update reads one device table per width as one set of rows
-    # (`OwnedRows`), so FBGEMM shares device tables there always; in one process where there
-    # is a stack.
-    if not (fused and (world > 1 or stacks)):
+    # (`OwnedRows`), and the PyTorch path reads and updates a width at once: only FBGEMM's
+    # kernel in one process, with no stack, keeps a table per cache.
+    if fused and world == 1 and not stacks:
         keys = [*stacks, *(t.name for t in unstacked)]
         rows = {**{key: sum(slots[t.name] for t in members) for key, members in stacks.items()}, **{t.name: slots[t.name] for t in unstacked}}
         dims_of = {**{key: members[0].embedding_dim for key, members in stacks.items()}, **{t.name: t.embedding_dim for t in unstacked}}

@@ -5,7 +5,7 @@
 - `LookupForOwners`: the same call, but its backward hands the output's gradient to a
   callback instead of updating this rank's copies (across ranks, each row's owner applies
   the ranks' mean gradient; see `OwnersUpdate`).
-- `EmbeddingBagLookup`: one ``embedding_bag`` per cache (and pooling mode) on its slots, whose
+- `EmbeddingBagLookup`: one ``embedding_bag`` per device table (a width) and pooling mode, whose
   backward, like `LookupForOwners`', hands the output's gradient to the update (see
   `SummingUpdate`): no sparse gradient, which would need sorting to sum.
 """
@@ -18,7 +18,6 @@ import torch
 from torch import Tensor, nn
 from torchrec.modules.embedding_configs import PoolingType
 
-from lightning_hotcache.cache.device import DeviceCache
 from lightning_hotcache.cache.fused import FusedTables
 from lightning_hotcache.embedding.batch import StagedBatch, bag_offsets, concat_spans
 from lightning_hotcache.embedding.layout import Layout
@@ -85,26 +84,29 @@ class LookupForOwners(FusedLookup):
 
 
 class EmbeddingBagLookup:
-    """One ``embedding_bag`` per cache and pooling mode on its slots: all the
-    features a cache serves (a stack's split tables of one width, or a whole table's features)
-    read it in one call, so a step's lookups and their gradients follow the caches, not the
-    features (26 split tables: one call, not 26). The features of a cache need not be adjacent
-    in the output's (table) order: their ids are cut out and put end to end, and their pooled
-    rows back in order with one concatenation. Its backward calls ``on_gradient(staged,
-    output_grad)``."""
+    """One ``embedding_bag`` per device table and pooling mode: every feature of a width (its
+    stack's split tables and its whole tables, in one device table) reads it in one call, so a
+    step's lookups follow the widths, not the features or tables (26 tables: one call, not 26).
+    The features of a device table need not be adjacent in the output's (table) order: their
+    ids are cut out and put end to end, and their pooled rows back in order with one
+    concatenation. Its backward calls ``on_gradient(staged, output_grad)``.
+
+    Args:
+        weights: each device table's weight array.
+    """
 
     def __init__(
         self,
         layout: Layout,
-        caches: dict[str, DeviceCache],
+        weights: list[Tensor],
         is_weighted: bool,
         device: torch.device,
         on_gradient: Callable[[StagedBatch, Tensor], None],
     ) -> None:
-        groups: dict[tuple[str, PoolingType], list[int]] = {}
-        for k, feature in enumerate(layout.features):
-            groups.setdefault((layout.cache_of_feature[feature], layout.table_of[feature].pooling), []).append(k)
-        self.groups = [(caches[key], "sum" if pooling == PoolingType.SUM else "mean", ks) for (key, pooling), ks in groups.items()]
+        groups: dict[tuple[int, PoolingType], list[int]] = {}
+        for k, (feature, table) in enumerate(zip(layout.features, layout.device_table_of_feature())):
+            groups.setdefault((table, layout.table_of[feature].pooling), []).append(k)
+        self.groups = [(weights[table], "sum" if pooling == PoolingType.SUM else "mean", ks) for (table, pooling), ks in groups.items()]
         # Where each feature's pooled rows are in the groups' outputs, end to end.
         order = [k for _, _, ks in self.groups for k in ks]
         self.output_order = [order.index(k) for k in range(len(layout.features))]
@@ -124,12 +126,12 @@ class EmbeddingBagLookup:
         lengths = offsets.diff()
         weights = ours.weights() if self.is_weighted else None
         pooled: list[Tensor] = []
-        for cache, mode, ks in self.groups:
+        for weight, mode, ks in self.groups:
             spans = [(bounds[k], bounds[k + 1]) for k in ks]
             bag_lengths = concat_spans(lengths, [(k * batch, (k + 1) * batch) for k in ks])
             rows = nn.functional.embedding_bag(
                 concat_spans(staged.indices, spans),
-                cache.weight,
+                weight,
                 torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)]),
                 mode=mode,
                 per_sample_weights=None if weights is None else concat_spans(weights, spans),

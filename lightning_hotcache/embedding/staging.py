@@ -23,10 +23,9 @@ from torchrec import KeyedJaggedTensor
 
 from lightning_hotcache.cache.device import DeviceCache
 from lightning_hotcache.cache.upload import to_device
-from lightning_hotcache.embedding.batch import CacheReads, StagedBatch, check_ids, concat_spans, in_feature_order, on_device, same_batch
+from lightning_hotcache.embedding.batch import StagedBatch, TableReads, check_ids, concat_spans, in_feature_order, on_device, same_batch
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.guards import check_not_empty
-from lightning_hotcache.sorting import unique
 
 
 class Staging:
@@ -46,9 +45,11 @@ class Staging:
         # values of a run are one slice (a stack of every table is one run, not one per table).
         self._runs = {key: _runs(self._positions[key]) for key in self._acquired}
         self._value_base = layout.value_base()
-        # Whether staged batches carry each cache's distinct reads on the device (`CacheReads`),
-        # for an update that sums gradients itself (set by it).
+        # Whether staged batches carry each device table's distinct reads (`TableReads`), for an
+        # update that sums gradients itself (set by it); the features reading each table, as runs.
         self.sums_gradients = False
+        feature_table = layout.device_table_of_feature()
+        self._table_runs = [_runs([k for k, t in enumerate(feature_table) if t == table]) for table in range(len(layout.device_rows))]
         self.queue: deque[StagedBatch] = deque()
         self.in_flight: list[StagedBatch] = []
 
@@ -73,14 +74,10 @@ class Staging:
         acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids)
         tickets: dict[str, list[int]] = {}
         read: list[tuple[DeviceCache, Tensor]] = []
-        reads: dict[str, CacheReads] = {}
         for key, got in zip(self._acquired, acquired):
             cache = self.caches[key]
             tickets[key] = [got.ticket]
             read.append((cache, got.read))
-            if self.sums_gradients:
-                distinct, inverse = unique(got.slots) if got.inverse is None else (got.read, got.inverse)
-                reads[key] = CacheReads(to_device(distinct, self.device), to_device(inverse, self.device), distinct)
             if cache.identity:  # slot == id: `indices` holds it already
                 continue
             start = self.layout.regions[key].start  # the kernel reads slots at their place in its table
@@ -89,9 +86,19 @@ class Staging:
                 indices[a:b] = part
         for key in self._counted_only:
             self.caches[key].count_lookups(sum(per_key[k] for k in self._positions[key]))
+        reads = [self._reads(indices, [(bounds[a], bounds[b]) for a, b in runs]) for runs in self._table_runs] if self.sums_gradients else []
         if arriving.values().device != values.device:
             ours = on_device(arriving, features, ours, self.layout.features, self.layout.input_of)
         return StagedBatch(arriving, ours, to_device(indices, self.device), tickets, read, reads=reads)
+
+    def _reads(self, indices: Tensor, spans: list[tuple[int, int]]) -> TableReads:
+        """A device table's reads: the distinct rows among ``indices`` (rows of the batch's
+        values, on the host) in ``spans``, and each value's place among them."""
+        rows = concat_spans(indices, spans) if spans else indices[:0]
+        # torch's unique, not `unique`'s numpy path: with the inverse of 200k ids numpy's was
+        # slower on an AMD EPYC (see `sum_by_index`).
+        distinct, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+        return TableReads(to_device(distinct, self.device), to_device(inverse, self.device))
 
     def take(self, features: KeyedJaggedTensor, training: bool) -> StagedBatch:
         """The staged batch of ``features``: the next prefetched one, or staged now (from the
