@@ -124,10 +124,12 @@ def _batches(num_tables: int, steps: int, seed: int) -> list[KeyedJaggedTensor]:
 
 
 def _module(
-    num_tables: int, process_group: object = None, kernel: str = "auto", device: str = "cpu"
+    num_tables: int, process_group: object = None, kernel: str = "auto", device: str = "cpu", whole_tables: bool = False
 ) -> HotColdEmbeddingBagCollection:
+    """``num_tables`` split tables, or with ``whole_tables`` every other one wholly on the device."""
     tables = [EmbeddingBagConfig(name=f"t{k}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{k}"]) for k in range(num_tables)]
-    plans = [TablePlan(t.name, ROWS, DIM, np.arange(50), SLOTS, 0, 0.0) for t in tables]
+    whole = [whole_tables and k % 2 == 1 for k in range(num_tables)]
+    plans = [TablePlan(t.name, ROWS, DIM, np.arange(ROWS if w else 50), 0 if w else SLOTS, 0, 0.0) for t, w in zip(tables, whole)]
     plan = HotColdPlan(plans, budget_bytes=1, prefetch_depth=0, cache_policy="lfu")
     torch.manual_seed(0)
     return HotColdEmbeddingBagCollection.from_ebc(
@@ -144,10 +146,11 @@ def _ops_per_step(
     counter_type: type = _CountOps,
     device: str = "cpu",
     staged_ahead: bool = False,
+    whole_tables: bool = False,
 ) -> int:
     """The most of ``counter_type().count`` over steady-state steps (a context manager with a
     count); with ``staged_ahead`` each batch is staged from the host before its step is counted."""
-    module = _module(num_tables, process_group, kernel, device)
+    module = _module(num_tables, process_group, kernel, device, whole_tables)
     batches = _batches(num_tables, steps=10, seed=rank)
     counts = []
     for step, host_batch in enumerate(batches):
@@ -167,6 +170,14 @@ def _ops_per_step(
 def test_step_ops_do_not_grow_with_tables_in_one_process(kernel: str) -> None:
     # On the PyTorch path too: one embedding_bag per cache (a stack of split tables), not per feature.
     few, many = _ops_per_step(8, kernel=kernel), _ops_per_step(26, kernel=kernel)
+    assert many - few <= SLACK, (few, many)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "pytorch"])
+def test_step_ops_do_not_grow_with_tables_wholly_on_the_device(kernel: str) -> None:
+    # A width's whole tables share its device table with its stack: one lookup and one update
+    # for all of them, on both kernels.
+    few, many = _ops_per_step(8, kernel=kernel, whole_tables=True), _ops_per_step(26, kernel=kernel, whole_tables=True)
     assert many - few <= SLACK, (few, many)
 
 

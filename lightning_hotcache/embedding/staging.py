@@ -44,6 +44,10 @@ class Staging:
         # Each acquired cache's features as runs of consecutive ones (first, end): a batch's
         # values of a run are one slice (a stack of every table is one run, not one per table).
         self._runs = {key: _runs(self._positions[key]) for key in self._acquired}
+        # The acquired cache each feature's ids go to (-1: none), for caches whose features are
+        # not one run: their slots go back into the batch with one masked scatter.
+        owner = {k: c for c, key in enumerate(self._acquired) for k in self._positions[key]}
+        self._cache_of_feature = torch.tensor([owner.get(k, -1) for k in range(len(layout.features))])
         self._value_base = layout.value_base()
         # Whether staged batches carry each device table's distinct reads (`TableReads`), for an
         # update that sums gradients itself (set by it); the features reading each table, as runs.
@@ -72,6 +76,7 @@ class Staging:
         # A stack reads global ids (in `indices`); a table of its own reads its ids.
         ids = [concat_spans(indices if key in self.layout.stacks else values, spans[key]) for key in self._acquired]
         acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids)
+        cache_of_value: Tensor | None = None
         tickets: dict[str, list[int]] = {}
         read: list[tuple[DeviceCache, Tensor]] = []
         for key, got in zip(self._acquired, acquired):
@@ -81,9 +86,13 @@ class Staging:
             if cache.identity:  # slot == id: `indices` holds it already
                 continue
             start = self.layout.regions[key].start  # the kernel reads slots at their place in its table
-            parts = (got.slots + start if start else got.slots).split([b - a for a, b in spans[key]])
-            for (a, b), part in zip(spans[key], parts):
-                indices[a:b] = part
+            slots = got.slots + start if start else got.slots
+            if len(spans[key]) == 1:
+                indices[spans[key][0][0] : spans[key][0][1]] = slots
+            else:  # features apart: one scatter, not a copy per run
+                if cache_of_value is None:
+                    cache_of_value = torch.repeat_interleave(self._cache_of_feature, torch.tensor(per_key), output_size=len(values))
+                indices.masked_scatter_(cache_of_value == self._acquired.index(key), slots)
         for key in self._counted_only:
             self.caches[key].count_lookups(sum(per_key[k] for k in self._positions[key]))
         reads = [self._reads(indices, [(bounds[a], bounds[b]) for a, b in runs]) for runs in self._table_runs] if self.sums_gradients else []
