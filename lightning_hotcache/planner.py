@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 Budget = Union[int, float, str]
 PLAN_FORMAT_VERSION = 2
 # Per slot of a split table, static ones included: id_of_slot, last_used, frequency (int64)
-# and dirty (bool) (see DeviceCache).
+# and dirty (bool) (see DeviceCache). Like the id -> slot map, on the host: the device budget
+# pays for them only where the device is the CPU (`directory_bytes_per_slot`).
 SLOT_BOOKKEEPING_BYTES = 3 * 8 + 1
 # The profile's largest unique-rows-per-batch is a sample maximum: later batches exceed it
 # (by up to ~20% seen on Zipf data), and a batch that does not fit its cache cannot train.
@@ -640,12 +641,18 @@ class HotColdPlanner:
         return self._smallest_layout(list(tables), stats)[3]
 
     def _split_bytes(self, table: EmbeddingBagConfig, static_rows: int, cache_slots: int) -> int:
-        per_row = row_bytes(table, self.optimizer)
-        # As a sparse map, even where a dense one would cost less: a collection's split tables
-        # may be stacked into one cache (lightning_hotcache.cache.group), whose map is sparse
-        # unless dense costs less for all of them together.
-        id_map = (static_rows + cache_slots) * sparse_map_bytes_per_resident(table.num_embeddings, self.device)
-        return id_map + (static_rows + cache_slots) * (per_row + SLOT_BOOKKEEPING_BYTES)
+        return (static_rows + cache_slots) * (row_bytes(table, self.optimizer) + self._directory_bytes_per_slot(table))
+
+    def _directory_bytes_per_slot(self, table: EmbeddingBagConfig) -> int:
+        """What a split table's directory (id -> slot map and per-slot bookkeeping) costs the
+        device budget per slot: nothing where the device is not the CPU, since the directory
+        lives on the host (see `DeviceCache`). The map counts as sparse, even where a dense one
+        would cost less: a collection's split tables may be stacked into one cache
+        (lightning_hotcache.cache.group), whose map is sparse unless dense costs less for all
+        of them together."""
+        if torch.device(self.device).type != "cpu":
+            return 0
+        return sparse_map_bytes_per_resident(table.num_embeddings, self.device) + SLOT_BOOKKEEPING_BYTES
 
     def _spread_dynamic(
         self,
@@ -689,10 +696,9 @@ class HotColdPlanner:
                 continue
             points = np.unique(np.concatenate([[0], np.geomspace(1, seen, num=min(seen, 256)).astype(np.int64), [seen]]))
             lookups = stats.coverage(t.name, points) * stats.num_lookups[t.name]
-            # Charged as if the id map were sparse (its bytes per resident row) and the row split
-            # (its slot's bookkeeping): never less than what it really costs, so the plan stays
-            # within the budget.
-            per_row = row_bytes(t, self.optimizer) + sparse_map_bytes_per_resident(t.num_embeddings, self.device) + SLOT_BOOKKEEPING_BYTES
+            # Charged as if the row were split (its slot's directory): never less than what it
+            # really costs, so the plan stays within the budget.
+            per_row = row_bytes(t, self.optimizer) + self._directory_bytes_per_slot(t)
             for (k0, k1), (c0, c1) in zip(zip(points[:-1], points[1:]), zip(lookups[:-1], lookups[1:])):
                 cost = int(k1 - k0) * per_row
                 segments.append(((c1 - c0) / cost, t.name, int(k0), int(k1), per_row))

@@ -92,21 +92,24 @@ def test_everything_fits_needs_no_stats() -> None:
     assert [line.split()[3] for line in str(plan).splitlines()[2:5]] == ["all"] * 3
 
 
-def test_split_tables_are_charged_the_id_map_their_device_uses() -> None:
-    from lightning_hotcache.cache.slot_map import fbgemm_hash_table_available, sparse_map_bytes_per_resident
+def test_split_tables_are_charged_their_directory_only_where_it_lives_on_the_device() -> None:
+    from lightning_hotcache.cache.slot_map import sparse_map_bytes_per_resident
+    from lightning_hotcache.planner import SLOT_BOOKKEEPING_BYTES, row_bytes
 
-    if not fbgemm_hash_table_available():
-        pytest.skip("the hashed slot map needs FBGEMM's CPU ops")
-    # On CPU a split table's ids go to FBGEMM's hash table, with more bytes per resident row
-    # than the sorted runs a CUDA cache keeps: the same budget buys fewer rows there.
-    assert sparse_map_bytes_per_resident(20_000, "cpu") > sparse_map_bytes_per_resident(20_000, "cuda")
+    # A cache's directory (id -> slot map, per-slot bookkeeping) lives on the host: on CPU the
+    # device is the host and the budget pays for it; on CUDA it does not, and the same budget
+    # buys more rows.
     st = stats()
     plans = {
         device: HotColdPlanner(0.1, SGD, prefetch_depth=1, device=device, prefetch_thread=False).plan(TABLES, st)
         for device in ("cpu", "cuda")
     }
-    for plan in plans.values():
+    for device, plan in plans.items():
         assert plan.device_bytes <= plan.budget_bytes
+        for t in (t for t in plan.tables if not t.on_device):
+            config = next(c for c in TABLES if c.name == t.name)
+            directory = sparse_map_bytes_per_resident(config.num_embeddings, "cpu") + SLOT_BOOKKEEPING_BYTES if device == "cpu" else 0
+            assert t.device_bytes == (len(t.static_ids) + t.cache_slots) * (row_bytes(config, SGD) + directory), (device, t.name)
     rows = {d: sum(len(t.static_ids) + t.cache_slots for t in p.tables if not t.on_device) for d, p in plans.items()}
     assert rows["cpu"] < rows["cuda"]
 

@@ -214,7 +214,7 @@ class DeviceCache:
     def device_bytes(self) -> int:
         """Bytes this cache holds on its device: slot rows and their optimizer state, and on
         the CPU, where the directory lives on the device too, the id -> slot map and per-slot
-        bookkeeping (the planner's budget covers both everywhere)."""
+        bookkeeping (what the planner's budget covers)."""
         arrays = list(self.slots.values())
         if not self.identity and self.device == self.books:
             arrays += [self.id_of_slot, self.dirty, self.last_used, self.frequency, *self.slot_map.tensors()]
