@@ -1,4 +1,5 @@
-"""benchmarks/hit_rate.py's ceiling: Belady's offline optimum at batch granularity."""
+"""benchmarks/hit_rate.py's ceiling (Belady's offline optimum at batch granularity) and its model of
+a lookahead cache."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # appended: shadows nothing
-from hit_rate import belady_hits  # noqa: E402
+from hit_rate import belady_hits, lookahead_hits  # noqa: E402
 
 
 def test_belady_evicts_the_row_used_farthest_ahead_and_never_the_batchs_own() -> None:
@@ -53,3 +54,29 @@ def test_belady_is_a_ceiling_for_lru(capacity: int) -> None:
         first_reads += sum(1 for i in ids.tolist() if i not in seen)
         seen.update(ids.tolist())
     assert belady_hits(trace, 2000) == _lru_hits(trace, 2000) == sum(len(ids) for ids in trace) - first_reads
+
+
+def test_lookahead_model_keeps_the_rows_the_window_reads_and_is_lfu_without_one() -> None:
+    # Two dynamic slots. Row 1 is read twice early (LFU keeps it), then never again; row 2 comes
+    # back at batch 4. At batch 3 (row 3 in), LFU evicts row 2 (read once); a window of 1 batch
+    # sees row 2 coming and evicts row 1 instead, so batch 4 hits.
+    trace = [np.array(ids) for ids in ([1, 1], [2], [1], [3], [2])]
+    assert lookahead_hits(trace, 10, np.empty(0, np.int64), capacity=2, window=0) == 1  # batch 2
+    assert lookahead_hits(trace, 10, np.empty(0, np.int64), capacity=2, window=1) == 2  # and batch 4
+    # Static rows are pinned and always hit (batches 0 and 2); they take no dynamic slot, so the
+    # one slot must take row 3 over row 2 whatever the window.
+    assert lookahead_hits(trace, 10, np.array([1]), capacity=1, window=1) == 3
+    with pytest.raises(ValueError, match="cannot hold them"):
+        lookahead_hits([np.array([1, 2])], 10, np.empty(0, np.int64), capacity=1, window=0)
+
+
+@pytest.mark.parametrize("capacity", [40, 120])
+def test_lookahead_model_over_the_whole_trace_is_beladys_optimum(capacity: int) -> None:
+    # A window as long as the trace knows every next read: it evicts as Belady does. Each batch
+    # reads a row once: with repeats, hits weigh rows by their lookups, and farthest-first can
+    # then lose by a tie (within 1 lookup of 2,757 on such a trace).
+    rng = np.random.default_rng(1)
+    trace = [np.unique(rng.zipf(1.2, 32) % 2000) for _ in range(150)]
+    none = np.empty(0, np.int64)
+    assert lookahead_hits(trace, 2000, none, capacity, window=len(trace)) == belady_hits(trace, capacity)
+    assert lookahead_hits(trace, 2000, none, capacity, window=0) <= belady_hits(trace, capacity)
