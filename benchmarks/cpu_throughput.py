@@ -11,6 +11,9 @@ Prints a table and writes benchmarks/results/cpu_throughput.json.
 
     python benchmarks/cpu_throughput.py [--dim 16] [--batch-size 2048] [--steps 300] [--rounds 3] [--strategies auto hotcache@1]
     python benchmarks/cpu_throughput.py --optimizer adam   # lazy Adam: auto vs hotcache's PyTorch path
+    python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.01 hotcache@0.01+lookahead
+
+By default every strategy but the ``+lookahead`` ones (the lookahead cache policy) runs.
 """
 
 from __future__ import annotations
@@ -68,6 +71,10 @@ def main() -> None:
         "auto": lambda: "auto",
         "torchrec": lambda: "torchrec",
         **{f"hotcache@{b:g}": (lambda b=b: HotCacheStrategy(device_budget=b, profile_batches=50)) for b in (1.0, 0.1, 0.01)},
+        **{
+            f"hotcache@{b:g}+lookahead": (lambda b=b: HotCacheStrategy(device_budget=b, profile_batches=50, cache_policy="lookahead"))
+            for b in (0.1, 0.01)
+        },
     }
     if args.optimizer == "adam":
         del runs["torchrec"]
@@ -77,7 +84,7 @@ def main() -> None:
     if args.job:
         print(json.dumps(train(runs[args.job](), args)))
         return
-    chosen = [name for name in runs if not args.strategies or name in args.strategies]
+    chosen = [name for name in runs if name in args.strategies] if args.strategies else [name for name in runs if "+" not in name]
     settings = ["--dim", str(args.dim), "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
                 "--optimizer", args.optimizer]  # fmt: skip
     results = rounds_of_jobs(__file__, settings, chosen, args.rounds)

@@ -14,6 +14,8 @@ same device memory:
   the row whose next use is farthest in the trace), with the rows of the batch being looked
   up never evicted, as the device caches lock them. The gap between LFU and this is what a
   lookahead cache (which knows the next batches' ids) can win;
+* ``lookahead K``: ours' plan under the lookahead policy, each batch announced K batches
+  before it is acquired;
 * ``model lfu`` / ``model la K``: a model of the lookahead cache ahead of building it
   (`lookahead_hits`), on ``ours``' rows: the plan's static rows pinned, its dynamic slots
   evicting a row no batch of the next K reads first (least frequently read since it came
@@ -49,8 +51,9 @@ SGD = RowWiseOptimizerConfig(name="sgd")
 POLICIES = ("ours", "static", "lru", "lfu", "belady")
 
 
-def replay(tables: list[EmbeddingBagConfig], plan: HotColdPlan, policy: str, trace: Iterable[Any]) -> float:
-    """Fraction of lookups found on the device while replaying ``trace``."""
+def replay(tables: list[EmbeddingBagConfig], plan: HotColdPlan, policy: str, trace: list[Any], window: int = 0) -> float:
+    """Fraction of lookups found on the device while replaying ``trace`` (under ``lookahead``,
+    each batch announced ``window`` batches before it is acquired, as the strategy's loader does)."""
     caches = {}
     for t in tables:
         p = plan.table(t.name)
@@ -59,12 +62,19 @@ def replay(tables: list[EmbeddingBagConfig], plan: HotColdPlan, policy: str, tra
             t.name, t.num_embeddings, t.embedding_dim, SGD, torch.as_tensor(p.static_ids), p.cache_slots,
             policy, host, torch.device("cpu"),
         )  # fmt: skip
-    for batch in trace:
+    def ids_of(batch: Any, table: EmbeddingBagConfig) -> torch.Tensor:
         by_feature = batch.sparse_features.to_dict()
+        return torch.cat([by_feature[f].values() for f in table.feature_names])
+
+    announced = 0
+    for b, batch in enumerate(trace):
+        while window and announced < min(b + window + 1, len(trace)):
+            for t in tables:
+                caches[t.name].announce(ids_of(trace[announced], t))
+            announced += 1
         for t in tables:
-            ids = torch.cat([by_feature[f].values() for f in t.feature_names])
-            _, ticket = caches[t.name].acquire(ids)
-            caches[t.name].release(ticket)
+            got = DeviceCache.acquire_all([caches[t.name]], [ids_of(batch, t)], announced=bool(window))[0]
+            caches[t.name].release(got.ticket)
     lookups = sum(c.counters.lookups for c in caches.values())
     return sum(c.counters.hits for c in caches.values()) / lookups
 
@@ -234,6 +244,7 @@ def run(name: str, dm: Any, budgets: list[float], profile: int, trace_len: int, 
         result["belady"] = belady(dm.tables, ours, trace)
         lfu = lookahead_model(dm.tables, ours, trace, 0)
         result["model"] = {"lfu": lfu, **{f"la {k}": lookahead_model(dm.tables, ours, trace, k) for k in windows}}
+        result["lookahead"] = {k: replay(dm.tables, ours, "lookahead", trace, k) for k in windows}
         gap = result["belady"] - lfu
         result["gap_closed"] = {k: (result["model"][f"la {k}"] - lfu) / gap if gap > 1e-12 else None for k in windows}
         others = [result[p] for p in ("static", "lru", "lfu") if result[p] is not None]
@@ -266,12 +277,13 @@ def main() -> None:
 
     models = ["lfu", *(f"la {k}" for k in args.windows)]
     print(f"{'dataset':<22}{'budget':>8}" + "".join(f"{p:>9}" for p in POLICIES) + "  ours>=best" + "".join(f"{'model ' + m:>11}" for m in models)
-          + "".join(f"{'closed ' + str(k):>10}" for k in args.windows))  # fmt: skip
+          + "".join(f"{'closed ' + str(k):>10}" for k in args.windows) + "".join(f"{'la ' + str(k):>8}" for k in args.windows))  # fmt: skip
     for r in results:
         cells = "".join(f"{r[p]:>9.3f}" if r[p] is not None else f"{'-':>9}" for p in POLICIES)
         model = "".join(f"{r['model'][m]:>11.3f}" if r["model"] else f"{'-':>11}" for m in models)
         closed = "".join(f"{r['gap_closed'][k]:>10.2f}" if r.get("gap_closed") and r["gap_closed"][k] is not None else f"{'-':>10}" for k in args.windows)
-        print(f"{r['dataset']:<22}{r['budget_rows']:>8.3f}{cells}  {str(r.get('ours_at_least_best_other', '-')):>10}{model}{closed}")
+        real = "".join(f"{r['lookahead'][k]:>8.3f}" if r.get("lookahead") else f"{'-':>8}" for k in args.windows)
+        print(f"{r['dataset']:<22}{r['budget_rows']:>8.3f}{cells}  {str(r.get('ours_at_least_best_other', '-')):>10}{model}{closed}{real}")
     write_report("hit_rate", args, results)
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from rich.table import Table
 from typing_extensions import override
 
 from lightning_hotcache._compat import has_last_checkpoint
+from lightning_hotcache.cache import CACHE_POLICIES
 
 
 class HotCacheCLI(LightningCLI):
@@ -185,7 +186,7 @@ def _tool_parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument(
             "--world-size", type=int, help="processes of the run; above 1 also prints each rank's bytes and modelled traffic"
         )
-        parser.add_argument("--policy", choices=["lfu", "lru", "static"])
+        parser.add_argument("--policy", choices=list(CACHE_POLICIES))
         parser.add_argument("--device")
     return parser
 

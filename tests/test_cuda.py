@@ -37,7 +37,7 @@ from models import MODEL_REGISTRY
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 CUDA = {"accelerator": "cuda", "devices": 1}
-CASES = list(itertools.product(sorted(MODEL_REGISTRY), [1.0, 0.1, "minimum"], ["lfu", "lru", "static"]))
+CASES = list(itertools.product(sorted(MODEL_REGISTRY), [1.0, 0.1, "minimum"], ["lfu", "lru", "static", "lookahead"]))
 TESTS = Path(__file__).parent
 
 # Runs in a process that sees no GPU, as on a CPU-only machine: the plain model validates

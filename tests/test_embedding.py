@@ -7,7 +7,7 @@ import torch
 from test_embedding_exactness import TABLES, UPSTREAM, make_plan, zipf_batches
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
-from lightning_hotcache.cache import CacheCapacityError
+from lightning_hotcache.cache import CacheCapacityError, DeviceCache, HostStore
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection
 
 
@@ -346,12 +346,11 @@ def test_batches_with_other_features_or_order_read_the_same_rows(kernel, weighte
     torch.testing.assert_close(got, expected)
 
 
-def test_a_row_fetched_again_before_its_write_back_lands_comes_from_the_evicted_copy() -> None:
-    # The directory decides on the host; evicted rows land in the host store only once their
-    # copy off the device is done (at the acquire after next, on the CPU). A row evicted and
-    # fetched again in between must come back with its update, not as the host's stale row.
+def _row_3_updated_and_evicted() -> tuple[DeviceCache, HostStore]:
+    """A one-slot cache whose row 3 was updated to 7.0 and then evicted by row 5: its
+    write-back is in flight (on the CPU it lands at the acquire after next), and the host
+    store still holds the old row."""
     from lightning_hotcache import RowWiseOptimizerConfig
-    from lightning_hotcache.cache import DeviceCache, HostStore
 
     sgd = RowWiseOptimizerConfig(name="sgd")
     host = HostStore("t", 10, 2, sgd.state_widths(2))
@@ -361,9 +360,16 @@ def test_a_row_fetched_again_before_its_write_back_lands_comes_from_the_evicted_
     cache.weight[slots] = 7.0  # an update of row 3
     cache.mark_updated(slots)
     cache.release(ticket)
-    cache.release(cache.acquire(torch.tensor([5]))[1])  # evicts row 3: its write-back is in flight
+    cache.release(cache.acquire(torch.tensor([5]))[1])
     assert cache.counters.written_back_rows == 1 and torch.equal(host.weight[3], torch.zeros(2))
-    slots, ticket = cache.acquire(torch.tensor([3]))  # fetched again before it landed
+    return cache, host
+
+
+def test_a_row_fetched_again_before_its_write_back_lands_comes_from_the_evicted_copy() -> None:
+    # The directory decides on the host; a row evicted and fetched again before its write-back
+    # landed must come back with its update, not as the host's stale row.
+    cache, host = _row_3_updated_and_evicted()
+    slots, ticket = cache.acquire(torch.tensor([3]))
     assert torch.equal(cache.weight[slots], torch.full((1, 2), 7.0))
     assert torch.equal(host.weight[3], torch.full((2,), 7.0))  # landed after this acquire's fetch
     cache.release(ticket)
@@ -371,19 +377,28 @@ def test_a_row_fetched_again_before_its_write_back_lands_comes_from_the_evicted_
 
 
 def test_whole_table_reads_land_every_write_back_first() -> None:
+    cache, _ = _row_3_updated_and_evicted()
+    assert torch.equal(cache.host_weights(torch.tensor([3])), torch.full((1, 2), 7.0))
+    cache.load_rows("weight", 0, torch.ones(10, 2))  # a load after the write-back: nothing lands over it later
+    cache.release(cache.acquire(torch.tensor([6]))[1])
+    assert torch.equal(cache.full(), torch.ones(10, 2))
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lookahead"])
+def test_lookahead_keeps_the_rows_an_announced_batch_reads(policy: str) -> None:
+    # Two dynamic slots. Row 1 is read three times, row 2 once; batch 3 brings row 3, and
+    # batch 4 reads row 2 again. LFU evicts row 2 (read least) and misses it at batch 4; the
+    # lookahead cache, told one batch ahead, evicts row 1 instead (no announced batch reads it).
     from lightning_hotcache import RowWiseOptimizerConfig
     from lightning_hotcache.cache import DeviceCache, HostStore
 
     sgd = RowWiseOptimizerConfig(name="sgd")
     host = HostStore("t", 10, 2, sgd.state_widths(2))
-    host.load("weight", torch.zeros(10, 2))
-    cache = DeviceCache("t", 10, 2, sgd, torch.empty(0, dtype=torch.int64), 1, "lru", host, torch.device("cpu"))
-    slots, ticket = cache.acquire(torch.tensor([3]))
-    cache.weight[slots] = 7.0
-    cache.mark_updated(slots)
-    cache.release(ticket)
-    cache.release(cache.acquire(torch.tensor([5]))[1])  # row 3's write-back in flight
-    assert torch.equal(cache.host_weights(torch.tensor([3])), torch.full((1, 2), 7.0))
-    cache.load_rows("weight", 0, torch.ones(10, 2))  # a load after the write-back: nothing lands over it later
-    cache.release(cache.acquire(torch.tensor([6]))[1])
-    assert torch.equal(cache.full(), torch.ones(10, 2))
+    cache = DeviceCache("t", 10, 2, sgd, torch.empty(0, dtype=torch.int64), 2, policy, host, torch.device("cpu"))
+    trace = [torch.tensor(ids) for ids in ([1, 1], [2], [1], [3], [2])]
+    cache.announce(trace[0])
+    for step, ids in enumerate(trace):
+        if step + 1 < len(trace):
+            cache.announce(trace[step + 1])  # one batch ahead of the acquire
+        cache.release(DeviceCache.acquire_all([cache], [ids], announced=True)[0].ticket)
+    assert cache.counters.hits == (2 if policy == "lookahead" else 1)

@@ -88,10 +88,16 @@ def train_hotcache(config, batches, upstream, plan, policy, host_storage, depth,
         EmbeddingBagCollection(tables=tables, is_weighted=weighted), plan, config, cache_policy=policy,
         host_storage=host_storage, kernel=kernel,
     )  # fmt: skip
-    staged = 0
+    # Under the lookahead policy the batches are announced LOOKAHEAD ahead of their staging, as
+    # the strategy's loader does.
+    lookahead = LOOKAHEAD if policy == "lookahead" and depth else 0
+    staged = announced = 0
     for step, (batch, grad) in enumerate(zip(batches, upstream)):
         while depth and staged <= min(step + depth, len(batches) - 1):
-            module.prefetch(batches[staged])
+            while lookahead and announced <= min(staged + lookahead, len(batches) - 1):
+                module.announce(batches[announced])
+                announced += 1
+            module.prefetch(batches[staged], announced=bool(lookahead))
             staged += 1
         module(batch).values().backward(grad)
     return module
@@ -113,11 +119,12 @@ def reference_state(ebc: EmbeddingBagCollection) -> dict[str, dict[str, torch.Te
     return out
 
 
+LOOKAHEAD = 3  # batches announced ahead of staging under the lookahead policy
 UPSTREAM = [torch.randn(BATCH, 8 + 4 + 4 + 8, generator=torch.Generator().manual_seed(i)) for i in range(STEPS)]
 BUDGETS = {"100%": 1.0, "10%": 0.1, "1%": 0.01, "minimum": None}
 CASES = list(
     itertools.product(
-        BUDGETS, ["static", "lru", "lfu"], ["sgd", "rowwise_adagrad", "adam"], ["memory", "mmap"], [0, 2], KERNEL_TABLES
+        BUDGETS, ["static", "lru", "lfu", "lookahead"], ["sgd", "rowwise_adagrad", "adam"], ["memory", "mmap"], [0, 2], KERNEL_TABLES
     )
 )
 FUSED_OPTIMIZERS = ("sgd", "rowwise_adagrad")  # FBGEMM's Adam is not the library's lazy Adam
@@ -223,7 +230,7 @@ ONE_WIDTH_UPSTREAM = [torch.randn(BATCH, 8 * 4, generator=torch.Generator().manu
 
 @pytest.mark.parametrize(
     ("budget", "policy", "optimizer", "storage", "depth"),
-    list(itertools.product(BUDGETS, ["static", "lru", "lfu"], FUSED_OPTIMIZERS, ["memory", "mmap"], [0, 2])),
+    list(itertools.product(BUDGETS, ["static", "lru", "lfu", "lookahead"], FUSED_OPTIMIZERS, ["memory", "mmap"], [0, 2])),
 )
 def test_stacked_split_tables_learn_what_torchrec_learns(budget, policy, optimizer, storage, depth, tmp_path) -> None:
     config = RowWiseOptimizerConfig(name=optimizer, lr=0.05)

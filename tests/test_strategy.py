@@ -89,7 +89,7 @@ def assert_same_val_metrics(metrics: dict, expected: dict) -> None:
     assert metrics["val/auc"] == pytest.approx(expected["val/auc"], abs=1e-4)
 
 
-CASES = list(itertools.product(sorted(MODEL_REGISTRY), [1.0, 0.05, "minimum"], ["lfu", "lru", "static"]))
+CASES = list(itertools.product(sorted(MODEL_REGISTRY), [1.0, 0.05, "minimum"], ["lfu", "lru", "static", "lookahead"]))
 
 
 @pytest.mark.parametrize(("name", "budget", "policy"), CASES)
@@ -114,6 +114,31 @@ def assert_hotcache_matches_auto(
     # and Adagrad magnifies that rounding on rows whose accumulated gradient is tiny.
     torch.testing.assert_close(model.state_dict(), expected_state, rtol=1e-5, atol=1e-5)
     assert_same_val_metrics(metrics, expected_metrics)
+
+
+def test_lookahead_loader_announces_each_batch_its_window_ahead_of_staging() -> None:
+    from torchrec import KeyedJaggedTensor
+
+    events: list[tuple[str, int]] = []
+
+    class Module:  # records what the loader tells a hot/cold module
+        def reads(self, features: KeyedJaggedTensor) -> bool:
+            return True
+
+        def announce(self, features: KeyedJaggedTensor) -> None:
+            events.append(("announce", int(features.values()[0])))
+
+    batches = [KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([i]), torch.tensor([1])) for i in range(5)]
+    strategy = HotCacheStrategy(cache_policy="lookahead", lookahead_batches=2)
+    for batch in _PrefetchingLoader(batches, strategy)._read_ahead([Module()]):  # type: ignore[list-item]
+        events.append(("stage", int(batch.values()[0])))
+    # Batch i is staged once batch i + 2 is announced (the last ones when the loader ends).
+    assert events == [("announce", 0), ("announce", 1), ("announce", 2), ("stage", 0), ("announce", 3), ("stage", 1),
+                      ("announce", 4), ("stage", 2), ("stage", 3), ("stage", 4)]  # fmt: skip
+    with pytest.raises(ValueError, match="lookahead_batches must be >= 1"):
+        HotCacheStrategy(cache_policy="lookahead", lookahead_batches=0)
+    with pytest.raises(ValueError, match="needs prefetch_depth >= 1"):
+        HotCacheStrategy(cache_policy="lookahead", prefetch_depth=0)
 
 
 def test_profiles_when_no_stats_and_logs_cache_metrics() -> None:

@@ -55,8 +55,8 @@ from lightning_hotcache.sorting import unique
 from lightning_hotcache.cache.upload import RowUpload
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
-CachePolicy = Literal["lfu", "lru", "static"]
-CACHE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static")
+CachePolicy = Literal["lfu", "lru", "static", "lookahead"]
+CACHE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static", "lookahead")
 
 
 def check_cache_policy(policy: str) -> None:
@@ -97,8 +97,9 @@ class DeviceCache:
         optimizer: row-wise rule (its state widths size the state slots).
         static_ids: ids pinned on the device.
         num_dynamic: dynamic slots.
-        policy: ``lfu``, ``lru``, or ``static`` (dynamic slots only stage each batch's misses
-            and are emptied after it, as in FAE).
+        policy: ``lfu``, ``lru``, ``static`` (dynamic slots only stage each batch's misses
+            and are emptied after it, as in FAE), or ``lookahead``: LFU, except that a row some
+            announced future batch reads (`announce`) is evicted only when nothing else can be.
         host: the host store of this rank's rows of the table (see ``sharding``); may be
             ``None`` only when static_ids cover all rows.
         device: where the slots live.
@@ -162,6 +163,10 @@ class DeviceCache:
         self._released_upto = 0
         self._released_early: set[int] = set()
         self._write_backs: deque[_WriteBack] = deque()  # oldest first
+        # The lookahead window: each announced batch's distinct ids, oldest first, and per id
+        # how many of them read it (2 bytes a row of the table, on the host).
+        self._window: deque[Tensor] = deque()
+        self._window_reads = torch.zeros(num_embeddings if policy == "lookahead" and len(static_ids) < num_embeddings else 0, dtype=torch.int16)
 
         widths = {"weight": embedding_dim, **optimizer.state_widths(embedding_dim)}
         if storage is None:
@@ -229,24 +234,41 @@ class DeviceCache:
 
     @staticmethod
     @torch.no_grad()
-    def acquire_all(caches: Sequence["DeviceCache"], ids: Sequence[Tensor]) -> list[Acquired]:
+    def acquire_all(caches: Sequence["DeviceCache"], ids: Sequence[Tensor], announced: bool = False) -> list[Acquired]:
         """`acquire` for several caches at once (misses of every cache first, then every
-        install: a prefetch thread sees no cache half-staged). Slots are on the host; only
-        the fetched rows and their slots go to the device."""
-        started = [cache._begin_acquire(i) for cache, i in zip(caches, ids)]
+        install: a prefetch thread sees no cache half-staged); ``announced``: the batch is the
+        oldest `announce`d one. Slots are on the host; only the fetched rows and their slots
+        go to the device."""
+        started = [cache._begin_acquire(i, announced) for cache, i in zip(caches, ids)]
         rows = [None if a.needed is None else cache._read_own(a.needed) for cache, a in zip(caches, started)]
         acquired = [cache._finish_acquire(a, r) for cache, a, r in zip(caches, started, rows)]
         for cache in caches:
             cache._land_write_backs(everything=False)
         return acquired
 
-    def _begin_acquire(self, ids: Tensor) -> _Acquire:
+    def announce(self, ids: Tensor) -> None:
+        """A future batch will read ``ids`` (acquired with ``announced=True``, in announcing
+        order): under ``lookahead`` its rows are kept until then where anything else can go."""
+        if len(self._window_reads) == 0:
+            return
+        distinct = unique(ids.to(self.books, torch.int64))[0]
+        self._window_reads[distinct] += 1
+        self._window.append(distinct)
+
+    def clear_window(self) -> None:
+        """Forget the announced batches (an epoch cut short leaves some never acquired)."""
+        self._window.clear()
+        self._window_reads.zero_()
+
+    def _begin_acquire(self, ids: Tensor, announced: bool = False) -> _Acquire:
         """Lock the hits and free slots for the misses (their rows come next).
 
         The batch's ids are deduplicated first: every later step works on distinct ids, and
         the slot map's binary searches run on sorted queries, which walk the same paths
         (2.6x faster than the batch's raw ids for Criteo-like skew in a micro-benchmark)."""
         ids = ids.to(self.books, torch.int64)
+        if announced and self._window:
+            self._window_reads[self._window.popleft()] -= 1
         self.counters.lookups += ids.numel()
         self._issued += 1
         if self.identity:
@@ -292,7 +314,7 @@ class DeviceCache:
             self.last_used[victims] = acquire.ticket
         if acquire.inverse is None:  # identity: slots are the ids
             return Acquired(slots, acquire.ticket, slots)
-        if self.policy == "lfu":
+        if self.policy in ("lfu", "lookahead"):
             assert acquire.counts is not None
             self.frequency.index_add_(0, slots, acquire.counts)
         return Acquired(slots[acquire.inverse], acquire.ticket, slots, acquire.inverse)
@@ -361,7 +383,9 @@ class DeviceCache:
         reserved slot read since the scan has a new score (and may be locked) and is dropped
         from it; the others' scores have not moved, so the reserve stays in LFU/LRU order.
         What it gives up: rows installed after the scan are not victims before the next one.
-        The ``static`` policy keeps the exact scan (its dynamic slots are emptied every batch)."""
+        The ``static`` policy keeps the exact scan (its dynamic slots are emptied every batch).
+        Under ``lookahead`` the rows an announced batch reads come after every other unlocked
+        slot, never enter the reserve, and leave it when announced after the scan."""
         start = self.num_static
         if self._never_used_from + count <= self.num_dynamic:
             # Never-used slots are empty and unlocked: the scoring below would pick them first.
@@ -371,6 +395,8 @@ class DeviceCache:
         self._never_used_from = self.num_dynamic
         if self.policy != "static" and len(self._reserve) >= count:
             unread = self._reserve[self.last_used[self._reserve] < self._reserve_ticket]
+            if len(self._window_reads):
+                unread = unread[~self._awaited(unread)]
             if len(unread) >= count:
                 self._reserve = unread[count:]
                 return unread[:count]
@@ -384,16 +410,32 @@ class DeviceCache:
             )
         last_used = self.last_used[start:]
         # LFU ranks by frequency, then by last use (tickets are < _issued + 1): one exact integer key.
-        score = self.frequency[start:] * (self._issued + 1) + last_used if self.policy == "lfu" else last_used.clone()
+        lfu = self.policy in ("lfu", "lookahead")
+        score = self.frequency[start:] * (self._issued + 1) + last_used if lfu else last_used.clone()
         # masked_fill_, not mask indexing: no host sync on CUDA
         score.masked_fill_(self.id_of_slot[start:] < 0, -1)  # empty slots first
         score.masked_fill_(locked, torch.iinfo(torch.int64).max)
         if self.policy == "static":
             return torch.topk(score, count, largest=False).indices + start
         # One sort of every slot: cheaper than topk once k is more than a few percent of them.
-        ranked = score.sort().indices[: min(free, RESERVE_BATCHES * count)] + start
+        ranked = score.sort().indices
+        if len(self._window_reads):  # rows the window reads after every other unlocked slot
+            awaited = self._awaited(ranked + start) & ~locked[ranked]
+            tier = awaited.to(torch.int8).masked_fill_(locked[ranked], 2)  # locked ones stay last
+            ranked = ranked[tier.sort(stable=True).indices]
+            spare = free - int(awaited.sum())  # unlocked slots no announced batch reads
+            victims = ranked[:count] + start
+            self._reserve = ranked[count : max(count, min(spare, RESERVE_BATCHES * count))] + start
+            self._reserve_ticket = self._issued
+            return victims
+        ranked = ranked[: min(free, RESERVE_BATCHES * count)] + start
         self._reserve, self._reserve_ticket = ranked[count:], self._issued
         return ranked[:count]
+
+    def _awaited(self, slots: Tensor) -> Tensor:
+        """Whether an announced batch reads the row in each of ``slots`` (False when empty)."""
+        ids = self.id_of_slot[slots]
+        return (ids >= 0) & (self._window_reads[ids.clamp(min=0)] > 0)
 
     def _evict(self, slots: Tensor) -> None:
         if len(slots) == 0:

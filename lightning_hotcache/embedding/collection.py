@@ -97,7 +97,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         plan: which rows of each table are static on the device and how many cache slots it gets.
         optimizer: the row-wise rule applied in backward.
         device: where the cached rows live.
-        cache_policy: ``lfu``, ``lru`` or ``static`` (see `DeviceCache`).
+        cache_policy: ``lfu``, ``lru``, ``static`` or ``lookahead`` (see `DeviceCache`).
         host_storage: ``"memory"`` (RAM, pinned when CUDA is present) or a directory for
             memory-mapped host tables. The module locks the directory (see `HostDirectory`:
             one owner at a time, files made fresh) until `release_host_storage`.
@@ -358,16 +358,26 @@ class HotColdEmbeddingBagCollection(nn.Module):
 
     # -------------------------------------------------------------- a step
     @_locked
-    def prefetch(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None) -> None:
+    def prefetch(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None, announced: bool = False) -> None:
         """Make a future batch's rows resident and lock them (call in forward order).
         ``features`` are read on the host: pass the batch before its move to the device, and
-        the moved batch, which forward will get, as ``arrives_as``."""
-        self._staging.queue.append(self._staging.stage(features, arrives_as))
+        the moved batch, which forward will get, as ``arrives_as``; ``announced``: it is the
+        oldest batch `announce`d."""
+        self._staging.queue.append(self._staging.stage(features, arrives_as, announced))
+
+    @_locked
+    def announce(self, features: KeyedJaggedTensor) -> None:
+        """A training batch to be prefetched later (``announced=True``, in this order), its
+        ids on the host: with ``cache_policy="lookahead"`` the rows it reads are kept on the
+        device until then wherever other rows can go."""
+        self._staging.announce(features)
 
     @_locked
     def clear_prefetched(self) -> None:
-        """Drop (and unlock) batches prefetched but never forwarded, e.g. when an epoch was cut short."""
+        """Drop (and unlock) batches prefetched but never forwarded, and forget the batches
+        announced but never prefetched, e.g. when an epoch was cut short."""
         self._staging.clear()
+        self._staging.clear_window()
 
     @_locked
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:

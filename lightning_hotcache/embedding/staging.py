@@ -57,12 +57,10 @@ class Staging:
         self.queue: deque[StagedBatch] = deque()
         self.in_flight: list[StagedBatch] = []
 
-    def stage(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None) -> StagedBatch:
-        """Stage ``features``, the batch as forward will get it (``arrives_as``: the same batch
-        already moved to the device, whose values are then never read here)."""
-        arriving = features if arrives_as is None else arrives_as
-        if features.values().device.type != "cpu":
-            features = features.to(torch.device("cpu"))
+    def _ids(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, Tensor, Tensor, dict[str, list[tuple[int, int]]], list[Tensor]]:
+        """``features`` (on the host) checked and in the module's order; its values; what each
+        value reads (a stack's global id, a whole table's row in a shared device table); each
+        acquired cache's spans of values; and each acquired cache's ids."""
         check_not_empty(features)
         ours = in_feature_order(features, self.layout.features, self.layout.input_of, self.layout.table_of)
         check_ids(ours, self.layout.table_of)  # everything validated before any row is touched
@@ -75,7 +73,27 @@ class Staging:
         spans = {key: [(bounds[a], bounds[b]) for a, b in self._runs[key]] for key in self._acquired}
         # A stack reads global ids (in `indices`); a table of its own reads its ids.
         ids = [concat_spans(indices if key in self.layout.stacks else values, spans[key]) for key in self._acquired]
-        acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids)
+        return ours, values, indices, spans, ids
+
+    def announce(self, features: KeyedJaggedTensor) -> None:
+        """A future training batch (on the host): the caches' lookahead windows learn its ids."""
+        for key, ids in zip(self._acquired, self._ids(features)[4]):
+            self.caches[key].announce(ids)
+
+    def clear_window(self) -> None:
+        for key in self._acquired:
+            self.caches[key].clear_window()
+
+    def stage(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None, announced: bool = False) -> StagedBatch:
+        """Stage ``features``, the batch as forward will get it (``arrives_as``: the same batch
+        already moved to the device, whose values are then never read here; ``announced``: the
+        oldest batch `announce`d)."""
+        arriving = features if arrives_as is None else arrives_as
+        if features.values().device.type != "cpu":
+            features = features.to(torch.device("cpu"))
+        ours, values, indices, spans, ids = self._ids(features)
+        bounds, per_key = ours.offset_per_key(), ours.length_per_key()
+        acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids, announced)
         cache_of_value: Tensor | None = None
         tickets: dict[str, list[int]] = {}
         read: list[tuple[DeviceCache, Tensor]] = []
