@@ -2,6 +2,7 @@
 
 from lightning_hotcache.cache.device import (
     CACHE_POLICIES,
+    MAX_LOOKAHEAD_BATCHES,
     CacheCapacityError,
     CacheCounters,
     CachePolicy,
@@ -12,6 +13,7 @@ from lightning_hotcache.cache.host import HostDirectory, HostStorageInUseError, 
 
 __all__ = [
     "CACHE_POLICIES",
+    "MAX_LOOKAHEAD_BATCHES",
     "CacheCapacityError",
     "CacheCounters",
     "CachePolicy",

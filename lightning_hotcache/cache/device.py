@@ -68,6 +68,8 @@ def check_cache_policy(policy: str) -> None:
 RESERVE_BATCHES = 8
 # Write-backs whose copy to the host may still be running; beyond this the oldest is waited for.
 MAX_PENDING_WRITE_BACKS = 4
+# Announced batches a lookahead window may hold: each row counts them in an int16.
+MAX_LOOKAHEAD_BATCHES = 2**15 - 1
 
 _LOOKUPS, _MISSES, _FETCHED, _EVICTED, _WRITTEN_BACK = range(5)  # rows of DeviceCache._segment_tally
 
