@@ -105,7 +105,8 @@ class SummingUpdate:
         self.lock = lock
         self.optimizer = optimizer
         self.is_weighted = is_weighted
-        self._features = [_TableFeatures.of(layout, k) for k in range(len(tables))]
+        self._features = [_TableFeatures.of(layout, k, table["weight"].device) for k, table in enumerate(tables)]
+        self._states = [{key: array for key, array in table.items() if key != "weight"} for table in tables]
         staging.sums_gradients = True
 
     def before_lookup(self, staged: StagedBatch) -> None:
@@ -119,9 +120,8 @@ class SummingUpdate:
 
     def on_output_gradient(self, staged: StagedBatch, grad: Tensor) -> None:
         with self.lock:
-            for table, features, reads in zip(self.tables, self._features, staged.reads):
+            for table, state, features, reads in zip(self.tables, self._states, self._features, staged.reads):
                 rows = features.value_gradients(staged.ours, grad, self.is_weighted)
-                state = {key: array for key, array in table.items() if key != "weight"}
                 step_read_rows(self.optimizer, table["weight"], state, reads.rows, reads.inverse, rows)
             for cache, slots in staged.read:  # written back on eviction
                 cache.mark_updated(slots)
@@ -135,19 +135,26 @@ class _TableFeatures:
     and FBGEMM's backward before it updates)."""
 
     features: list[int]  # ascending: the order staging puts the table's values in
-    columns: Tensor | None  # the features' output columns, feature after feature (None: contiguous)
+    # The features' output columns, feature after feature (None: contiguous), and whether each
+    # pools by mean (None: none does; `all_mean`: all do): on the gradient's device, made once,
+    # as a step's copy from the host would wait for the device.
+    columns: Tensor | None
     first_column: int
     dim: int
-    mean: Tensor | None  # per feature, whether it pools by mean (None: none does)
+    mean: Tensor | None
+    all_mean: bool
 
     @classmethod
-    def of(cls, layout: Layout, table: int) -> "_TableFeatures":
+    def of(cls, layout: Layout, table: int, device: torch.device) -> "_TableFeatures":
         features = [k for k, t in enumerate(layout.device_table_of_feature()) if t == table]
         dim = layout.table_of[layout.features[features[0]]].embedding_dim
         columns = [c for f in features for c in range(layout.columns[f], layout.columns[f] + dim)]
         contiguous = columns == list(range(columns[0], columns[0] + len(columns)))
         mean = [layout.table_of[layout.features[f]].pooling == PoolingType.MEAN for f in features]
-        return cls(features, None if contiguous else torch.tensor(columns), columns[0], dim, torch.tensor(mean) if any(mean) else None)
+        return cls(
+            features, None if contiguous else torch.tensor(columns, device=device), columns[0], dim,
+            torch.tensor(mean, device=device) if any(mean) else None, all(mean),
+        )  # fmt: skip
 
     def value_gradients(self, ours: KeyedJaggedTensor, grad: Tensor, is_weighted: bool) -> Tensor:
         """The gradient row of each value of these features in ``ours``, features end to end,
@@ -156,15 +163,15 @@ class _TableFeatures:
         if self.columns is None:
             per_bag = grad[:, self.first_column : self.first_column + count * self.dim]
         else:
-            per_bag = grad.index_select(1, self.columns.to(grad.device))
+            per_bag = grad.index_select(1, self.columns)
         # Sample-major columns to feature-major bags, as the values come.
         per_bag = per_bag.reshape(batch, count, self.dim).transpose(0, 1).reshape(count * batch, self.dim)
         spans = [(ours.offset_per_key()[f], ours.offset_per_key()[f + 1]) for f in self.features]
         bag_lengths = concat_spans(ours.lengths(), [(f * batch, (f + 1) * batch) for f in self.features]).to(grad.device)
         if self.mean is not None:
             scale = bag_lengths.clamp(min=1).to(grad.dtype).reciprocal()  # as embedding_bag: times 1 / size
-            if not bool(self.mean.all()):  # a host tensor
-                scale = torch.where(self.mean.to(grad.device).repeat_interleave(batch, output_size=count * batch), scale, 1.0)
+            if not self.all_mean:
+                scale = torch.where(self.mean.repeat_interleave(batch, output_size=count * batch), scale, 1.0)
             per_bag = per_bag * scale[:, None]
         num_values = sum(b - a for a, b in spans)
         bag_of_value = torch.repeat_interleave(torch.arange(count * batch, device=grad.device), bag_lengths, output_size=num_values)
@@ -209,7 +216,7 @@ class OwnersUpdate:
         self.optimizer = optimizer
         self.sharding = sharding
         self.is_weighted = is_weighted
-        self._features = [_TableFeatures.of(layout, k) for k in range(len(owned))]
+        self._features = [_TableFeatures.of(layout, k, o.storage["weight"].device) for k, o in enumerate(owned)]
         self._pending: tuple[_Reads, list[Tensor], RowsInFlight] | None = None  # see `on_output_gradient`
         staging.sums_gradients = True
 
