@@ -402,3 +402,22 @@ def test_lookahead_keeps_the_rows_an_announced_batch_reads(policy: str) -> None:
             cache.announce(trace[step + 1])  # one batch ahead of the acquire
         cache.release(DeviceCache.acquire_all([cache], [ids], announced=True)[0].ticket)
     assert cache.counters.hits == (2 if policy == "lookahead" else 1)
+
+
+def test_a_batch_moved_to_the_device_is_put_in_order_with_the_hosts_sizes() -> None:
+    # Staging reads the host batch; forward gets the moved one, put in the module's order with
+    # the sizes per feature the host batch knows (computing them on a device would wait for it).
+    from torchrec import EmbeddingBagConfig
+
+    from lightning_hotcache.embedding.batch import in_feature_order, on_device
+
+    host = KeyedJaggedTensor.from_lengths_sync(keys=["b", "a"], values=torch.tensor([5, 6, 7]), lengths=torch.tensor([1, 1, 0, 1]))
+    arriving = KeyedJaggedTensor(keys=["b", "a"], values=host.values().clone(), lengths=host.lengths().clone())
+    assert arriving.length_per_key_or_none() is None  # as a moved batch may come
+    order, input_of = ["a", "b"], {"a": "a", "b": "b"}
+    table_of = {f: EmbeddingBagConfig(name=f"t_{f}", num_embeddings=10, embedding_dim=2, feature_names=[f]) for f in order}
+    host_ours = in_feature_order(host, order, input_of, table_of)
+    ours = on_device(arriving, host, host_ours, order, input_of, table_of)
+    assert ours.keys() == order and ours.length_per_key_or_none() == host_ours.length_per_key() == [1, 2]
+    assert ours.offset_per_key_or_none() == host_ours.offset_per_key()
+    assert torch.equal(ours.values(), torch.tensor([7, 5, 6])) and torch.equal(ours.lengths(), host_ours.lengths())

@@ -110,11 +110,12 @@ def in_feature_order(
     order: list[str],
     input_of: dict[str, str],
     table_of: dict[str, EmbeddingBagConfig],
-    sizes: KeyedJaggedTensor | None = None,
+    sized_like: KeyedJaggedTensor | None = None,
 ) -> KeyedJaggedTensor:
     """The values ``order``'s features read (``input_of`` says which input key each reads; a
-    key may be read by several), keyed by ``order`` (as given when it already is). ``sizes``:
-    the same batch elsewhere, whose values per key are known (default: ``features``)."""
+    key may be read by several), keyed by ``order`` (as given when it already is).
+    ``sized_like``: the same batch elsewhere, whose values per key are known (default:
+    ``features``)."""
     check_one_batch_size(features)
     keys = features.keys()
     if keys == order:
@@ -126,7 +127,7 @@ def in_feature_order(
                 f"Feature {input_of[feature]!r} of table {table_of[feature].name!r} is missing from the batch (it has {keys})."
             )
     picked = [position[input_of[f]] for f in order]
-    batch, per_key = features.stride(), (sizes or features).length_per_key()
+    batch, per_key = features.stride(), (features if sized_like is None else sized_like).length_per_key()
 
     def reordered(flat: Tensor, sizes: int | list[int]) -> Tensor:
         parts = flat.split(sizes)
@@ -143,12 +144,17 @@ def in_feature_order(
 
 
 def on_device(
-    arriving: KeyedJaggedTensor, host: KeyedJaggedTensor, host_ours: KeyedJaggedTensor, order: list[str], input_of: dict[str, str]
+    arriving: KeyedJaggedTensor,
+    host: KeyedJaggedTensor,
+    host_ours: KeyedJaggedTensor,
+    order: list[str],
+    input_of: dict[str, str],
+    table_of: dict[str, EmbeddingBagConfig],
 ) -> KeyedJaggedTensor:
     """``arriving`` (the batch on the device; ``host``: the same batch on the host) in the
     module's feature order, with the sizes per feature that ``host_ours`` (that order, on the
     host) knows: a KJT computes them from its lengths, which on the device would wait for it."""
-    ours = in_feature_order(arriving, order, input_of, {}, sizes=host)
+    ours = in_feature_order(arriving, order, input_of, table_of, sized_like=host)
     return KeyedJaggedTensor(
         keys=ours.keys(),
         values=ours.values(),

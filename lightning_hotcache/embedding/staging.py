@@ -115,7 +115,7 @@ class Staging:
             self.caches[key].count_lookups(sum(per_key[k] for k in self._positions[key]))
         reads = [self._reads(indices, [(bounds[a], bounds[b]) for a, b in runs]) for runs in self._table_runs] if self.sums_gradients else []
         if arriving.values().device != values.device:
-            ours = on_device(arriving, features, ours, self.layout.features, self.layout.input_of)
+            ours = on_device(arriving, features, ours, self.layout.features, self.layout.input_of, self.layout.table_of)
         return StagedBatch(arriving, ours, to_device(indices, self.device), tickets, read, reads=reads)
 
     def _reads(self, indices: Tensor, spans: list[tuple[int, int]]) -> TableReads:
