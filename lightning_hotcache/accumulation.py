@@ -1,8 +1,9 @@
 """Gradient accumulation is refused by strategies that step embedding rows in backward.
 
 ``hotcache`` and ``torchrec`` apply the row-wise rule to a batch's rows inside backward (FBGEMM's
-fused kernel, or a post-accumulate hook), so with ``accumulate_grad_batches=k`` rows would be
-stepped on every micro-batch while the dense layers step once per k: another model than
+fused kernel, or the PyTorch path's update in its lookup's backward), so with
+``accumulate_grad_batches=k`` rows would be stepped on every micro-batch while the dense
+layers step once per k: another model than
 ``auto`` learns (the second micro-batch would also read rows the first already moved).
 Accumulating the rows' gradients across micro-batches instead would keep every row a window
 reads locked in the cache until the optimizer step; a k times larger batch trains the same

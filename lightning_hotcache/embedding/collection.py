@@ -104,7 +104,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         is_weighted: use the KJT's per-sample weights (SUM pooling), as torchrec's flag of that name.
         kernel: ``"fbgemm"``: the device tier is FBGEMM's table-batched embedding with the
             row-wise rule fused into backward (see `FusedTables`); ``"pytorch"``: one
-            ``embedding_bag`` per feature and the update in a gradient hook; ``"auto"``:
+            ``embedding_bag`` per width and pooling, the update in its backward; ``"auto"``:
             FBGEMM where it trains exactly (`fused_unavailable` says where not),
             else PyTorch. ``kernel_note`` says which runs and why.
         process_group: data-parallel ranks training the same tables (None: this process alone).
