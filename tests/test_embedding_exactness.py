@@ -9,6 +9,7 @@ and per-row optimizer state after N steps.
 from __future__ import annotations
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -205,6 +206,53 @@ def test_staging_between_forward_and_backward_is_exact(kernel) -> None:
         if step + depth < len(batches):
             module.prefetch(batches[step + depth])
         out.backward(grad)
+    assert module.caches["t_user"].counters.evicted_rows > 0
+    assert_same(module, reference)
+
+
+def _staged_meanwhile(module: HotColdEmbeddingBagCollection, batch: KeyedJaggedTensor | None) -> None:
+    """Prefetch ``batch`` on another thread, as the prefetch thread does, and wait for it."""
+    if batch is None:
+        return
+    worker = threading.Thread(target=module.prefetch, args=(batch,), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "staging waited for the step's lookup or row update to finish"
+
+
+@pytest.mark.parametrize("kernel", ["fbgemm", "pytorch"])
+def test_a_prefetch_thread_stages_while_a_step_looks_up_and_updates(kernel, monkeypatch) -> None:
+    # The module's lock covers the caches' directories alone: a prefetch thread stages the
+    # next batches during a step's lookup and its row update (on the PyTorch path, where the
+    # update is ours), and the step still learns what torchrec's does. Were the lock held
+    # through them, staging would wait for the step that here waits for it.
+    import lightning_hotcache.embedding.update as update
+
+    config = RowWiseOptimizerConfig(name="rowwise_adagrad", lr=0.05)
+    batches = zipf_batches(seed=7)
+    plan = make_plan(batches, None, 2, "lfu", SUM_TABLES)  # the minimum for 3 batches locked at once: every stage evicts
+    reference = train_reference(config, batches, UPSTREAM, SUM_TABLES)
+    torch.manual_seed(0)
+    module = HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(tables=SUM_TABLES), plan, config, kernel=kernel)
+    ahead = iter(batches[1:])
+    lookup = module._lookup
+
+    def lookup_while_staging(staged):
+        _staged_meanwhile(module, next(ahead, None))
+        return lookup(staged)
+
+    step_read_rows = update.step_read_rows
+
+    def update_while_staging(*args):
+        _staged_meanwhile(module, next(ahead, None))
+        return step_read_rows(*args)
+
+    module._lookup = lookup_while_staging
+    monkeypatch.setattr(update, "step_read_rows", update_while_staging)
+    module.prefetch(batches[0])
+    for batch, grad in zip(batches, UPSTREAM):
+        module(batch).values().backward(grad)
+    assert next(ahead, None) is None  # every later batch was staged during a step
     assert module.caches["t_user"].counters.evicted_rows > 0
     assert_same(module, reference)
 

@@ -134,7 +134,10 @@ class HotColdEmbeddingBagCollection(nn.Module):
         # False while a strategy saves split tables shard by shard instead of gathering them.
         self.gather_split_tables = True
         # Staging (possibly on a prefetch thread), forward and the backward update all change
-        # the caches; one re-entrant lock keeps them from interleaving.
+        # the caches' directories; one re-entrant lock keeps those changes from interleaving.
+        # It is held for the directory's work alone, not for a batch's preparation, lookup or
+        # row update: on a prefetch thread, staging the next batch then overlaps the step
+        # instead of holding up its forward and backward (see `Staging`).
         self._lock = threading.RLock()
         self._tables = list(tables)
         self.optimizer = optimizer or RowWiseOptimizerConfig()
@@ -198,7 +201,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self.caches[table.name] = self._caches[table.name] = cache
         self.caches = {t.name: self.caches[t.name] for t in self._tables}  # in table order
         self._caches = {key: self._caches[key] for key in self.layout.cache_keys}  # in layout order
-        self._staging = Staging(self.layout, self._caches, self.device)
+        self._staging = Staging(self.layout, self._caches, self.device, self._lock)
         self._lookup, self._update = self._step_parts()
 
     def _step_parts(self) -> tuple[Callable[[Any], Tensor], Any]:
@@ -357,7 +360,6 @@ class HotColdEmbeddingBagCollection(nn.Module):
         return set(self.layout.input_of.values()) <= set(features.keys())
 
     # -------------------------------------------------------------- a step
-    @_locked
     def prefetch(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None, announced: bool = False) -> None:
         """Make a future batch's rows resident and lock them (call in forward order).
         ``features`` are read on the host: pass the batch before its move to the device, and
@@ -365,7 +367,6 @@ class HotColdEmbeddingBagCollection(nn.Module):
         oldest batch `announce`d."""
         self._staging.queue.append(self._staging.stage(features, arrives_as, announced))
 
-    @_locked
     def announce(self, features: KeyedJaggedTensor) -> None:
         """A training batch to be prefetched later (``announced=True``, in this order), its
         ids on the host: with ``cache_policy="lookahead"`` the rows it reads are kept on the
@@ -379,15 +380,17 @@ class HotColdEmbeddingBagCollection(nn.Module):
         self._staging.clear()
         self._staging.clear_window()
 
-    @_locked
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        staged = self._staging.take(features, training=self.training and torch.is_grad_enabled())
+        # The lookup reads only the batch's own slots, which stay locked: it needs no lock.
+        with self._lock:
+            staged = self._staging.take(features, training=self.training and torch.is_grad_enabled())
         self._update.before_lookup(staged)
         values = self._lookup(staged)
-        if torch.is_grad_enabled() and values.requires_grad:
-            self._update.attach(staged, values)
-        else:
-            self._staging.release(staged)
+        with self._lock:
+            if torch.is_grad_enabled() and values.requires_grad:
+                self._update.attach(staged, values)
+            else:
+                self._staging.release(staged)
         return KeyedTensor(
             keys=self.layout.features,
             length_per_key=[self.layout.table_of[f].embedding_dim for f in self.layout.features],

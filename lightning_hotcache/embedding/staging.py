@@ -7,13 +7,17 @@ rows it missed, and is never read. (A batch handed over on the device is copied 
 host first, which waits for it: prefetching stages the batch before its move.)
 
 The caches that lock rows are acquired all at once (`DeviceCache.acquire_all`: every cache's misses
-are read before any is installed, so a prefetch thread never leaves one half-staged). Tables
+are read before any is installed, so a prefetch thread never leaves one half-staged), under the
+module's lock; the rest of a batch's staging (checking and ordering its ids, its slots in
+place, its distinct rows per device table, the copies to the device) touches no cache and runs
+outside it, so that on a prefetch thread it overlaps the step's forward and backward. Tables
 wholly on the device in shared device tables lock nothing (slot == row): their ids become rows
 by the layout's per-feature base alone, and only their lookups are counted.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import deque
 
@@ -32,10 +36,11 @@ class Staging:
     """Stages batches into ``caches`` (cache key -> cache) laid out by ``layout``, and keeps
     the staged batches until their rows may be unlocked."""
 
-    def __init__(self, layout: Layout, caches: dict[str, DeviceCache], device: torch.device) -> None:
+    def __init__(self, layout: Layout, caches: dict[str, DeviceCache], device: torch.device, lock: threading.RLock) -> None:
         self.layout = layout
         self.device = device
         self.caches = caches
+        self.lock = lock  # the module's: held while the caches' directories change
         # In shared device tables whole tables are read at their rows directly; elsewhere every
         # cache is acquired (a whole table's acquire counts, and names the rows a batch read).
         self._acquired = [key for key in caches if not (layout.shared and caches[key].identity)]
@@ -77,12 +82,15 @@ class Staging:
 
     def announce(self, features: KeyedJaggedTensor) -> None:
         """A future training batch (on the host): the caches' lookahead windows learn its ids."""
-        for key, ids in zip(self._acquired, self._ids(features)[4]):
-            self.caches[key].announce(ids)
+        announced = self._ids(features)[4]
+        with self.lock:
+            for key, ids in zip(self._acquired, announced):
+                self.caches[key].announce(ids)
 
     def clear_window(self) -> None:
-        for key in self._acquired:
-            self.caches[key].clear_window()
+        with self.lock:
+            for key in self._acquired:
+                self.caches[key].clear_window()
 
     def stage(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None, announced: bool = False) -> StagedBatch:
         """Stage ``features``, the batch as forward will get it (``arrives_as``: the same batch
@@ -93,7 +101,10 @@ class Staging:
             features = features.to(torch.device("cpu"))
         ours, values, indices, spans, ids = self._ids(features)
         bounds, per_key = ours.offset_per_key(), ours.length_per_key()
-        acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids, announced)
+        with self.lock:
+            acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids, announced)
+            for key in self._counted_only:
+                self.caches[key].count_lookups(sum(per_key[k] for k in self._positions[key]))
         cache_of_value: Tensor | None = None
         tickets: dict[str, list[int]] = {}
         read: list[tuple[DeviceCache, Tensor]] = []
@@ -111,8 +122,6 @@ class Staging:
                 if cache_of_value is None:
                     cache_of_value = torch.repeat_interleave(self._cache_of_feature, torch.tensor(per_key), output_size=len(values))
                 indices.masked_scatter_(cache_of_value == self._acquired.index(key), slots)
-        for key in self._counted_only:
-            self.caches[key].count_lookups(sum(per_key[k] for k in self._positions[key]))
         reads = [self._reads(indices, [(bounds[a], bounds[b]) for a, b in runs]) for runs in self._table_runs] if self.sums_gradients else []
         if arriving.values().device != values.device:
             ours = on_device(arriving, features, ours, self.layout.features, self.layout.input_of, self.layout.table_of)
@@ -177,8 +186,9 @@ class Staging:
 
     def clear(self) -> None:
         """Drop (and unlock) batches prefetched but never forwarded."""
-        while self.queue:
-            self.release(self.queue.popleft())
+        with self.lock:
+            while self.queue:
+                self.release(self.queue.popleft())
 
 
 def _runs(positions: list[int]) -> list[tuple[int, int]]:

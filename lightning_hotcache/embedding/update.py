@@ -12,7 +12,11 @@
   goes to its owner, which applies the ranks' mean, one device table (one width) at a time
   (`OwnedRows`): the step's ops do not grow with the number of tables.
 
-Every update runs under the module's lock (a prefetch thread may be staging).
+An update changes the caches' directories (dirty marks, unlocking) under the module's lock,
+as staging, maybe on a prefetch thread, changes them too; the rows' step itself runs outside
+it: the batch's rows are locked, so staging neither evicts nor overwrites them meanwhile, and
+a row unlocked after its step was queued is copied off or overwritten only behind it (the
+side stream waits for the step's stream).
 """
 
 from __future__ import annotations
@@ -119,10 +123,10 @@ class SummingUpdate:
         """Every update is applied in backward: nothing waits."""
 
     def on_output_gradient(self, staged: StagedBatch, grad: Tensor) -> None:
+        for table, state, features, reads in zip(self.tables, self._states, self._features, staged.reads):
+            rows = features.value_gradients(staged.ours, grad, self.is_weighted)
+            step_read_rows(self.optimizer, table["weight"], state, reads.rows, reads.inverse, rows)
         with self.lock:
-            for table, state, features, reads in zip(self.tables, self._states, self._features, staged.reads):
-                rows = features.value_gradients(staged.ours, grad, self.is_weighted)
-                step_read_rows(self.optimizer, table["weight"], state, reads.rows, reads.inverse, rows)
             for cache, slots in staged.read:  # written back on eviction
                 cache.mark_updated(slots)
             self.staging.finish(staged)
@@ -223,6 +227,10 @@ class OwnersUpdate:
     def before_lookup(self, staged: StagedBatch) -> None:
         """Fetch the current weights of the other ranks' rows the batch reads (one exchange for
         all device tables), and keep each read row's key, and the fetch's route, for backward."""
+        with self.lock:  # owners serve and install rows that other batches' staging may evict
+            self._fetch_remote_rows(staged)
+
+    def _fetch_remote_rows(self, staged: StagedBatch) -> None:
         self.settle()  # the previous step's update, before any row is read
         reads, requests, remote_rows = [], [], []
         for owned, table_reads in zip(self.owned, staged.reads):
