@@ -83,12 +83,17 @@ def train_reference(config: RowWiseOptimizerConfig, batches, upstream, tables=TA
     return ebc
 
 
-def train_hotcache(config, batches, upstream, plan, policy, host_storage, depth, tables=TABLES, weighted=False, kernel="auto"):
+def train_hotcache(
+    config, batches, upstream, plan, policy, host_storage, depth, tables=TABLES, weighted=False, kernel="auto", reads_sorted_on_device=False
+):
     torch.manual_seed(0)
     module = HotColdEmbeddingBagCollection.from_ebc(
         EmbeddingBagCollection(tables=tables, is_weighted=weighted), plan, config, cache_policy=policy,
         host_storage=host_storage, kernel=kernel,
     )  # fmt: skip
+    if reads_sorted_on_device:  # what the PyTorch path does on CUDA, here on the CPU
+        assert module._staging.sums_gradients
+        module._staging.sorts_reads_on_device = True
     # Under the lookahead policy the batches are announced LOOKAHEAD ahead of their staging, as
     # the strategy's loader does.
     lookahead = LOOKAHEAD if policy == "lookahead" and depth else 0
@@ -145,6 +150,23 @@ def test_same_tables_and_state_as_torchrec(budget, policy, optimizer, storage, d
     if budget == "minimum":
         counters = module.caches["t_user"].counters
         assert counters.evicted_rows > 0 and counters.fetched_rows > 0  # the cache really cycled
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("budget", ["10%", "minimum"])
+def test_reads_sorted_on_the_device_learn_what_torchrec_learns(budget, optimizer, weighted) -> None:
+    # On CUDA the PyTorch path finds each device table's reads on the device: every value's
+    # row sorted, repeats kept (`sorted_reads`); each repeat steps to the same values.
+    config = RowWiseOptimizerConfig(name=optimizer, lr=0.05)
+    tables = SUM_TABLES if weighted else TABLES  # embedding_bag weighs SUM bags only
+    batches = zipf_batches(weighted=weighted, seed=5)
+    plan = make_plan(batches, BUDGETS[budget], 2, "lfu", tables)
+    reference = train_reference(config, batches, UPSTREAM, tables, weighted=weighted)
+    module = train_hotcache(
+        config, batches, UPSTREAM, plan, "lfu", "memory", 2, tables, weighted=weighted, kernel="pytorch", reads_sorted_on_device=True
+    )
+    assert_same(module, reference)
 
 
 @pytest.mark.parametrize("depth", [0, 2])

@@ -11,6 +11,8 @@ from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from lightning_hotcache import RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
+from lightning_hotcache.embedding.batch import sorted_reads
+from lightning_hotcache.rowwise import step_read_rows
 
 ROWS, DIM = 20, 8
 
@@ -171,3 +173,31 @@ def test_tables_of_several_widths_step_together_without_coalescing_sparse_gradie
         assert "_coalesce" not in ops.names and "coalesce" not in ops.names
         for bag, weight in zip(bags, expected):
             torch.testing.assert_close(bag.weight.detach(), weight, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad", "adam"])
+def test_a_step_from_sorted_reads_with_repeats_equals_one_from_distinct_rows(name: str) -> None:
+    # `sorted_reads` (the PyTorch path's reads on CUDA) keeps every value's row, repeats
+    # included; each repeat is stepped from its row's summed gradient and writes the same values.
+    config = RowWiseOptimizerConfig(name=name, lr=0.1)
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.tensor([7, 2, 7, 7, 0, 2, 9])
+    value_grads = torch.randn(len(rows), 4, generator=generator)
+    table = torch.randn(10, 4, generator=generator)
+    state = {key: torch.rand(10, width, generator=generator) for key, width in config.state_widths(4).items()}
+    distinct, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+    expected_table, expected_state = table.clone(), {key: value.clone() for key, value in state.items()}
+    step_read_rows(config, expected_table, expected_state, distinct, inverse, value_grads)
+
+    reads = sorted_reads(rows)
+    assert reads.rows.tolist() == sorted(rows.tolist())
+    assert torch.equal(reads.inverse, inverse) and reads.segment.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    step_read_rows(config, table, state, reads.rows, reads.inverse, value_grads, reads.segment)
+    torch.testing.assert_close(table, expected_table)
+    for key in state:
+        torch.testing.assert_close(state[key], expected_state[key], msg=key)
+
+
+def test_sorted_reads_of_no_rows() -> None:
+    reads = sorted_reads(torch.empty(0, dtype=torch.int64))
+    assert reads.rows.numel() == reads.inverse.numel() == reads.segment.numel() == 0

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection
+from lightning_hotcache.embedding.batch import sorted_reads
 from lightning_hotcache.planner import HotColdPlan, TablePlan
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
@@ -147,10 +148,13 @@ def _ops_per_step(
     device: str = "cpu",
     staged_ahead: bool = False,
     whole_tables: bool = False,
+    reads_sorted_on_device: bool = False,
 ) -> int:
     """The most of ``counter_type().count`` over steady-state steps (a context manager with a
-    count); with ``staged_ahead`` each batch is staged from the host before its step is counted."""
+    count); with ``staged_ahead`` each batch is staged from the host before its step is counted;
+    ``reads_sorted_on_device``: the PyTorch path's reads found as on CUDA (`sorted_reads`)."""
     module = _module(num_tables, process_group, kernel, device, whole_tables)
+    module._staging.sorts_reads_on_device = reads_sorted_on_device
     batches = _batches(num_tables, steps=10, seed=rank)
     counts = []
     for step, host_batch in enumerate(batches):
@@ -166,10 +170,14 @@ def _ops_per_step(
     return max(counts)
 
 
-@pytest.mark.parametrize("kernel", ["auto", "pytorch"])
+@pytest.mark.parametrize("kernel", ["auto", "pytorch", "pytorch-sorted-reads"])
 def test_step_ops_do_not_grow_with_tables_in_one_process(kernel: str) -> None:
-    # On the PyTorch path too: one embedding_bag per cache (a stack of split tables), not per feature.
-    few, many = _ops_per_step(8, kernel=kernel), _ops_per_step(26, kernel=kernel)
+    # On the PyTorch path too: one embedding_bag per cache (a stack of split tables), not per
+    # feature; with the reads found on the device (CUDA's way), one sort per width, not per table.
+    reads_on_device = kernel == "pytorch-sorted-reads"
+    kernel = kernel.removesuffix("-sorted-reads")
+    few = _ops_per_step(8, kernel=kernel, reads_sorted_on_device=reads_on_device)
+    many = _ops_per_step(26, kernel=kernel, reads_sorted_on_device=reads_on_device)
     assert many - few <= SLACK, (few, many)
 
 
@@ -190,11 +198,24 @@ def test_step_ops_do_not_grow_with_tables_across_two_processes(tmp_path) -> None
     _on_two_processes(_across_two_ranks, tmp_path)
 
 
-@pytest.mark.parametrize("kernel", ["pytorch", "fbgemm"])
+@pytest.mark.parametrize("kernel", ["pytorch", "pytorch-sorted-reads", "fbgemm"])
 def test_step_of_a_staged_batch_waits_for_no_device(kernel: str) -> None:
-    few = _ops_per_step(8, kernel=kernel, counter_type=_CountSyncPoints, staged_ahead=True)
-    many = _ops_per_step(26, kernel=kernel, counter_type=_CountSyncPoints, staged_ahead=True)
+    reads_on_device = kernel == "pytorch-sorted-reads"
+    kernel = kernel.removesuffix("-sorted-reads")
+    few = _ops_per_step(8, kernel=kernel, counter_type=_CountSyncPoints, staged_ahead=True, reads_sorted_on_device=reads_on_device)
+    many = _ops_per_step(26, kernel=kernel, counter_type=_CountSyncPoints, staged_ahead=True, reads_sorted_on_device=reads_on_device)
     assert few == many <= SYNC_POINTS_PER_STEP[kernel], (few, many)
+
+
+def test_reads_sorted_on_the_device_wait_for_no_device() -> None:
+    # What replaces the host's unique on CUDA: fixed-size ops only (unique would be sized by the data).
+    rows = torch.from_numpy(np.random.default_rng(0).integers(0, 50, 1000))
+    with _CountSyncPoints() as counter:
+        sorted_reads(rows)
+    assert counter.count == 0, counter.calls
+    with _CountSyncPoints() as counter:
+        torch.unique(rows, return_inverse=True)
+    assert counter.count == 1  # and the counter sees it there
 
 
 def test_sync_point_counter_sees_what_would_wait_for_a_device() -> None:

@@ -19,11 +19,28 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 @dataclass(frozen=True)
 class TableReads:
-    """One device table's reads in a staged batch, found on the host while staging, for an
-    update that sums each row's gradient itself (no sort in backward)."""
+    """One device table's reads in a staged batch, for an update that sums each row's gradient
+    itself (no sort in backward), all on the device.
 
-    rows: Tensor  # the distinct rows read, ascending, on the device
-    inverse: Tensor  # position in `rows` of each value its features read (features end to end), on the device
+    Found on the host while staging: ``rows`` are the distinct rows, ascending. Found on a
+    CUDA device (`sorted_reads`), where sizing the distinct rows would make the host wait for
+    the device: ``rows`` are every value's row, sorted, repeats kept, and ``segment`` says
+    which distinct row each of them is (repeats step to the same values, so their writes agree).
+    """
+
+    rows: Tensor
+    inverse: Tensor  # the distinct row (0, 1, ... in ascending order) of each value its features read (features end to end)
+    segment: Tensor | None = None  # the distinct row of each of `rows`, where `rows` has repeats
+
+
+def sorted_reads(rows: Tensor) -> TableReads:
+    """`TableReads` of ``rows`` (every value's row) found where they are, in ops of fixed sizes:
+    on a CUDA device none waits for the device, as ``unique`` would (its size)."""
+    ordered, order = torch.sort(rows)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    torch.ne(ordered[1:], ordered[:-1], out=starts[1:])
+    segment = starts.cumsum(0).sub_(1)
+    return TableReads(ordered, torch.empty_like(segment).scatter_(0, order, segment), segment)
 
 
 @dataclass

@@ -27,7 +27,16 @@ from torchrec import KeyedJaggedTensor
 
 from lightning_hotcache.cache.device import DeviceCache
 from lightning_hotcache.cache.upload import to_device
-from lightning_hotcache.embedding.batch import StagedBatch, TableReads, check_ids, concat_spans, in_feature_order, on_device, same_batch
+from lightning_hotcache.embedding.batch import (
+    StagedBatch,
+    TableReads,
+    check_ids,
+    concat_spans,
+    in_feature_order,
+    on_device,
+    same_batch,
+    sorted_reads,
+)
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.guards import check_not_empty
 
@@ -55,8 +64,10 @@ class Staging:
         self._cache_of_feature = torch.tensor([owner.get(k, -1) for k in range(len(layout.features))])
         self._value_base = layout.value_base()
         # Whether staged batches carry each device table's distinct reads (`TableReads`), for an
-        # update that sums gradients itself (set by it); the features reading each table, as runs.
+        # update that sums gradients itself (set by it), and whether the device finds them
+        # (`sorted_reads`) rather than the host; the features reading each table, as runs.
         self.sums_gradients = False
+        self.sorts_reads_on_device = False
         feature_table = layout.device_table_of_feature()
         self._table_runs = [_runs([k for k, t in enumerate(feature_table) if t == table]) for table in range(len(layout.device_rows))]
         self.queue: deque[StagedBatch] = deque()
@@ -122,15 +133,21 @@ class Staging:
                 if cache_of_value is None:
                     cache_of_value = torch.repeat_interleave(self._cache_of_feature, torch.tensor(per_key), output_size=len(values))
                 indices.masked_scatter_(cache_of_value == self._acquired.index(key), slots)
-        reads = [self._reads(indices, [(bounds[a], bounds[b]) for a, b in runs]) for runs in self._table_runs] if self.sums_gradients else []
         if arriving.values().device != values.device:
             ours = on_device(arriving, features, ours, self.layout.features, self.layout.input_of, self.layout.table_of)
-        return StagedBatch(arriving, ours, to_device(indices, self.device), tickets, read, reads=reads)
+        on_the_device = to_device(indices, self.device)
+        reads = []
+        if self.sums_gradients:
+            spans_of_tables = [[(bounds[a], bounds[b]) for a, b in runs] for runs in self._table_runs]
+            if self.sorts_reads_on_device:
+                reads = [sorted_reads(_rows_in(on_the_device, spans)) for spans in spans_of_tables]
+            else:
+                reads = [self._distinct_reads(_rows_in(indices, spans)) for spans in spans_of_tables]
+        return StagedBatch(arriving, ours, on_the_device, tickets, read, reads=reads)
 
-    def _reads(self, indices: Tensor, spans: list[tuple[int, int]]) -> TableReads:
-        """A device table's reads: the distinct rows among ``indices`` (rows of the batch's
-        values, on the host) in ``spans``, and each value's place among them."""
-        rows = concat_spans(indices, spans) if spans else indices[:0]
+    def _distinct_reads(self, rows: Tensor) -> TableReads:
+        """A device table's reads found on the host: the distinct ``rows`` (every value's row),
+        and each value's place among them."""
         # torch's unique, not `unique`'s numpy path: with the inverse of 200k ids numpy's was
         # slower on an AMD EPYC (see `sum_by_index`).
         distinct, inverse = torch.unique(rows, sorted=True, return_inverse=True)
@@ -189,6 +206,11 @@ class Staging:
         with self.lock:
             while self.queue:
                 self.release(self.queue.popleft())
+
+
+def _rows_in(indices: Tensor, spans: list[tuple[int, int]]) -> Tensor:
+    """The rows ``indices`` holds in ``spans``, end to end."""
+    return concat_spans(indices, spans) if spans else indices[:0]
 
 
 def _runs(positions: list[int]) -> list[tuple[int, int]]:

@@ -112,6 +112,8 @@ class SummingUpdate:
         self._features = [_TableFeatures.of(layout, k, table["weight"].device) for k, table in enumerate(tables)]
         self._states = [{key: array for key, array in table.items() if key != "weight"} for table in tables]
         staging.sums_gradients = True
+        # On CUDA the distinct rows are found on the device, off the host's critical path.
+        staging.sorts_reads_on_device = tables[0]["weight"].device.type == "cuda"
 
     def before_lookup(self, staged: StagedBatch) -> None:
         pass
@@ -125,7 +127,7 @@ class SummingUpdate:
     def on_output_gradient(self, staged: StagedBatch, grad: Tensor) -> None:
         for table, state, features, reads in zip(self.tables, self._states, self._features, staged.reads):
             rows = features.value_gradients(staged.ours, grad, self.is_weighted)
-            step_read_rows(self.optimizer, table["weight"], state, reads.rows, reads.inverse, rows)
+            step_read_rows(self.optimizer, table["weight"], state, reads.rows, reads.inverse, rows, reads.segment)
         with self.lock:
             for cache, slots in staged.read:  # written back on eviction
                 cache.mark_updated(slots)
