@@ -88,3 +88,10 @@ def cache_counters(model: nn.Module) -> dict[str, int]:
             out["h2d_bytes"] += c.fetched_rows * row_bytes
             out["d2h_bytes"] += c.written_back_rows * row_bytes
     return out
+
+
+def staging_waits(trainer: pl.Trainer) -> dict[str, float]:
+    """Running totals of the hotcache strategy's waits for its prefetch thread (zeros under
+    other strategies and inline staging): batches the loop waited for, and seconds."""
+    waits = getattr(trainer.strategy, "staging_waits", None)
+    return {"staging_waits": 0 if waits is None else waits.batches, "staging_wait_s": 0.0 if waits is None else waits.seconds}

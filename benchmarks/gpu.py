@@ -7,7 +7,8 @@ strategy, every run a process of its own, ``--rounds`` times over; the median ro
 reported. Per run: samples/s between the end of the warm-up steps and the last step (set-up,
 table init and profiling excluded); the cache's hit rate and the bytes its rows (with their
 optimizer state) moved host -> device and back per step over the same steps (the batches'
-own transfer, the same for every strategy, is not counted); the peak device memory
+own transfer, the same for every strategy, is not counted); how long a step waited, on
+average, for hotcache's prefetch thread to stage its batch (0: staging keeps up); the peak device memory
 (``torch.cuda.max_memory_allocated``, CUDA only) and the run's peak host RSS.
 
 * ``auto``: Lightning's plain strategy, every table on the device (needs them to fit).
@@ -50,7 +51,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from clock import StepClock, cache_counters, timed_trainer
+from clock import StepClock, cache_counters, staging_waits, timed_trainer
 from report import add_ratios, rounds_of_jobs, write_report
 
 from torch import Tensor
@@ -141,7 +142,8 @@ def _cap_device_memory(args: argparse.Namespace) -> int | None:
 
 
 def _does_not_fit(error: BaseException, cap: int | None) -> dict[str, Any]:
-    keys = ("hit_rate", "fetched_rows_per_step", "h2d_bytes_per_step", "d2h_bytes_per_step", "device_peak_bytes", "peak_rss_mib")
+    keys = ("hit_rate", "fetched_rows_per_step", "h2d_bytes_per_step", "d2h_bytes_per_step", "staging_waits_per_step",
+            "staging_wait_ms_per_step", "device_peak_bytes", "peak_rss_mib")  # fmt: skip
     return {
         "samples_per_s": float("nan"), **dict.fromkeys(keys), "device_memory_cap_bytes": cap,
         "does_not_fit": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}",
@@ -164,7 +166,7 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
     # never a second copy in host memory); auto materializes them, with the same rows.
     model_class = HostLookupDLRM if host_lookup else DLRM
     model = model_class(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
-    clock = StepClock(args.warmup, probe=lambda: cache_counters(model))
+    clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_waits(trainer))
     trainer = timed_trainer(strategy, args.steps, clock, accelerator=args.device)
     if args.profile_steps:
         trainer.callbacks.append(ProfileSteps(args.warmup, args.profile_steps, args.device))
@@ -180,6 +182,9 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
         "fetched_rows_per_step": moved["fetched_rows"] / steps,
         "h2d_bytes_per_step": moved["h2d_bytes"] / steps,
         "d2h_bytes_per_step": moved["d2h_bytes"] / steps,
+        # Steps whose batch the prefetch thread had not staged in time, and the wait per step.
+        "staging_waits_per_step": moved["staging_waits"] / steps,
+        "staging_wait_ms_per_step": 1e3 * moved["staging_wait_s"] / steps,
         "device_peak_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
         # ru_maxrss is in KiB on Linux: the whole process' peak, i.e. this run's.
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
@@ -200,7 +205,7 @@ def _mib(value: float | None) -> str:
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     print(
         f"{'strategy':<16}{'samples/s':>12}{'x auto':>8}{'x cpu-lookup':>14}{'hit rate':>10}{'H2D MiB/step':>14}{'D2H MiB/step':>14}"
-        f"{'device peak MiB':>17}{'cache MiB':>11}{'peak RSS MiB':>14}  rounds"
+        f"{'staging wait ms/step':>22}{'device peak MiB':>17}{'cache MiB':>11}{'peak RSS MiB':>14}  rounds"
     )
     for name, r in results.items():
         if "does_not_fit" in r:
@@ -209,7 +214,8 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         print(
             f"{name:<16}{r['samples_per_s']:>12,.0f}{r['x_auto']:>8.2f}{r['x_cpu-lookup']:>14.2f}{hit:>10}{_mib(r['h2d_bytes_per_step']):>14}"
-            f"{_mib(r['d2h_bytes_per_step']):>14}{_mib(r['device_peak_bytes']):>17}{_mib(r.get('cache_device_bytes')):>11}"
+            f"{_mib(r['d2h_bytes_per_step']):>14}{r['staging_wait_ms_per_step']:>22.2f}{_mib(r['device_peak_bytes']):>17}"
+            f"{_mib(r.get('cache_device_bytes')):>11}"
             f"{r['peak_rss_mib']:>14,.0f}  {' '.join(f'{x:,.0f}' for x in r['rounds'])}"
         )
 

@@ -56,7 +56,10 @@ class CacheMetrics(Callback):
 
     ``cache/hit_rate`` (all tables, on the progress bar), ``cache/<table>/hit_rate``, rows
     fetched into and evicted from the device per step, and host->device / device->host bytes
-    per sample. Across ranks a hit is a row already in a slot, and the rows fetched include
+    per sample; with a prefetch thread, the share of steps whose batch was not staged in time
+    (``cache/staging_waits``) and the milliseconds a step waited for it on average
+    (``cache/staging_wait_ms``): staging, not the device, bounds such steps. Across ranks a
+    hit is a row already in a slot, and the rows fetched include
     the other ranks' rows a step reads, which come from their owners whether cached or not.
     Each figure covers the steps since it was last logged: it is logged on the
     first batch of an epoch and then every ``trainer.log_every_n_steps`` batches, as often as
@@ -69,6 +72,7 @@ class CacheMetrics(Callback):
         self.per_table = per_table
         self._last: dict[str, tuple[int, int, int, int, int]] = {}
         self._steps = self._samples = 0
+        self._waits = (0, 0.0)  # the strategy's staging waits when last logged
 
     def _snapshot(self, pl_module: pl.LightningModule) -> dict[str, tuple[int, int, int, int, int, int]]:
         from lightning_hotcache.embedding import hot_cold_modules
@@ -85,6 +89,7 @@ class CacheMetrics(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = {k: v[:5] for k, v in self._snapshot(pl_module).items()}
         self._steps = self._samples = 0
+        self._waits = _staging_waits(trainer)
         plan = getattr(trainer.strategy, "plan", None)
         if plan is None:
             return
@@ -117,6 +122,13 @@ class CacheMetrics(Callback):
         steps, samples = self._steps, self._samples
         self._last = {k: v[:5] for k, v in now.items()}
         self._steps = self._samples = 0
+        waits, self._waits = self._waits, _staging_waits(trainer)
+        if getattr(trainer.strategy, "uses_prefetch_thread", False):  # inline, staging keeps no step waiting
+            pl_module.log_dict(
+                {"cache/staging_waits": (self._waits[0] - waits[0]) / steps, "cache/staging_wait_ms": 1e3 * (self._waits[1] - waits[1]) / steps},
+                on_step=True,
+                on_epoch=False,
+            )
         if not lookups:
             return
         pl_module.log("cache/hit_rate", hits / lookups, prog_bar=True, on_step=True, on_epoch=False)
@@ -130,3 +142,9 @@ class CacheMetrics(Callback):
             on_step=True,
             on_epoch=False,
         )
+
+
+def _staging_waits(trainer: pl.Trainer) -> tuple[int, float]:
+    """The hotcache strategy's running totals of batches waited for and seconds (zeros elsewhere)."""
+    waits = getattr(trainer.strategy, "staging_waits", None)
+    return (0, 0.0) if waits is None else (waits.batches, waits.seconds)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,7 +181,7 @@ class _PrefetchingLoader:
         worker = threading.Thread(target=work, name="hotcache-prefetch", daemon=True)
         worker.start()
         try:
-            while (item := ready.get()) is not _END:
+            while (item := self._next_staged(ready)) is not _END:
                 if isinstance(item, _Failed):
                     raise item.error
                 yield item
@@ -190,6 +191,31 @@ class _PrefetchingLoader:
                 with contextlib.suppress(queue.Empty):
                     ready.get(timeout=0.05)
             worker.join()
+
+
+    def _next_staged(self, ready: queue.Queue[Any]) -> Any:
+        """The prefetch thread's next item; a wait for it counts in `HotCacheStrategy.staging_waits`."""
+        try:
+            return ready.get_nowait()
+        except queue.Empty:
+            started = time.perf_counter()
+            item = ready.get()
+            self.strategy.staging_waits.add(time.perf_counter() - started)
+            return item
+
+
+@dataclass
+class StagingWaits:
+    """Training batches the loop had to wait for, because the prefetch thread had not staged
+    them yet, and the seconds it waited: where steps wait, the host's staging (the caches'
+    work) bounds training, not the device."""
+
+    batches: int = 0
+    seconds: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.batches += 1
+        self.seconds += seconds
 
 
 _END = object()
@@ -312,6 +338,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         self.checkpoint_shards = checkpoint_shards
         self.kernel = kernel
         self.plan: HotColdPlan | None = None
+        self.staging_waits = StagingWaits()  # running totals; `CacheMetrics` logs them per step
 
     @property
     def uses_prefetch_thread(self) -> bool:

@@ -313,6 +313,36 @@ def test_run_killed_mid_epoch_resumes_exactly(strategy, tmp_path, stats_path) ->
     torch.testing.assert_close(resumed.state_dict(), straight.state_dict(), rtol=1e-5, atol=1e-5)
 
 
+def test_waits_for_the_prefetch_thread_are_counted() -> None:
+    import queue
+    import threading
+
+    strategy = HotCacheStrategy()
+    loader = _PrefetchingLoader([], strategy)
+    ready: queue.Queue = queue.Queue()
+    ready.put("staged in time")
+    assert loader._next_staged(ready) == "staged in time"
+    assert (strategy.staging_waits.batches, strategy.staging_waits.seconds) == (0, 0.0)
+    threading.Timer(0.05, ready.put, args=("staged late",)).start()
+    assert loader._next_staged(ready) == "staged late"
+    assert strategy.staging_waits.batches == 1 and strategy.staging_waits.seconds >= 0.04
+
+
+@pytest.mark.parametrize("thread", [True, False], ids=["thread", "inline"])
+def test_cache_metrics_log_staging_waits_where_a_prefetch_thread_stages(thread) -> None:
+    pl.seed_everything(0)
+    dm = data()
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    strategy = HotCacheStrategy(device_budget=0.1, profile_batches=4, prefetch_thread=thread)
+    trainer = cpu_trainer(strategy=strategy, max_steps=4, log_every_n_steps=1)
+    trainer.fit(model, dm)
+    assert ("cache/staging_wait_ms" in trainer.callback_metrics) == thread
+    if thread:
+        assert 0.0 <= float(trainer.callback_metrics["cache/staging_waits"]) <= 1.0
+    else:
+        assert strategy.staging_waits.batches == 0
+
+
 class _SeesPrefetchThread(pl.Callback):
     seen = False
 
