@@ -279,6 +279,38 @@ def test_a_prefetch_thread_stages_while_a_step_looks_up_and_updates(kernel, monk
     assert_same(module, reference)
 
 
+def test_backward_does_not_wait_for_a_staging_thread_and_its_rows_are_kept() -> None:
+    # While a prefetch thread holds the module's lock, backward still steps the batch's rows
+    # and returns; marking them changed and unlocking them is left to the lock's next holder,
+    # which does it before it could evict or write back anything: nothing is lost.
+    config = RowWiseOptimizerConfig(name="rowwise_adagrad", lr=0.05)
+    batches = zipf_batches(steps=2, seed=7)
+    plan = make_plan(batches, None, 0, "lfu")  # the minimum: the next batch evicts this one's rows
+    reference = train_reference(config, batches, UPSTREAM)
+    torch.manual_seed(0)
+    module = HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(tables=TABLES), plan, config, kernel="pytorch")
+    out = module(batches[0]).values()
+    held, backward_done = threading.Event(), threading.Event()
+
+    def stage_meanwhile() -> None:
+        with module._staging.lock:
+            held.set()
+            backward_done.wait(timeout=10)
+
+    holder = threading.Thread(target=stage_meanwhile, daemon=True)
+    holder.start()
+    held.wait()
+    out.backward(UPSTREAM[0])
+    assert holder.is_alive(), "backward waited for the lock's holder"
+    backward_done.set()
+    holder.join()
+    assert sum(c.num_locked() for c in module.caches.values()) > 0  # left for the lock's next holder
+    module(batches[1]).values().backward(UPSTREAM[1])  # evicts the first batch's rows
+    assert sum(c.counters.written_back_rows for c in module.caches.values()) > 0
+    assert sum(c.num_locked() for c in module.caches.values()) == 0
+    assert_same(module, reference)
+
+
 def test_fused_backward_unlocks_the_rows_it_updated() -> None:
     # The rows are released by a post-hook on FBGEMM's lookup node, right after its update:
     # if that hook were not found, they would stay locked until the next forward.
@@ -370,7 +402,7 @@ def test_row_gradients_formed_from_the_output_gradient_are_the_kernels(weighted,
     )
     assert any(not cache.identity for cache in module.caches.values()) and module.layout.shared
     owned = [module._owned_rows(k) for k in range(len(module.layout.device_rows))]
-    update = OwnersUpdate(module.layout, owned, module._staging, module._lock, module.optimizer, RowSharding(), weighted)
+    update = OwnersUpdate(module.layout, owned, module._staging, module.optimizer, RowSharding(), weighted)
     width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
     grad = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(0))
     staged = module._staging.stage(batch)

@@ -66,11 +66,12 @@ def plain_collection(
 
 
 def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a method under the module's lock: a background thread may be staging batches."""
+    """Run a method under the module's lock (`Staging.locked`): a background thread may be
+    staging batches."""
 
     @functools.wraps(method)
     def wrapper(self: "HotColdEmbeddingBagCollection", *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
+        with self._staging.locked():
             return method(self, *args, **kwargs)
 
     return wrapper
@@ -78,11 +79,12 @@ def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
 
 def _whole_tables(method: Callable[..., Any]) -> Callable[..., Any]:
     """`_locked`, for work on whole tables: an update still on its way (across ranks, see
-    `OwnersUpdate.settle`) lands first, so the method reads and writes current rows."""
+    `OwnersUpdate.settle`) lands first, and every finished batch's rows are marked changed
+    (`Staging.locked`), so the method reads and writes current rows."""
 
     @functools.wraps(method)
     def wrapper(self: "HotColdEmbeddingBagCollection", *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
+        with self._staging.locked():
             self._update.settle()
             return method(self, *args, **kwargs)
 
@@ -206,15 +208,15 @@ class HotColdEmbeddingBagCollection(nn.Module):
 
     def _step_parts(self) -> tuple[Callable[[Any], Tensor], Any]:
         """The lookup and the update of this configuration (kernel x processes)."""
-        lock, staging, world = self._lock, self._staging, self._sharding.world
+        staging, world = self._staging, self._sharding.world
         if self._fused is not None and world == 1:
-            return FusedLookup(self._fused, self._is_weighted, self.device), FusedUpdate(staging, lock)
+            return FusedLookup(self._fused, self._is_weighted, self.device), FusedUpdate(staging)
         update: OwnersUpdate | SummingUpdate
         if world > 1:
             owned = [self._owned_rows(k) for k in range(len(self.layout.device_rows))]
-            update = OwnersUpdate(self.layout, owned, staging, lock, self.optimizer, self._sharding, self._is_weighted)
+            update = OwnersUpdate(self.layout, owned, staging, self.optimizer, self._sharding, self._is_weighted)
         else:
-            update = SummingUpdate(self.layout, self._device_tables, staging, lock, self.optimizer, self._is_weighted)
+            update = SummingUpdate(self.layout, self._device_tables, staging, self.optimizer, self._is_weighted)
         if self._fused is not None:
             return LookupForOwners(self._fused, self._is_weighted, self.device, update.on_output_gradient), update
         weights = [table["weight"] for table in self._device_tables]
@@ -381,16 +383,16 @@ class HotColdEmbeddingBagCollection(nn.Module):
         self._staging.clear_window()
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        # The lookup reads only the batch's own slots, which stay locked: it needs no lock.
-        with self._lock:
-            staged = self._staging.take(features, training=self.training and torch.is_grad_enabled())
+        # A prefetched batch's rows are locked for it: taking it, looking it up and keeping it
+        # for backward need not wait for a prefetch thread staging the next ones (each part
+        # takes the lock where it changes the caches).
+        staged = self._staging.take(features, training=self.training and torch.is_grad_enabled())
         self._update.before_lookup(staged)
         values = self._lookup(staged)
-        with self._lock:
-            if torch.is_grad_enabled() and values.requires_grad:
-                self._update.attach(staged, values)
-            else:
-                self._staging.release(staged)
+        if torch.is_grad_enabled() and values.requires_grad:
+            self._update.attach(staged, values)
+        else:
+            self._staging.release(staged)
         return KeyedTensor(
             keys=self.layout.features,
             length_per_key=[self.layout.table_of[f].embedding_dim for f in self.layout.features],

@@ -10,16 +10,21 @@ The caches that lock rows are acquired all at once (`DeviceCache.acquire_all`: e
 are read before any is installed, so a prefetch thread never leaves one half-staged), under the
 module's lock; the rest of a batch's staging (checking and ordering its ids, its slots in
 place, its distinct rows per device table, the copies to the device) touches no cache and runs
-outside it, so that on a prefetch thread it overlaps the step's forward and backward. Tables
+outside it, so that on a prefetch thread it overlaps the step's forward and backward. Those
+need no lock in training: a batch taken from the queue is the step's own, and the rows an
+update has changed are marked and unlocked (`finish`) by whoever holds the lock next when a
+prefetch thread holds it then, before anything is evicted or written back (`locked`). Tables
 wholly on the device in shared device tables lock nothing (slot == row): their ids become rows
 by the layout's per-feature base alone, and only their lookups are counted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import deque
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -71,7 +76,20 @@ class Staging:
         feature_table = layout.device_table_of_feature()
         self._table_runs = [_runs([k for k, t in enumerate(feature_table) if t == table]) for table in range(len(layout.device_rows))]
         self.queue: deque[StagedBatch] = deque()
+        # Batches in forward or backward. Only the training thread and its backward change the
+        # list, and never at once (forward does not run during the backward it waits for).
         self.in_flight: list[StagedBatch] = []
+        # Batches whose update is queued, with whether it changed their rows, left for the
+        # lock's next holder to mark and unlock (see `finish`).
+        self._finished: deque[tuple[StagedBatch, bool]] = deque()
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """The module's lock, held to change or read the caches' directories, with every batch
+        finished meanwhile marked and unlocked first (see `finish`)."""
+        with self.lock:
+            self._settle_finished()
+            yield
 
     def _ids(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, Tensor, Tensor, dict[str, list[tuple[int, int]]], list[Tensor]]:
         """``features`` (on the host) checked and in the module's order; its values; what each
@@ -94,12 +112,12 @@ class Staging:
     def announce(self, features: KeyedJaggedTensor) -> None:
         """A future training batch (on the host): the caches' lookahead windows learn its ids."""
         announced = self._ids(features)[4]
-        with self.lock:
+        with self.locked():
             for key, ids in zip(self._acquired, announced):
                 self.caches[key].announce(ids)
 
     def clear_window(self) -> None:
-        with self.lock:
+        with self.locked():
             for key in self._acquired:
                 self.caches[key].clear_window()
 
@@ -112,7 +130,7 @@ class Staging:
             features = features.to(torch.device("cpu"))
         ours, values, indices, spans, ids = self._ids(features)
         bounds, per_key = ours.offset_per_key(), ours.length_per_key()
-        with self.lock:
+        with self.locked():
             acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids, announced)
             for key in self._counted_only:
                 self.caches[key].count_lookups(sum(per_key[k] for k in self._positions[key]))
@@ -155,8 +173,10 @@ class Staging:
 
     def take(self, features: KeyedJaggedTensor, training: bool) -> StagedBatch:
         """The staged batch of ``features``: the next prefetched one, or staged now (from the
-        host: a batch on the device is copied back, and the copy waits for the device)."""
-        self.release_abandoned()
+        host: a batch on the device is copied back, and the copy waits for the device). A
+        prefetched one is taken without the lock (a prefetch thread only appends to the queue)."""
+        if self.in_flight:
+            self.release_abandoned()
         if self.queue and same_batch(self.queue[0].features, features):
             return self.queue.popleft()
         if self.queue and training:
@@ -167,27 +187,39 @@ class Staging:
         return self.stage(features)  # not prefetched (or an evaluation batch between prefetched training batches)
 
     def release(self, staged: StagedBatch) -> None:
-        for key, tickets in staged.tickets.items():
-            for ticket in tickets:
-                self.caches[key].release(ticket)
+        """Unlock ``staged``'s rows."""
+        with self.locked():
+            for key, tickets in staged.tickets.items():
+                for ticket in tickets:
+                    self.caches[key].release(ticket)
 
     def keep(self, staged: StagedBatch, output: Tensor) -> None:
         """Keep ``staged`` locked until its backward (or until ``output`` is gone without one)."""
         staged.output = weakref.ref(output)
         self.in_flight.append(staged)
 
-    def finish(self, staged: StagedBatch) -> None:
-        """``staged``'s rows are updated: unlock them."""
-        self.release(staged)
+    def finish(self, staged: StagedBatch, changed: bool = True) -> None:
+        """``staged``'s update is queued: mark its rows changed (``changed``: to be written back
+        on eviction) and unlock them. Backward calls this and must not wait for a prefetch
+        thread's staging: while that holds the lock, the lock's next holder does it (`locked`),
+        before it evicts or writes back any row; the rows stay locked until then."""
         self.in_flight = [s for s in self.in_flight if s is not staged]
+        self._finished.append((staged, changed))
+        if self.lock.acquire(blocking=False):
+            try:
+                self._settle_finished()
+            finally:
+                self.lock.release()
 
-    def finish_tables(self, keys: list[str]) -> None:
-        """Every in-flight batch's gradient for caches ``keys`` has been applied: unlock their rows."""
-        for staged in self.in_flight:
-            for key in keys:
-                for ticket in staged.tickets.pop(key, []):
+    def _settle_finished(self) -> None:
+        while self._finished:  # only the lock's holder takes from it
+            staged, changed = self._finished.popleft()
+            if changed:
+                for cache, slots in staged.read:
+                    cache.mark_updated(slots)
+            for key, tickets in staged.tickets.items():
+                for ticket in tickets:
                     self.caches[key].release(ticket)
-        self.in_flight = [s for s in self.in_flight if s.tickets]
 
     def release_abandoned(self) -> None:
         # A training forward whose output is gone without its backward having come (e.g. a
@@ -203,7 +235,7 @@ class Staging:
 
     def clear(self) -> None:
         """Drop (and unlock) batches prefetched but never forwarded."""
-        with self.lock:
+        with self.locked():
             while self.queue:
                 self.release(self.queue.popleft())
 

@@ -12,16 +12,15 @@
   goes to its owner, which applies the ranks' mean, one device table (one width) at a time
   (`OwnedRows`): the step's ops do not grow with the number of tables.
 
-An update changes the caches' directories (dirty marks, unlocking) under the module's lock,
-as staging, maybe on a prefetch thread, changes them too; the rows' step itself runs outside
-it: the batch's rows are locked, so staging neither evicts nor overwrites them meanwhile, and
-a row unlocked after its step was queued is copied off or overwritten only behind it (the
-side stream waits for the step's stream).
+A one-process update takes no lock in backward: the batch's rows are locked, so staging (maybe
+on a prefetch thread) neither evicts nor overwrites them while they are stepped, and once the
+step is queued `Staging.finish` marks them changed and unlocks them, then or at the lock's next
+holder; a row unlocked after its step was queued is copied off or overwritten only behind it
+(on the same stream). Across ranks the exchange and the owners' updates run under the lock.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -62,17 +61,19 @@ def _weak_call(obj: object, method: str) -> Callable[..., None]:
 
 
 class FusedUpdate:
-    def __init__(self, staging: Staging, lock: threading.RLock) -> None:
+    def __init__(self, staging: Staging) -> None:
         self.staging = staging
-        self.lock = lock
 
     def before_lookup(self, staged: StagedBatch) -> None:
         pass
 
     def attach(self, staged: StagedBatch, output: Tensor) -> None:
         self.staging.keep(staged, output)
-        for cache, slots in staged.read:  # written back on eviction
-            cache.mark_updated(slots)
+        # Marked here, not when the hook below finishes the batch: should the hook not come,
+        # the TBE's backward updates the rows anyway, and `release_abandoned` unlocks them.
+        with self.staging.locked():
+            for cache, slots in staged.read:  # written back on eviction
+                cache.mark_updated(slots)
         # Should another node (a view) ever come after the lookup's, the rows wait for the
         # next forward instead, which comes after this backward for sure (`release_abandoned`).
         if output.grad_fn is not None and "Lookup" in output.grad_fn.name():
@@ -83,8 +84,7 @@ class FusedUpdate:
         """Every update is applied in backward: nothing waits."""
 
     def _updated(self, staged: StagedBatch) -> None:
-        with self.lock:
-            self.staging.finish(staged)
+        self.staging.finish(staged, changed=False)  # marked at attach
 
 
 class SummingUpdate:
@@ -100,13 +100,11 @@ class SummingUpdate:
         layout: Layout,
         tables: list[dict[str, Tensor]],
         staging: Staging,
-        lock: threading.RLock,
         optimizer: RowWiseOptimizerConfig,
         is_weighted: bool,
     ) -> None:
         self.tables = tables
         self.staging = staging
-        self.lock = lock
         self.optimizer = optimizer
         self.is_weighted = is_weighted
         self._features = [_TableFeatures.of(layout, k, table["weight"].device) for k, table in enumerate(tables)]
@@ -128,10 +126,7 @@ class SummingUpdate:
         for table, state, features, reads in zip(self.tables, self._states, self._features, staged.reads):
             rows = features.value_gradients(staged.ours, grad, self.is_weighted)
             step_read_rows(self.optimizer, table["weight"], state, reads.rows, reads.inverse, rows, reads.segment)
-        with self.lock:
-            for cache, slots in staged.read:  # written back on eviction
-                cache.mark_updated(slots)
-            self.staging.finish(staged)
+        self.staging.finish(staged)  # changed: written back on eviction
 
 
 @dataclass(frozen=True)
@@ -211,14 +206,12 @@ class OwnersUpdate:
         layout: Layout,
         owned: list[OwnedRows],
         staging: Staging,
-        lock: threading.RLock,
         optimizer: RowWiseOptimizerConfig,
         sharding: RowSharding,
         is_weighted: bool,
     ) -> None:
         self.owned = owned
         self.staging = staging
-        self.lock = lock
         self.optimizer = optimizer
         self.sharding = sharding
         self.is_weighted = is_weighted
@@ -229,7 +222,7 @@ class OwnersUpdate:
     def before_lookup(self, staged: StagedBatch) -> None:
         """Fetch the current weights of the other ranks' rows the batch reads (one exchange for
         all device tables), and keep each read row's key, and the fetch's route, for backward."""
-        with self.lock:  # owners serve and install rows that other batches' staging may evict
+        with self.staging.locked():  # owners serve and install rows that other batches' staging may evict
             self._fetch_remote_rows(staged)
 
     def _fetch_remote_rows(self, staged: StagedBatch) -> None:
@@ -265,7 +258,7 @@ class OwnersUpdate:
         collective: the owners have their ids already), left running while the rest of the
         step (dense backward, DDP, optimizers, the next batch) goes on; each owner applies
         the sum in `settle`, which the next forward calls before it reads any row."""
-        with self.lock:
+        with self.staging.locked():
             reads: _Reads = staged.exchange
             summed = []
             for read, value_rows in zip(reads.tables, self.value_gradients(staged.ours, grad)):
@@ -277,11 +270,11 @@ class OwnersUpdate:
             self._pending = (reads, summed, in_flight)
             # Unlocking now is safe: an owned row evicted before `settle` is written back as it
             # is and then updated where it lives (host store, or the slot it was fetched back to).
-            self.staging.finish(staged)
+            self.staging.finish(staged, changed=False)  # the owners mark what they update
 
     def settle(self) -> None:
         """Apply the update still on its way (see `on_output_gradient`), if any."""
-        with self.lock:
+        with self.staging.locked():
             if self._pending is None:
                 return
             reads, summed, in_flight = self._pending
