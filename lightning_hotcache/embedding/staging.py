@@ -189,9 +189,12 @@ class Staging:
     def release(self, staged: StagedBatch) -> None:
         """Unlock ``staged``'s rows."""
         with self.locked():
-            for key, tickets in staged.tickets.items():
-                for ticket in tickets:
-                    self.caches[key].release(ticket)
+            self._unlock(staged)
+
+    def _unlock(self, staged: StagedBatch) -> None:
+        for key, tickets in staged.tickets.items():
+            for ticket in tickets:
+                self.caches[key].release(ticket)
 
     def keep(self, staged: StagedBatch, output: Tensor) -> None:
         """Keep ``staged`` locked until its backward (or until ``output`` is gone without one)."""
@@ -217,9 +220,7 @@ class Staging:
             if changed:
                 for cache, slots in staged.read:
                     cache.mark_updated(slots)
-            for key, tickets in staged.tickets.items():
-                for ticket in tickets:
-                    self.caches[key].release(ticket)
+            self._unlock(staged)
 
     def release_abandoned(self) -> None:
         # A training forward whose output is gone without its backward having come (e.g. a
