@@ -40,7 +40,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
@@ -50,6 +49,7 @@ from lightning_hotcache._compat import fit_train_dataloader, is_wrapping_checkpo
 from lightning_hotcache.accumulation import refuse_gradient_accumulation
 from lightning_hotcache.cache import MAX_LOOKAHEAD_BATCHES, check_cache_policy
 from lightning_hotcache.cache.fused import KernelChoice, check_kernel_choice
+from lightning_hotcache.cache.upload import batch_to_device
 from lightning_hotcache.checkpoint import (
     SHARDS_KEY,
     AtomicCheckpointIO,
@@ -138,12 +138,13 @@ class _PrefetchingLoader:
         yield from window
 
     def _stage(self, batch: Any, modules: list[HotColdEmbeddingBagCollection]) -> Any:
-        # A plain move, not strategy.batch_to_device: that runs the module's transfer hooks,
+        # A plain move (one that leaves the host free: `batch_to_device`), not
+        # strategy.batch_to_device: that runs the module's transfer hooks,
         # which mark the module as inside a hook and would break `self.log` on the training
         # thread. The loop runs the hooks itself afterwards, on a batch already in place.
         # The ids are staged from the host batch (the caches' directories are there), the
         # moved batch is what forward will get.
-        moved = move_data_to_device(batch, self.strategy.root_device)
+        moved = batch_to_device(batch, self.strategy.root_device)
         for features, arriving in zip(_features_of(batch), _features_of(moved)):
             for module in modules:
                 if module.reads(features):

@@ -10,6 +10,7 @@ runs them on the lent GPU machine (``pytest -m cuda``). The cases and the check 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -23,6 +24,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import cpu_trainer
+from torchrec import KeyedJaggedTensor
 from test_strategy import OPTIMIZER, assert_hotcache_matches_auto, data, fit, stats_paths  # noqa: F401 (stats_paths: a fixture)
 
 from test_ddp import _train
@@ -30,7 +32,7 @@ from test_step_ops import _batches, _module, _ops_per_step
 
 from lightning_hotcache import HotCacheStrategy
 from lightning_hotcache.cache.host import HostStore
-from lightning_hotcache.cache.upload import RowUpload
+from lightning_hotcache.cache.upload import RowUpload, batch_to_device
 from lightning_hotcache.embedding import hot_cold_modules
 from models import MODEL_REGISTRY
 
@@ -120,6 +122,24 @@ def test_gpu_path_staging_a_host_batch_waits_for_no_device() -> None:
         assert syncs.count == 0, f"staging step {step} waited for the device"
         module(arriving).values().sum().backward()
     assert sum(c.counters.written_back_rows for c in module.caches.values()) > 0
+
+
+def test_gpu_path_moving_a_staged_batch_waits_for_no_device() -> None:
+    # The prefetch thread moves each training batch: neither a pinned batch (the zoo's data
+    # loaders pin on CUDA) nor a pageable one may make it wait for the step in flight.
+    batch = next(iter(data().train_dataloader())).pin_memory()
+    features = batch.sparse_features
+    pageable = dataclasses.replace(  # clones are not page-locked
+        batch, dense_features=batch.dense_features.clone(), labels=batch.labels.clone(),
+        sparse_features=KeyedJaggedTensor(features.keys(), features.values().clone(), lengths=features.lengths().clone()),
+    )  # fmt: skip
+    assert batch.dense_features.is_pinned() and not pageable.dense_features.is_pinned()
+    for pinned, host in ((True, batch), (False, pageable)):
+        with _CountCudaSyncs() as syncs:  # a blocking copy counts, queued work or not
+            moved = batch_to_device(host, torch.device("cuda"))
+        assert syncs.count == 0, f"moving a {'pinned' if pinned else 'pageable'} batch waited for the device"
+        assert torch.equal(moved.dense_features.cpu(), batch.dense_features)
+        assert torch.equal(moved.sparse_features.values().cpu(), batch.sparse_features.values())
 
 
 def test_gpu_path_stages_rows_through_pinned_buffers_not_pinned_tables() -> None:

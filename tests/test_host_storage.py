@@ -14,10 +14,11 @@ import pytest
 import torch
 from conftest import cpu_trainer, tiny_synthetic
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torchrec.streamable import Pipelineable
 
 from lightning_hotcache import HotCacheStrategy
 from lightning_hotcache.cache import HostDirectory, HostStorageInUseError, HostStore
-from lightning_hotcache.cache.upload import RowUpload
+from lightning_hotcache.cache.upload import RowUpload, batch_to_device
 from models import DLRM
 
 OPTIMIZER = {"name": "rowwise_adagrad", "lr": 0.05}
@@ -258,3 +259,36 @@ def test_row_upload_off_cuda_gathers_the_rows_and_pins_nothing() -> None:
     assert set(rows) == {"weight", "momentum"}
     torch.testing.assert_close(rows["weight"], host.weight[ids])
     assert upload.pinned_bytes() == 0 and not host.weight.is_pinned()
+
+
+class _Transfer(Pipelineable):
+    """A Pipelineable that records how it is moved (no CUDA needed to see the calls)."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def pin_memory(self) -> "_Transfer":
+        self.calls.append("pin_memory")
+        return self
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "_Transfer":
+        self.calls.append(f"to {device} non_blocking={non_blocking}")
+        return self
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        pass
+
+
+def test_staged_batches_go_to_cuda_from_pinned_memory_without_waiting() -> None:
+    # Lightning's move copies a torchrec Batch with non_blocking=False, which on CUDA waits for
+    # the stream's queued work (the step in flight, seen from the prefetch thread).
+    calls: list[str] = []
+    batch_to_device({"batch": _Transfer(calls), "other": [_Transfer(calls)], "name": "x"}, torch.device("cuda", 0))
+    assert calls == ["pin_memory", "to cuda:0 non_blocking=True"] * 2
+
+
+def test_staged_batches_move_to_the_cpu_as_lightning_moves_them() -> None:
+    batch = tiny_synthetic().train_dataloader().__iter__().__next__()
+    moved = batch_to_device(batch, torch.device("cpu"))
+    assert torch.equal(moved.dense_features, batch.dense_features)
+    assert torch.equal(moved.sparse_features.values(), batch.sparse_features.values())

@@ -13,13 +13,19 @@ On other devices there is nothing to copy: rows are the host store's `HostStore.
 The cache's directory lives on the host (see `DeviceCache`), so a batch's slot indices go up
 too (`to_device`: through the caching host allocator's page-locked memory, which keeps a block
 until its copy is done), and evicted rows come down (`download`: into page-locked memory, with
-an event the host write waits for). Neither makes the host wait for the device.
+an event the host write waits for). Neither makes the host wait for the device. Nor does the
+move of the training batches the prefetch thread stages (`batch_to_device`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
+from torchrec.streamable import Pipelineable
 
 from lightning_hotcache.cache.host import HostStore
 
@@ -33,6 +39,26 @@ def to_device(tensor: Tensor, device: torch.device) -> Tensor:
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def batch_to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (tensors, torchrec's ``Batch`` and ``KeyedJaggedTensor``, collections of them)
+    on ``device``; on CUDA each tensor goes as `to_device` sends one, from page-locked memory
+    without the host waiting.
+
+    Lightning's own move (``move_data_to_device``) copies a torchrec ``Batch`` with
+    ``non_blocking=False``, and CUDA makes such a copy, like any from pageable memory, wait
+    for the work already queued on the stream: on the prefetch thread, for the training step
+    in flight (a batch's 5-6 tensors: most of the ~7 stream syncs a step of the H100's
+    profile). A batch the data loader pinned is not copied again."""
+    if device.type != "cuda":
+        return move_data_to_device(batch, device)
+
+    def move(data: Any) -> Any:
+        pinned = data.pin_memory() if hasattr(data, "pin_memory") else data
+        return pinned.to(device, non_blocking=True)
+
+    return apply_to_collection(batch, (Tensor, Pipelineable), move)
 
 
 class RowUpload:
