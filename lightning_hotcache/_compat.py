@@ -10,9 +10,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.apply_func import _TransferableDataType
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from torch.nn.parallel import DistributedDataParallel
+
+
+# What Lightning's ``move_data_to_device`` moves: anything with a ``.to`` (the staging thread
+# moves the same things, some without blocking: `batch_to_device`). Lightning has the test
+# only as this private ABC.
+TransferableData = _TransferableDataType
 
 
 def fit_train_dataloader(trainer: pl.Trainer) -> Any:

@@ -287,6 +287,20 @@ def test_staged_batches_go_to_cuda_from_pinned_memory_without_waiting() -> None:
     assert calls == ["pin_memory", "to cuda:0 non_blocking=True"] * 2
 
 
+def test_staged_batches_of_other_types_move_as_lightning_moves_them() -> None:
+    class Custom:  # has a `.to`, but is no tensor or torchrec type
+        def __init__(self) -> None:
+            self.moved_to: list[torch.device] = []
+
+        def to(self, device: torch.device) -> "Custom":
+            self.moved_to.append(device)
+            return self
+
+    custom = Custom()
+    batch_to_device([custom, 3], torch.device("cuda", 0))
+    assert custom.moved_to == [torch.device("cuda", 0)]
+
+
 def test_staged_batches_move_to_the_cpu_as_lightning_moves_them() -> None:
     batch = tiny_synthetic().train_dataloader().__iter__().__next__()
     moved = batch_to_device(batch, torch.device("cpu"))

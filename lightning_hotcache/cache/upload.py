@@ -27,6 +27,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torchrec.streamable import Pipelineable
 
+from lightning_hotcache._compat import TransferableData
 from lightning_hotcache.cache.host import HostStore
 
 # Buffers in rotation: the gather of batch k waits for the copy of batch k - BUFFERS.
@@ -50,15 +51,18 @@ def batch_to_device(batch: Any, device: torch.device) -> Any:
     ``non_blocking=False``, and CUDA makes such a copy, like any from pageable memory, wait
     for the work already queued on the stream: on the prefetch thread, for the training step
     in flight (a batch's 5-6 tensors: most of the ~7 stream syncs a step of the H100's
-    profile). A batch the data loader pinned is not copied again."""
+    profile). A batch the data loader pinned is not copied again. Other types with a ``.to``
+    move as Lightning moves them."""
     if device.type != "cuda":
         return move_data_to_device(batch, device)
 
     def move(data: Any) -> Any:
+        if not isinstance(data, (Tensor, Pipelineable)):
+            return move_data_to_device(data, device)
         pinned = data.pin_memory() if hasattr(data, "pin_memory") else data
         return pinned.to(device, non_blocking=True)
 
-    return apply_to_collection(batch, (Tensor, Pipelineable), move)
+    return apply_to_collection(batch, TransferableData, move)
 
 
 class RowUpload:
