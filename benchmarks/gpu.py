@@ -37,6 +37,7 @@ Prints a table and writes benchmarks/results/gpu.json.
 
     python benchmarks/gpu.py [--scale 1.0] [--batch-size 8192] [--steps 200] [--rounds 3] [--strategies auto hotcache@0.1]
     python benchmarks/gpu.py --scale 1.0 --device-memory 8 --strategies auto hotcache@0.1   # tables larger than the GPU
+    python benchmarks/gpu.py --strategies auto hotcache@0.01 hotcache@0.01+lookahead   # the lookahead policy
     python benchmarks/gpu.py --device cpu --scale 0.001 --steps 5 --rounds 1   # smoke mode, seconds on a CPU
 """
 
@@ -89,17 +90,18 @@ class HostLookupDLRM(DLRM):
         return super().embed(sparse_features).to(self.device)
 
 
+def _hotcache(args: argparse.Namespace, budget: float, policy: str = "lfu") -> HotCacheStrategy:
+    return HotCacheStrategy(device_budget=budget, profile_batches=args.profile_batches, grow_budget_to_minimum=True, cache_policy=policy)
+
+
 def strategies(args: argparse.Namespace) -> dict[str, Any]:
-    """Name -> a maker of the strategy (each run builds its own)."""
+    """Name -> a maker of the strategy (each run builds its own). The ``+lookahead`` ones (the
+    lookahead cache policy) run only when named."""
     return {
         "auto": lambda: "auto",
         "cpu-lookup": lambda: "auto",  # with HostLookupDLRM (see `train`)
-        **{
-            f"hotcache@{b:g}": (
-                lambda b=b: HotCacheStrategy(device_budget=b, profile_batches=args.profile_batches, grow_budget_to_minimum=True)
-            )
-            for b in BUDGETS
-        },
+        **{f"hotcache@{b:g}": (lambda b=b: _hotcache(args, b)) for b in BUDGETS},
+        **{f"hotcache@{b:g}+lookahead": (lambda b=b: _hotcache(args, b, "lookahead")) for b in BUDGETS[1:]},
     }
 
 
@@ -231,7 +233,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-batches", type=int, default=20, help="batches hotcache profiles to plan")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every strategy; the median is reported")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--strategies", nargs="+", help="a subset to run (default: all; auto is the baseline)")
+    parser.add_argument("--strategies", nargs="+", help="a subset to run (default: all but the +lookahead ones; auto is the baseline)")
     parser.add_argument("--device-memory", type=float, help="cap each run's GPU memory at this many GiB (CUDA only)")
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many steps after the warm-up instead")
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu.json")
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = train(runs[args.job](), args, host_lookup=args.job == "cpu-lookup")
         print(json.dumps(result))
         return result
-    chosen = [name for name in runs if not args.strategies or name in args.strategies]
+    chosen = [name for name in runs if name in args.strategies] if args.strategies else [name for name in runs if "+" not in name]
     if args.profile_steps:  # in this process, so that the tables reach the output
         for name in chosen:
             print(f"## {name}", flush=True)

@@ -44,6 +44,15 @@ def test_smoke_mode_reports_every_strategy(tmp_path, monkeypatch) -> None:
     assert 0 < split["hit_rate"] < 1 and split["h2d_bytes_per_step"] > 0
 
 
+def test_the_lookahead_policy_runs_when_named(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(report, "job_in_process", lambda script, settings, name, wrapper=(): gpu.main([*settings, "--job", name]))
+    out = tmp_path / "gpu.json"
+    gpu.main([*SMOKE, "--batch-size", "64", "--strategies", "auto", "hotcache@0.01+lookahead", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["auto", "hotcache@0.01+lookahead"] and 0 < results["hotcache@0.01+lookahead"]["hit_rate"] < 1
+    assert gpu.strategies(gpu.parse_args(SMOKE))["hotcache@0.01+lookahead"]().cache_policy == "lookahead"
+
+
 @pytest.mark.parametrize(
     ("argv", "error"),
     [
