@@ -193,7 +193,6 @@ class _PrefetchingLoader:
                     ready.get(timeout=0.05)
             worker.join()
 
-
     def _next_staged(self, ready: queue.Queue[Any]) -> Any:
         """The prefetch thread's next item; a wait for it counts in `HotCacheStrategy.staging_waits`."""
         try:

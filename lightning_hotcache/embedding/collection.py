@@ -31,7 +31,6 @@ nothing and may come between prefetched training batches.
 from __future__ import annotations
 
 import functools
-import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -135,12 +134,6 @@ class HotColdEmbeddingBagCollection(nn.Module):
         self.process_group = process_group
         # False while a strategy saves split tables shard by shard instead of gathering them.
         self.gather_split_tables = True
-        # Staging (possibly on a prefetch thread), forward and the backward update all change
-        # the caches' directories; one re-entrant lock keeps those changes from interleaving.
-        # It is held for the directory's work alone, not for a batch's preparation, lookup or
-        # row update: on a prefetch thread, staging the next batch then overlaps the step
-        # instead of holding up its forward and backward (see `Staging`).
-        self._lock = threading.RLock()
         self._tables = list(tables)
         self.optimizer = optimizer or RowWiseOptimizerConfig()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -203,7 +196,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self.caches[table.name] = self._caches[table.name] = cache
         self.caches = {t.name: self.caches[t.name] for t in self._tables}  # in table order
         self._caches = {key: self._caches[key] for key in self.layout.cache_keys}  # in layout order
-        self._staging = Staging(self.layout, self._caches, self.device, self._lock)
+        self._staging = Staging(self.layout, self._caches, self.device)
         self._lookup, self._update = self._step_parts()
 
     def _step_parts(self) -> tuple[Callable[[Any], Tensor], Any]:

@@ -50,11 +50,17 @@ class Staging:
     """Stages batches into ``caches`` (cache key -> cache) laid out by ``layout``, and keeps
     the staged batches until their rows may be unlocked."""
 
-    def __init__(self, layout: Layout, caches: dict[str, DeviceCache], device: torch.device, lock: threading.RLock) -> None:
+    def __init__(self, layout: Layout, caches: dict[str, DeviceCache], device: torch.device) -> None:
         self.layout = layout
         self.device = device
         self.caches = caches
-        self.lock = lock  # the module's: held while the caches' directories change
+        # The module's lock. Staging (possibly on a prefetch thread), forward and the backward
+        # update all change the caches' directories; this re-entrant lock keeps those changes
+        # from interleaving. It is held for the directories' work alone, not for a batch's
+        # preparation, lookup or row update: on a prefetch thread, staging the next batch then
+        # overlaps the step instead of holding up its forward and backward. Take it through
+        # `locked`.
+        self.lock = threading.RLock()
         # In shared device tables whole tables are read at their rows directly; elsewhere every
         # cache is acquired (a whole table's acquire counts, and names the rows a batch read).
         self._acquired = [key for key in caches if not (layout.shared and caches[key].identity)]
