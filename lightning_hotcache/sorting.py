@@ -6,8 +6,11 @@ ids, the rows a device table reads, the keys of summed gradients, ids grouped by
 rank). On CPU, torch sorts int64 with a stable sort that takes 240 us for 8k ids on 2 cores
 where numpy's introsort takes 56 (``torch.unique`` sorts with it: 250 vs 115 us with the
 inverse and counts; 1.0 vs 0.8 ms for 53k ids), and grouping by owner, a stable sort of
-small integers, is a radix sort in numpy (23 vs 122 us for 8k ids). Both give exactly
-torch's results. Tensors on other devices use torch's own ops.
+small integers, is a radix sort in numpy (23 vs 122 us for 8k ids). From 32768 ids on
+(`RADIX_SORT_FROM`), torch sorts integers with FBGEMM's parallel radix sort instead, and its
+``torch.unique`` is the faster: 0.55 against numpy's 2.0 ms for 32768 Zipf ids of the Criteo
+Kaggle tables, 9 against 33 ms for 262k (AMD EPYC, 2 cores), where 32767 ids take 1.5 ms.
+Both give exactly torch's results. Tensors on other devices use torch's own ops.
 
 Summing gradient rows by index (`sum_by_index`) is a sparse COO gradient's ``coalesce``
 without the COO: the distinct indices and an ``index_add_`` of the rows into them. On CPU (AMD
@@ -27,10 +30,15 @@ import torch
 from torch import Tensor
 
 
+# torch's CPU sort of integers is FBGEMM's radix sort (parallel under OpenMP) from this many
+# values on: `at::internal::GRAIN_SIZE` (ATen's SortingKernel.cpp, `can_use_radix_sort`).
+RADIX_SORT_FROM = 32768
+
+
 def unique(ids: Tensor, return_counts: bool = False) -> tuple[Tensor, ...]:
     """``torch.unique(ids, sorted=True, return_inverse=True, return_counts=...)`` of 1-D ``ids``:
     the distinct ids ascending, each id's position among them, and (asked for) their counts."""
-    if ids.device.type != "cpu" or ids.dim() != 1:
+    if ids.device.type != "cpu" or ids.dim() != 1 or len(ids) >= RADIX_SORT_FROM:
         return torch.unique(ids, return_inverse=True, return_counts=return_counts)
     found = np.unique(ids.numpy(), return_inverse=True, return_counts=return_counts)
     distinct, inverse = torch.from_numpy(found[0]), torch.from_numpy(found[1].reshape(-1).astype(np.int64, copy=False))

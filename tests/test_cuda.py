@@ -32,6 +32,7 @@ from test_step_ops import _batches, _module, _ops_per_step
 
 from lightning_hotcache import HotCacheStrategy
 from lightning_hotcache.cache.host import HostStore
+from lightning_hotcache.cache.slot_map import DenseSlotMap
 from lightning_hotcache.cache.upload import RowUpload, batch_to_device
 from lightning_hotcache.embedding import hot_cold_modules
 from models import MODEL_REGISTRY
@@ -103,6 +104,9 @@ def test_gpu_path_logs_its_kernel_and_keeps_within_the_budget(caplog, stats_path
     assert modules and all(m.kernel_note.startswith("pytorch") for m in modules)
     assert {t.device.type for m in modules for cache in m.caches.values() for t in cache.slots.values()} == {"cuda"}
     assert sum(m.device_bytes() for m in modules) <= trainer.strategy.plan.budget_bytes
+    # The directory is host memory outside the budget: its id -> slot map is the dense one.
+    split = [cache for m in modules for cache in m.caches.values() if not cache.identity]
+    assert split and all(isinstance(cache.slot_map, DenseSlotMap) for cache in split)
 
 
 def test_gpu_path_step_of_a_staged_batch_waits_for_no_device() -> None:

@@ -188,6 +188,17 @@ def test_every_slot_map_trains_exactly(kind: str, monkeypatch: pytest.MonkeyPatc
     assert_same(module, train_reference(config, batches, UPSTREAM))
 
 
+def test_a_slot_map_outside_the_device_budget_is_dense() -> None:
+    # Where the directory is host memory apart from the device (rows on CUDA), its bytes are
+    # not the budget's, and the dense map's lookups are the fastest.
+    from lightning_hotcache.cache.slot_map import DenseSlotMap, make_slot_map, slot_map_kind
+
+    ids, cpu = torch.arange(10), torch.device("cpu")
+    assert slot_map_kind(10**6, 110, cpu) != "dense"  # the budget would pay 4 MB for 110 rows
+    assert not isinstance(make_slot_map(10**6, ids, 110, cpu, torch.full((110,), -1)), DenseSlotMap)
+    assert isinstance(make_slot_map(10**6, ids, 110, cpu, torch.full((110,), -1), budgeted=False), DenseSlotMap)
+
+
 @pytest.mark.parametrize("kind", ["hashed", "sorted"])
 def test_slot_maps_agree_under_random_edits(kind: str) -> None:
     from lightning_hotcache.cache.slot_map import DenseSlotMap, HashedSlotMap, SortedSlotMap, sparse_map_bytes_per_resident

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_hotcache.sorting import group_by_owner, sum_by_index, unique
+from lightning_hotcache.sorting import RADIX_SORT_FROM, group_by_owner, sum_by_index, unique
 
 
 @pytest.mark.parametrize("ids", [[], [7], [5, 3, 5, 5, 0, 3, 2**40], list(range(100, 0, -1)) * 3], ids=["empty", "one", "repeats", "descending"])
@@ -18,8 +18,10 @@ def test_unique_is_torchs(ids: list[int]) -> None:
     assert torch.equal(distinct[inverse], ids)
 
 
-def test_unique_of_random_ids_and_of_a_strided_view() -> None:
-    ids = torch.randint(0, 500, (10_000,), generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("size", [10_000, RADIX_SORT_FROM - 1, RADIX_SORT_FROM, 3 * RADIX_SORT_FROM])
+def test_unique_of_random_ids_and_of_a_strided_view(size: int) -> None:
+    # Either side of the size from which torch's radix sort (and its unique) takes over.
+    ids = torch.randint(0, 2 * size, (size,), generator=torch.Generator().manual_seed(0))
     for view in (ids, ids[::3]):
         assert all(torch.equal(a, b) for a, b in zip(unique(view, return_counts=True), torch.unique(view, return_inverse=True, return_counts=True)))
 

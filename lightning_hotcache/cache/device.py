@@ -180,7 +180,7 @@ class DeviceCache:
         if self.identity:
             return
         self.id_of_slot = torch.full((num_slots,), -1, dtype=torch.int64)
-        self.slot_map = make_slot_map(num_embeddings, static_ids, num_slots, self.books, self.id_of_slot)
+        self.slot_map = make_slot_map(num_embeddings, static_ids, num_slots, self.books, self.id_of_slot, budgeted=torch.device(device) == self.books)
         self.dirty = torch.zeros(num_slots, dtype=torch.bool)
         # Ticket of the latest batch that read each slot; tickets <= _released_upto are done.
         self.last_used = torch.zeros(num_slots, dtype=torch.int64)

@@ -5,7 +5,12 @@ more than the cached rows themselves (1.6% of a 64-wide float table); a sparse m
 bytes per *resident* row: 16 hashed (below), 10 sorted (15 for tables of 2**31 rows or more).
 `slot_map_kind` picks the cheaper of dense and sparse in bytes; the planner counts the bytes
 of the sparse map the cache's device uses (`sparse_map_bytes_per_resident`), never less than
-what the chosen map holds, so the budget is honest.
+what the chosen map holds, so the budget is honest. That is where the directory is the
+device's memory (on the CPU). Where the rows are on an accelerator, the directory is host
+memory outside the device budget, and the map is dense: 4 bytes a table row is at most
+1/(dim + 1) of the host store's bytes for the same rows, and a lookup is 5-19x faster than
+the hash table's (32k distinct ids of a GPU batch in a 34M-row stack: 0.26 / 0.18 ms against
+1.35 / 3.4 ms with 0.3M / 3M resident; AMD EPYC).
 
 The sorted map keeps the static ids (fixed for the whole run, int64, the slot being the
 position) apart from the dynamic ones (int32 id and int32 slot where ids fit). Dynamic ids
@@ -245,10 +250,11 @@ def _merge(ids_a: Tensor, slots_a: Tensor, ids_b: Tensor, slots_b: Tensor) -> tu
 
 
 def make_slot_map(
-    num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device, id_of_slot: Tensor
+    num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device, id_of_slot: Tensor, budgeted: bool = True
 ) -> DenseSlotMap | HashedSlotMap | SortedSlotMap:
-    """The map for a cache; ``id_of_slot`` is the cache's slot -> id array (see `HashedSlotMap`)."""
-    kind = slot_map_kind(num_embeddings, num_slots, device)
+    """The map for a cache, on ``device``; ``id_of_slot`` is the cache's slot -> id array (see
+    `HashedSlotMap`); ``budgeted``: the map's bytes are the device budget's (else dense)."""
+    kind = slot_map_kind(num_embeddings, num_slots, device) if budgeted else "dense"
     if kind == "hashed":
         return HashedSlotMap(num_embeddings, static_ids, num_slots, device, id_of_slot)
     return (DenseSlotMap if kind == "dense" else SortedSlotMap)(num_embeddings, static_ids, num_slots, device)
