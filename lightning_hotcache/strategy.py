@@ -357,6 +357,16 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             if not any(isinstance(cb, CacheMetrics) for cb in trainer.callbacks):
                 trainer.callbacks.append(CacheMetrics())
 
+    @override
+    def configure_ddp(self) -> None:
+        # One process has nothing to reduce. DistributedDataParallel would still broadcast the
+        # buffers every forward and copy every dense gradient into buckets, all-reduce them
+        # with itself and copy them back: per-step work (and on CUDA kernels and an NCCL call)
+        # that `auto`, the baseline, does not do. Lightning's DDPStrategy runs an unwrapped
+        # module as it runs `auto`'s.
+        if self.world_size > 1:
+            super().configure_ddp()
+
     def _install_hot_cold_embeddings(self, trainer: pl.Trainer) -> None:
         model = self.lightning_module
         assert model is not None

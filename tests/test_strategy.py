@@ -345,11 +345,15 @@ def test_cache_metrics_log_staging_waits_where_a_prefetch_thread_stages(thread) 
 
 class _SeesPrefetchThread(pl.Callback):
     seen = False
+    wrapped_in_ddp = False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         import threading
 
+        from torch.nn.parallel import DistributedDataParallel
+
         self.seen |= any(t.name == "hotcache-prefetch" for t in threading.enumerate())
+        self.wrapped_in_ddp |= isinstance(trainer.strategy.model, DistributedDataParallel)
 
 
 @pytest.mark.parametrize("kernel", ["auto", "pytorch"])
@@ -365,6 +369,7 @@ def test_prefetch_thread_and_inline_staging_match_auto(thread, kernel, stats_pat
     )
     model, trainer, _ = fit("dlrm", strategy, callbacks=[watcher])
     assert watcher.seen == thread
+    assert not watcher.wrapped_in_ddp  # one process: nothing for DDP to reduce, as under auto
     assert all(m.kernel_note.startswith("pytorch" if kernel == "pytorch" else "fbgemm") for m in hot_cold_modules(model).values())
     assert not any(t.name == "hotcache-prefetch" for t in threading.enumerate())  # shut down cleanly
     torch.testing.assert_close(model.state_dict(), baselines["dlrm"][0], rtol=1e-5, atol=1e-5)
