@@ -43,7 +43,10 @@ def finite_loss_or_skip(loss: Tensor, trainer: pl.Trainer, batch_idx: int, actio
     """
     # Every rank's loss, not a yes/no: the error then names the rank(s) that went non-finite
     # and their loss, where rank 0 used to quote its own finite one. Still one scalar per rank.
-    losses = trainer.strategy.all_gather(loss.detach().float().mean().reshape(1)).reshape(-1)
+    # In one process there is nothing to gather: a DDP-family strategy would still make the
+    # collective with itself (an NCCL call and kernel a step on CUDA) where `auto` makes none.
+    own = loss.detach().float().mean().reshape(1)
+    losses = trainer.strategy.all_gather(own).reshape(-1) if trainer.world_size > 1 else own
     bad_ranks = (~torch.isfinite(losses)).nonzero().reshape(-1).tolist()
     if not bad_ranks:
         return True

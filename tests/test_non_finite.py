@@ -143,6 +143,17 @@ def _two_ranks_with_nan_on_rank_1() -> SimpleNamespace:
     return SimpleNamespace(strategy=strategy, global_step=7, current_epoch=0, world_size=2)
 
 
+def test_one_process_checks_its_loss_without_a_collective() -> None:
+    # Under a DDP-family strategy the check gathered every rank's loss, in one process too:
+    # a collective with itself each step (an NCCL call on CUDA) that `auto` does not make.
+    strategy = HotCacheStrategy(device_budget=0.05, profile_batches=4)
+    gathered = []
+    strategy.all_gather = lambda tensor, *args, **kwargs: gathered.append(tensor) or tensor  # type: ignore[method-assign]
+    data, dm = batches(poisoned=False)
+    fit(DLRM, strategy, data, dm)
+    assert gathered == []
+
+
 def test_error_names_the_rank_whose_loss_is_not_finite() -> None:
     # Issue 23 item 10: before, rank 0 said "not finite (0.693...)", quoting its own finite loss.
     own_loss = torch.tensor(0.6931)
