@@ -161,6 +161,27 @@ def step_rows(config: RowWiseOptimizerConfig, table: Tensor, state: dict[str, Te
         state[key].index_copy_(0, rows, value)
 
 
+@torch.no_grad()
+def step_rows_of_tables(config: RowWiseOptimizerConfig, steps: list[tuple[Tensor, dict[str, Tensor], Tensor, Tensor]]) -> None:
+    """`step_rows` for several tables of one width, each ``(table, state, rows, grads)``: their
+    rows gathered end to end and stepped by one `update_rows`, so that the rule's kernels are
+    launched once, not once per table (26 tables' row-wise Adagrad: 6 kernels, not 156). The
+    rule works row by row, so each row gets what `step_rows` gives it."""
+    if len(steps) == 1:
+        step_rows(config, *steps[0])
+        return
+    weights = torch.cat([table.index_select(0, rows) for table, _, rows, _ in steps])
+    row_state = {key: torch.cat([state[key].index_select(0, rows) for _, state, rows, _ in steps]) for key in steps[0][1]}
+    config.update_rows(weights, row_state, torch.cat([grads for *_, grads in steps]).to(weights.dtype))
+    start = 0
+    for table, state, rows, _ in steps:
+        stop = start + len(rows)
+        table.index_copy_(0, rows, weights[start:stop])
+        for key, value in row_state.items():
+            state[key].index_copy_(0, rows, value[start:stop])
+        start = stop
+
+
 class RowWiseOptimizer(torch.optim.Optimizer):
     """``torch.optim.Optimizer`` applying a `RowWiseOptimizerConfig` to embedding weights.
 
@@ -211,8 +232,11 @@ class RowWiseOptimizer(torch.optim.Optimizer):
             summed = sum_rows_by_index(
                 [g._indices()[0] for _, g in to_sum], [g._values() for _, g in to_sum], [len(p) for p, _ in to_sum]
             )
+            by_width: dict[int, list[tuple[Tensor, dict[str, Tensor], Tensor, Tensor]]] = {}
             for (param, _), (rows, grads) in zip(to_sum, summed):
-                step_rows(self.config, param, self._row_state(param), rows, grads)
+                by_width.setdefault(param.shape[1], []).append((param, self._row_state(param), rows, grads))
+            for steps in by_width.values():
+                step_rows_of_tables(self.config, steps)
         for (param, grad), here in zip(taken, summed_here):
             if not here:
                 apply_sparse_update(self.config, param, self._row_state(param), grad)
