@@ -145,7 +145,8 @@ def _cap_device_memory(args: argparse.Namespace) -> int | None:
 
 def _does_not_fit(error: BaseException, cap: int | None) -> dict[str, Any]:
     keys = ("hit_rate", "fetched_rows_per_step", "h2d_bytes_per_step", "d2h_bytes_per_step", "staging_waits_per_step",
-            "staging_wait_ms_per_step", "device_peak_bytes", "peak_rss_mib")  # fmt: skip
+            "staging_wait_ms_per_step", "reading_ms_per_batch", "staging_ms_per_batch", "staging_cpu_ms_per_batch",
+            "device_peak_bytes", "peak_rss_mib")  # fmt: skip
     return {
         "samples_per_s": float("nan"), **dict.fromkeys(keys), "device_memory_cap_bytes": cap,
         "does_not_fit": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}",
@@ -187,6 +188,10 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
         # Steps whose batch the prefetch thread had not staged in time, and the wait per step.
         "staging_waits_per_step": moved["staging_waits"] / steps,
         "staging_wait_ms_per_step": 1e3 * moved["staging_wait_s"] / steps,
+        # The prefetch thread's time per batch it staged: reading it from the loader, staging
+        # it (wall), and its own CPU time in staging (far below the wall time: it waited).
+        **{f"{key}_ms_per_batch": 1e3 * moved[f"{key}_s"] / moved["staged_batches"] if moved["staged_batches"] else None
+           for key in ("reading", "staging", "staging_cpu")},  # fmt: skip
         "device_peak_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
         # ru_maxrss is in KiB on Linux: the whole process' peak, i.e. this run's.
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
@@ -204,10 +209,16 @@ def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value / 2**20:,.1f}"
 
 
+def _thread_ms(r: dict[str, Any]) -> str:
+    if r.get("staging_ms_per_batch") is None:
+        return "-"
+    return f"{r['reading_ms_per_batch']:.1f}, {r['staging_ms_per_batch']:.1f} ({r['staging_cpu_ms_per_batch']:.1f})"
+
+
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     print(
         f"{'strategy':<16}{'samples/s':>12}{'x auto':>8}{'x cpu-lookup':>14}{'hit rate':>10}{'H2D MiB/step':>14}{'D2H MiB/step':>14}"
-        f"{'staging wait ms/step':>22}{'device peak MiB':>17}{'cache MiB':>11}{'peak RSS MiB':>14}  rounds"
+        f"{'staging wait ms/step':>22}{'thread ms/batch: read, stage (CPU)':>36}{'device peak MiB':>17}{'cache MiB':>11}{'peak RSS MiB':>14}  rounds"
     )
     for name, r in results.items():
         if "does_not_fit" in r:
@@ -216,7 +227,7 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         print(
             f"{name:<16}{r['samples_per_s']:>12,.0f}{r['x_auto']:>8.2f}{r['x_cpu-lookup']:>14.2f}{hit:>10}{_mib(r['h2d_bytes_per_step']):>14}"
-            f"{_mib(r['d2h_bytes_per_step']):>14}{r['staging_wait_ms_per_step']:>22.2f}{_mib(r['device_peak_bytes']):>17}"
+            f"{_mib(r['d2h_bytes_per_step']):>14}{r['staging_wait_ms_per_step']:>22.2f}{_thread_ms(r):>36}{_mib(r['device_peak_bytes']):>17}"
             f"{_mib(r.get('cache_device_bytes')):>11}"
             f"{r['peak_rss_mib']:>14,.0f}  {' '.join(f'{x:,.0f}' for x in r['rounds'])}"
         )

@@ -165,8 +165,15 @@ class _PrefetchingLoader:
 
         def work() -> None:
             try:
-                for batch in self._read_ahead(modules):
+                batches = self._read_ahead(modules)
+                while True:
+                    started = time.perf_counter()
+                    batch = next(batches, _END)
+                    if batch is _END:
+                        break
+                    read, cpu = time.perf_counter(), time.thread_time()
                     staged = self._stage(batch, modules)
+                    self.strategy.staging_work.add(read - started, time.perf_counter() - read, time.thread_time() - cpu)
                     while not stop.is_set():
                         try:
                             ready.put(staged, timeout=0.05)
@@ -216,6 +223,25 @@ class StagingWaits:
     def add(self, seconds: float) -> None:
         self.batches += 1
         self.seconds += seconds
+
+
+@dataclass
+class StagingWork:
+    """What the prefetch thread spent per batch: waiting for the loader (and, under the
+    lookahead policy, announcing), and staging, in wall time and in the thread's own CPU time.
+    Staging whose wall time far exceeds its CPU time waited (for the GIL, the module's lock,
+    a copy's event) rather than worked."""
+
+    batches: int = 0
+    reading_seconds: float = 0.0
+    staging_seconds: float = 0.0
+    staging_cpu_seconds: float = 0.0
+
+    def add(self, reading: float, staging: float, staging_cpu: float) -> None:
+        self.batches += 1
+        self.reading_seconds += reading
+        self.staging_seconds += staging
+        self.staging_cpu_seconds += staging_cpu
 
 
 _END = object()
@@ -339,6 +365,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         self.kernel = kernel
         self.plan: HotColdPlan | None = None
         self.staging_waits = StagingWaits()  # running totals; `CacheMetrics` logs them per step
+        self.staging_work = StagingWork()  # running totals of the prefetch thread's time
 
     @property
     def uses_prefetch_thread(self) -> bool:

@@ -337,10 +337,16 @@ def test_cache_metrics_log_staging_waits_where_a_prefetch_thread_stages(thread) 
     trainer = cpu_trainer(strategy=strategy, max_steps=4, log_every_n_steps=1)
     trainer.fit(model, dm)
     assert ("cache/staging_wait_ms" in trainer.callback_metrics) == thread
+    work = strategy.staging_work
     if thread:
         assert 0.0 <= float(trainer.callback_metrics["cache/staging_waits"]) <= 1.0
+        # The thread's time per batch: every batch it staged (beyond the 4 steps' own: those
+        # queued, and one staged waiting for room in the queue), each with a reading and a
+        # staging time, CPU time within the wall time.
+        assert 4 <= work.batches <= 4 + strategy.prefetch_depth + 1
+        assert work.reading_seconds > 0 and 0 < work.staging_cpu_seconds <= work.staging_seconds
     else:
-        assert strategy.staging_waits.batches == 0
+        assert strategy.staging_waits.batches == 0 and work.batches == 0
 
 
 class _SeesPrefetchThread(pl.Callback):
