@@ -194,3 +194,27 @@ def test_profile_mode_prints_where_the_steps_time_goes(capsys) -> None:
     printed = capsys.readouterr().out
     assert "## hotcache@0.1" in printed and "# 2 steps from batch 2, by self_cpu_time_total" in printed
     assert "aten::" in printed  # the ops of the profiled steps
+
+
+def test_staging_benchmark_stages_as_a_cuda_module_would(tmp_path, monkeypatch) -> None:
+    # benchmarks/staging.py on a CPU: the host's share of GPU staging, with the directory a
+    # CUDA module keeps (the dense id map; distinct reads left to the device).
+    import staging
+
+    from lightning_hotcache.cache.slot_map import DenseSlotMap
+
+    built, original = [], staging.as_on_cuda
+
+    def recorded(module) -> None:
+        original(module)
+        built.append(module)
+
+    monkeypatch.setattr(staging, "as_on_cuda", recorded)
+    out = tmp_path / "staging.json"
+    staging.main(["--scale", "0.001", "--batch-size", "64", "--batches", "8", "--warmup", "2", "--budgets", "0.1", "0.01", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["hotcache@0.1", "hotcache@0.01"]
+    assert all(r["staging_ms_per_batch"] > 0 and 0 < r["hit_rate"] < 1 and r["fetched_rows_per_batch"] > 0 for r in results.values())
+    split = [cache for module in built for cache in module._staging.caches.values() if not cache.identity]
+    assert split and all(isinstance(cache.slot_map, DenseSlotMap) for cache in split)
+    assert not any(module._staging.sums_gradients for module in built)

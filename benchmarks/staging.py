@@ -1,0 +1,118 @@
+"""Host staging of GPU-sized batches: what the prefetch thread's host work costs a batch.
+
+On a GPU a step waits for the prefetch thread (gpu.py's staging wait) when staging a batch
+on the host takes longer than the device's step. This measures that host work on its own:
+DLRM's Criteo-shaped batches (26 features, the Kaggle cardinalities x ``--scale``, batch
+``--batch-size``) are staged one after another into a `HotColdEmbeddingBagCollection` (the
+PyTorch path, row-wise Adagrad) at each budget, and each is finished as a step finishes it
+(its rows marked changed and unlocked, so evictions write them back) without the lookup and
+update, which are the device's work. Reported: the median milliseconds of a batch's staging,
+the hit rate and the rows fetched a batch.
+
+``--device cuda`` stages into a module on the GPU, as training does. On ``--device cpu`` the
+rows are in host memory, and the module is given the directory a CUDA module keeps: the dense
+id map (`make_slot_map` with ``budgeted=False``), and no distinct reads per device table from
+the host (on CUDA the device finds them, `sorted_reads`). So any machine measures the host's
+share of GPU staging; compare budgets and commits within one run, or on one machine.
+
+    python benchmarks/staging.py [--scale 1.0] [--dim 128] [--budgets 0.1 0.01] [--batches 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from report import write_report
+from torchrec import KeyedJaggedTensor
+
+from datamodules import SyntheticCTRDataModule
+from lightning_hotcache import AccessStats, HotColdEmbeddingBagCollection, HotColdPlanner, RowWiseOptimizerConfig
+from lightning_hotcache.cache import slot_map
+from lightning_hotcache.profiling import profile_batches
+
+RESULTS = Path(__file__).parent / "results"
+OPTIMIZER = RowWiseOptimizerConfig(name="rowwise_adagrad", lr=0.05)
+
+
+def as_on_cuda(module: HotColdEmbeddingBagCollection) -> None:
+    """Give a CPU module the host work of a CUDA module's staging (see the module's docstring)."""
+    for cache in module._staging.caches.values():  # the device caches (a stack of tables is one)
+        if not cache.identity:
+            static = cache.id_of_slot[: cache.num_static]
+            cache.slot_map = slot_map.make_slot_map(cache.num_embeddings, static, len(cache.id_of_slot), cache.books, cache.id_of_slot, budgeted=False)
+    module._staging.sums_gradients = False
+
+
+def stage_batches(
+    args: argparse.Namespace, budget: float, dm: SyntheticCTRDataModule, stats: AccessStats, batches: list[KeyedJaggedTensor]
+) -> dict[str, float]:
+    plan = HotColdPlanner(budget, OPTIMIZER, prefetch_depth=1, device=args.device, grow_budget_to_minimum=True).plan(dm.tables, stats)
+    module = HotColdEmbeddingBagCollection(dm.tables, plan, OPTIMIZER, device=args.device, kernel="pytorch")
+    for cache in module._staging.caches.values():  # every host page written once, as table init does, before timing
+        for array in [] if cache.host is None else cache.host.arrays.values():
+            array.fill_(0.01)
+    if args.device == "cpu":
+        as_on_cuda(module)
+    staging, device = module._staging, torch.device(args.device)
+    seconds, fetched, lookups, hits = [], [], 0, 0
+
+    def totals() -> tuple[int, int, int]:  # lookups, hits, rows fetched, over every table so far
+        counters = [table.counters for table in module.caches.values()]
+        return sum(c.lookups for c in counters), sum(c.hits for c in counters), sum(c.fetched_rows for c in counters)
+
+    for k, features in enumerate(batches):
+        before = totals()
+        arriving = features.to(device)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        staged = staging.stage(features, arrives_as=arriving)
+        seconds.append(time.perf_counter() - started)
+        staging.finish(staged, changed=True)
+        if k >= args.warmup:
+            after = totals()
+            lookups, hits = lookups + after[0] - before[0], hits + after[1] - before[1]
+            fetched.append(after[2] - before[2])
+    return {
+        "staging_ms_per_batch": 1e3 * statistics.median(seconds[args.warmup :]),
+        "hit_rate": hits / lookups,
+        "fetched_rows_per_batch": statistics.mean(fetched),
+        "budget_bytes": plan.budget_bytes,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=1.0, help="table sizes as a fraction of Criteo Kaggle's")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8192)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.01])
+    parser.add_argument("--batches", type=int, default=30, help="batches staged per budget (the median of those after --warmup)")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--profile-batches", type=int, default=20)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=Path, default=RESULTS / "staging.json")
+    args = parser.parse_args(argv)
+    if not 0 <= args.warmup < args.batches:
+        parser.error(f"--warmup must be in [0, --batches - 1] so that some batches are timed; got {args.warmup} of {args.batches}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
+    count = args.profile_batches + args.batches
+    dm = SyntheticCTRDataModule(scale=args.scale, embedding_dim=args.dim, batch_size=args.batch_size, num_train_samples=args.batch_size * count)
+    source = dm.source("train")
+    drawn = [source.batch(i * args.batch_size, (i + 1) * args.batch_size) for i in range(count)]
+    stats = profile_batches(drawn[: args.profile_batches], dm.tables, progress=False)
+    batches = [b.sparse_features for b in drawn[args.profile_batches :]]
+    results = {f"hotcache@{budget:g}": stage_batches(args, budget, dm, stats, batches) for budget in args.budgets}
+    print(f"{'budget':<16}{'staging ms/batch':>18}{'hit rate':>10}{'fetched rows/batch':>20}")
+    for name, r in results.items():
+        print(f"{name:<16}{r['staging_ms_per_batch']:>18.2f}{r['hit_rate']:>10.3f}{r['fetched_rows_per_batch']:>20,.0f}")
+    return write_report("staging", args, results)
+
+
+if __name__ == "__main__":
+    main()
