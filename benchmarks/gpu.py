@@ -105,8 +105,18 @@ def strategies(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _all_threads() -> dict[str, Any]:
+    """torch.profiler settings that record every thread's ops (the prefetch thread stages while
+    the training thread steps), where this torch has the option (2.7 on)."""
+    try:
+        return {"experimental_config": torch.profiler._ExperimentalConfig(profile_all_threads=True)}
+    except TypeError:
+        return {}
+
+
 class ProfileSteps(pl.Callback):
-    """torch.profiler over ``steps`` training steps from batch ``start``; prints the key averages."""
+    """torch.profiler over ``steps`` training steps from batch ``start``, every thread's ops
+    (where torch can); prints the key averages."""
 
     def __init__(self, start: int, steps: int, device: str) -> None:
         self.start, self.steps, self.device = start, steps, device
@@ -117,7 +127,7 @@ class ProfileSteps(pl.Callback):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler = torch.profiler.profile(activities=activities, **_all_threads())
             self.profiler.__enter__()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
