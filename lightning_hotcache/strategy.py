@@ -13,7 +13,8 @@ same model under ``strategy="auto"``), the row-wise optimizer state in the strat
 `ROW_STATE_KEY` format, and the plan.
 
 Processes are launched and the dense layers reduced exactly as by Lightning's DDPStrategy
-(``devices``, ``num_nodes``, torchrun, SLURM; gloo on CPU, NCCL on GPUs). Host stores are
+(``devices``, ``num_nodes``, torchrun, SLURM; gloo on CPU, NCCL on GPUs); one process runs
+the module unwrapped, as ``auto`` does, with no collective in its step. Host stores are
 sharded round-robin across ranks and each rank caches the rows its batches read (hot rows
 on every rank); a forward fetches the current copies of the other ranks' rows it reads
 from their owners, and in backward each row's gradient goes to its owner, which applies the
