@@ -231,7 +231,8 @@ class StagingWork:
     """What the prefetch thread spent per batch: waiting for the loader (and, under the
     lookahead policy, announcing), and staging, in wall time and in the thread's own CPU time.
     Staging whose wall time far exceeds its CPU time waited (for the GIL, the module's lock,
-    a copy's event) rather than worked."""
+    a copy's event) rather than worked (the thread works its share of a parallel op, so that
+    counts)."""
 
     batches: int = 0
     reading_seconds: float = 0.0
