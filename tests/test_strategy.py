@@ -344,7 +344,8 @@ def test_cache_metrics_log_staging_waits_where_a_prefetch_thread_stages(thread) 
         # queued, and one staged waiting for room in the queue), each with a reading and a
         # staging time, CPU time within the wall time.
         assert 4 <= work.batches <= 4 + strategy.prefetch_depth + 1
-        assert work.reading_seconds > 0 and 0 < work.staging_cpu_seconds <= work.staging_seconds
+        # (the two clocks are read a moment apart: a thread that never waits may show a hair more CPU)
+        assert work.reading_seconds > 0 and 0 < work.staging_cpu_seconds <= work.staging_seconds + 1e-3
     else:
         assert strategy.staging_waits.batches == 0 and work.batches == 0
 
