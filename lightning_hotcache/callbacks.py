@@ -58,7 +58,9 @@ class CacheMetrics(Callback):
     fetched into and evicted from the device per step, and host->device / device->host bytes
     per sample; with a prefetch thread, the share of steps whose batch was not staged in time
     (``cache/staging_waits``) and the milliseconds a step waited for it on average
-    (``cache/staging_wait_ms``): staging, not the device, bounds such steps. Across ranks a
+    (``cache/staging_wait_ms``): staging, not the device, bounds such steps; and what staging a
+    batch took the thread (``cache/staging_ms``, and ``cache/staging_cpu_ms`` of its own CPU
+    time: far less means it waited, for the GIL or a copy). Across ranks a
     hit is a row already in a slot, and the rows fetched include
     the other ranks' rows a step reads, which come from their owners whether cached or not.
     Each figure covers the steps since it was last logged: it is logged on the
@@ -72,7 +74,7 @@ class CacheMetrics(Callback):
         self.per_table = per_table
         self._last: dict[str, tuple[int, int, int, int, int]] = {}
         self._steps = self._samples = 0
-        self._waits = (0, 0.0)  # the strategy's staging waits when last logged
+        self._waits = (0, 0.0, 0, 0.0, 0.0)  # the strategy's staging waits and work when last logged
 
     def _snapshot(self, pl_module: pl.LightningModule) -> dict[str, tuple[int, int, int, int, int, int]]:
         from lightning_hotcache.embedding import hot_cold_modules
@@ -122,13 +124,13 @@ class CacheMetrics(Callback):
         steps, samples = self._steps, self._samples
         self._last = {k: v[:5] for k, v in now.items()}
         self._steps = self._samples = 0
-        waits, self._waits = self._waits, _staging_waits(trainer)
+        before, self._waits = self._waits, _staging_waits(trainer)
         if getattr(trainer.strategy, "uses_prefetch_thread", False):  # inline, staging keeps no step waiting
-            pl_module.log_dict(
-                {"cache/staging_waits": (self._waits[0] - waits[0]) / steps, "cache/staging_wait_ms": 1e3 * (self._waits[1] - waits[1]) / steps},
-                on_step=True,
-                on_epoch=False,
-            )
+            waited, wait_s, staged, staging_s, staging_cpu_s = (a - b for a, b in zip(self._waits, before))
+            figures = {"cache/staging_waits": waited / steps, "cache/staging_wait_ms": 1e3 * wait_s / steps}
+            if staged:
+                figures |= {"cache/staging_ms": 1e3 * staging_s / staged, "cache/staging_cpu_ms": 1e3 * staging_cpu_s / staged}
+            pl_module.log_dict(figures, on_step=True, on_epoch=False)
         if not lookups:
             return
         pl_module.log("cache/hit_rate", hits / lookups, prog_bar=True, on_step=True, on_epoch=False)
@@ -144,7 +146,10 @@ class CacheMetrics(Callback):
         )
 
 
-def _staging_waits(trainer: pl.Trainer) -> tuple[int, float]:
-    """The hotcache strategy's running totals of batches waited for and seconds (zeros elsewhere)."""
-    waits = getattr(trainer.strategy, "staging_waits", None)
-    return (0, 0.0) if waits is None else (waits.batches, waits.seconds)
+def _staging_waits(trainer: pl.Trainer) -> tuple[int, float, int, float, float]:
+    """The hotcache strategy's running totals (zeros elsewhere): batches waited for and seconds;
+    batches its prefetch thread staged, seconds and CPU seconds."""
+    waits, work = getattr(trainer.strategy, "staging_waits", None), getattr(trainer.strategy, "staging_work", None)
+    if waits is None or work is None:
+        return (0, 0.0, 0, 0.0, 0.0)
+    return (waits.batches, waits.seconds, work.batches, work.staging_seconds, work.staging_cpu_seconds)

@@ -336,10 +336,11 @@ def test_cache_metrics_log_staging_waits_where_a_prefetch_thread_stages(thread) 
     strategy = HotCacheStrategy(device_budget=0.1, profile_batches=4, prefetch_thread=thread)
     trainer = cpu_trainer(strategy=strategy, max_steps=4, log_every_n_steps=1)
     trainer.fit(model, dm)
-    assert ("cache/staging_wait_ms" in trainer.callback_metrics) == thread
+    assert ("cache/staging_wait_ms" in trainer.callback_metrics) == ("cache/staging_ms" in trainer.callback_metrics) == thread
     work = strategy.staging_work
     if thread:
         assert 0.0 <= float(trainer.callback_metrics["cache/staging_waits"]) <= 1.0
+        assert 0.0 < float(trainer.callback_metrics["cache/staging_cpu_ms"]) <= float(trainer.callback_metrics["cache/staging_ms"]) + 1.0
         # The thread's time per batch: every batch it staged (beyond the 4 steps' own: those
         # queued, and one staged waiting for room in the queue), each with a reading and a
         # staging time, CPU time within the wall time.
