@@ -90,7 +90,7 @@ def cache_counters(model: nn.Module) -> dict[str, int]:
     return out
 
 
-def staging_waits(trainer: pl.Trainer) -> dict[str, float]:
+def staging_totals(trainer: pl.Trainer) -> dict[str, float]:
     """Running totals of the hotcache strategy's waits for its prefetch thread (zeros under
     other strategies and inline staging): batches the loop waited for, and seconds; and the
     thread's own time (`StagingWork`): batches staged, seconds reading them from the loader,

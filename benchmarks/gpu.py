@@ -52,7 +52,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from clock import StepClock, cache_counters, staging_waits, timed_trainer
+from clock import StepClock, cache_counters, staging_totals, timed_trainer
 from report import add_ratios, rounds_of_jobs, write_report
 
 from torch import Tensor
@@ -179,7 +179,7 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
     # never a second copy in host memory); auto materializes them, with the same rows.
     model_class = HostLookupDLRM if host_lookup else DLRM
     model = model_class(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
-    clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_waits(trainer))
+    clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer))
     trainer = timed_trainer(strategy, args.steps, clock, accelerator=args.device)
     if args.profile_steps:
         trainer.callbacks.append(ProfileSteps(args.warmup, args.profile_steps, args.device))

@@ -74,7 +74,7 @@ class CacheMetrics(Callback):
         self.per_table = per_table
         self._last: dict[str, tuple[int, int, int, int, int]] = {}
         self._steps = self._samples = 0
-        self._waits = (0, 0.0, 0, 0.0, 0.0)  # the strategy's staging waits and work when last logged
+        self._staging = (0, 0.0, 0, 0.0, 0.0)  # the strategy's staging waits and work when last logged
 
     def _snapshot(self, pl_module: pl.LightningModule) -> dict[str, tuple[int, int, int, int, int, int]]:
         from lightning_hotcache.embedding import hot_cold_modules
@@ -91,7 +91,7 @@ class CacheMetrics(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = {k: v[:5] for k, v in self._snapshot(pl_module).items()}
         self._steps = self._samples = 0
-        self._waits = _staging_waits(trainer)
+        self._staging = _staging_totals(trainer)
         plan = getattr(trainer.strategy, "plan", None)
         if plan is None:
             return
@@ -124,9 +124,9 @@ class CacheMetrics(Callback):
         steps, samples = self._steps, self._samples
         self._last = {k: v[:5] for k, v in now.items()}
         self._steps = self._samples = 0
-        before, self._waits = self._waits, _staging_waits(trainer)
+        before, self._staging = self._staging, _staging_totals(trainer)
         if getattr(trainer.strategy, "uses_prefetch_thread", False):  # inline, staging keeps no step waiting
-            waited, wait_s, staged, staging_s, staging_cpu_s = (a - b for a, b in zip(self._waits, before))
+            waited, wait_s, staged, staging_s, staging_cpu_s = (a - b for a, b in zip(self._staging, before))
             figures = {"cache/staging_waits": waited / steps, "cache/staging_wait_ms": 1e3 * wait_s / steps}
             if staged:
                 figures |= {"cache/staging_ms": 1e3 * staging_s / staged, "cache/staging_cpu_ms": 1e3 * staging_cpu_s / staged}
@@ -146,7 +146,7 @@ class CacheMetrics(Callback):
         )
 
 
-def _staging_waits(trainer: pl.Trainer) -> tuple[int, float, int, float, float]:
+def _staging_totals(trainer: pl.Trainer) -> tuple[int, float, int, float, float]:
     """The hotcache strategy's running totals (zeros elsewhere): batches waited for and seconds;
     batches its prefetch thread staged, seconds and CPU seconds."""
     waits, work = getattr(trainer.strategy, "staging_waits", None), getattr(trainer.strategy, "staging_work", None)

@@ -244,7 +244,7 @@ class Staging:
         """Drop (and unlock) batches prefetched but never forwarded."""
         with self.locked():
             while self.queue:
-                self.release(self.queue.popleft())
+                self._unlock(self.queue.popleft())
 
 
 def _rows_in(indices: Tensor, spans: list[tuple[int, int]]) -> Tensor:
