@@ -8,7 +8,8 @@ reported. Per run: samples/s between the end of the warm-up steps and the last s
 table init and profiling excluded); the cache's hit rate and the bytes its rows (with their
 optimizer state) moved host -> device and back per step over the same steps (the batches'
 own transfer, the same for every strategy, is not counted); how long a step waited, on
-average, for hotcache's prefetch thread to stage its batch (0: staging keeps up); the peak device memory
+average, for hotcache's prefetch thread to stage its batch (0: staging keeps up), and that
+thread's own time per batch (reading it from the loader; staging it, wall and CPU); the peak device memory
 (``torch.cuda.max_memory_allocated``, CUDA only) and the run's peak host RSS.
 
 * ``auto``: Lightning's plain strategy, every table on the device (needs them to fit).
