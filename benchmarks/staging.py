@@ -9,21 +9,29 @@ PyTorch path, row-wise Adagrad) at each budget, and each is finished as a step f
 update, which are the device's work. Reported: the median milliseconds of a batch's staging,
 the hit rate and the rows fetched a batch.
 
+While it stages, ``--forked-workers`` idle processes forked after the module is built stay
+alive, as a DataLoader's workers do in training: memory they share with the parent is
+copy-on-write, so they are part of what a write-back costs (``LIGHTNING_HOTCACHE_DONTFORK=0``
+gives the host arrays back to them, for an A/B; see `lightning_hotcache.cache.host_arrays`).
+
 ``--device cuda`` stages into a module on the GPU, as training does. On ``--device cpu`` the
 rows are in host memory, and the module is given the directory a CUDA module keeps: the dense
 id map (`make_slot_map` with ``budgeted=False``), and no distinct reads per device table from
 the host (on CUDA the device finds them, `sorted_reads`). So any machine measures the host's
 share of GPU staging; compare budgets and commits within one run, or on one machine.
 
-    python benchmarks/staging.py [--scale 1.0] [--dim 128] [--budgets 0.1 0.01] [--batches 30]
+    python benchmarks/staging.py [--scale 1.0] [--dim 128] [--budgets 0.1 0.01] [--batches 30] [--forked-workers 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing
 import statistics
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from report import write_report
@@ -58,31 +66,49 @@ def stage_batches(
     if args.device == "cpu":
         as_on_cuda(module)
     staging, device = module._staging, torch.device(args.device)
-    seconds, fetched, lookups, hits = [], [], 0, 0
 
     def totals() -> tuple[int, int, int]:  # lookups, hits, rows fetched, over every table so far
         counters = [table.counters for table in module.caches.values()]
         return sum(c.lookups for c in counters), sum(c.hits for c in counters), sum(c.fetched_rows for c in counters)
 
-    for k, features in enumerate(batches):
-        before = totals()
-        arriving = features.to(device)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        staged = staging.stage(features, arrives_as=arriving)
-        seconds.append(time.perf_counter() - started)
-        staging.finish(staged, changed=True)
-        if k >= args.warmup:
-            after = totals()
-            lookups, hits = lookups + after[0] - before[0], hits + after[1] - before[1]
-            fetched.append(after[2] - before[2])
+    seconds, fetched, lookups, hits = [], [], 0, 0
+    with idle_forked_processes(args.forked_workers):
+        for k, features in enumerate(batches):
+            before = totals()
+            arriving = features.to(device)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            staged = staging.stage(features, arrives_as=arriving)
+            seconds.append(time.perf_counter() - started)
+            staging.finish(staged, changed=True)
+            if k >= args.warmup:
+                after = totals()
+                lookups, hits = lookups + after[0] - before[0], hits + after[1] - before[1]
+                fetched.append(after[2] - before[2])
     return {
         "staging_ms_per_batch": 1e3 * statistics.median(seconds[args.warmup :]),
         "hit_rate": hits / lookups,
         "fetched_rows_per_batch": statistics.mean(fetched),
         "budget_bytes": plan.budget_bytes,
     }
+
+
+@contextlib.contextmanager
+def idle_forked_processes(count: int) -> Iterator[None]:
+    """``count`` processes forked on entry that wait until the block ends: a DataLoader's
+    workers, forked once the module's arrays exist and alive through training."""
+    fork = multiprocessing.get_context("fork")
+    released = fork.Event()
+    workers = [fork.Process(target=released.wait) for _ in range(count)]
+    for worker in workers:
+        worker.start()
+    try:
+        yield
+    finally:
+        released.set()
+        for worker in workers:
+            worker.join()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -95,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--profile-batches", type=int, default=20)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--forked-workers", type=int, default=4, help="idle processes forked while staging, as DataLoader workers")
     parser.add_argument("--out", type=Path, default=RESULTS / "staging.json")
     args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.batches:

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from lightning_hotcache.cache.exchange import RowSharding, gather_table
 from lightning_hotcache.cache.host import HostStore
+from lightning_hotcache.cache.host_arrays import new_host_array, zero_rows
 from lightning_hotcache.cache.slot_map import make_slot_map
 from lightning_hotcache.sorting import unique
 from lightning_hotcache.cache.upload import RowUpload
@@ -172,19 +173,20 @@ class DeviceCache:
 
         widths = {"weight": embedding_dim, **optimizer.state_widths(embedding_dim)}
         if storage is None:
-            storage = {key: torch.zeros(num_slots, width, dtype=torch.float32, device=device) for key, width in widths.items()}
+            storage = {key: zero_rows(num_slots, width, device) for key, width in widths.items()}
         shapes = {key: tuple(array.shape) for key, array in storage.items()}
         if shapes != {key: (num_slots, width) for key, width in widths.items()}:
             raise ValueError(f"Table {name!r}: storage of shapes {shapes} does not hold {num_slots} slots of {widths}.")
         self.slots: dict[str, Tensor] = storage
         if self.identity:
             return
-        self.id_of_slot = torch.full((num_slots,), -1, dtype=torch.int64)
+        # The books are written at random every batch: kept from forked workers (`host_arrays`).
+        self.id_of_slot = new_host_array((num_slots,), torch.int64, fill=-1)
         self.slot_map = make_slot_map(num_embeddings, static_ids, num_slots, self.books, self.id_of_slot, budgeted=torch.device(device) == self.books)
-        self.dirty = torch.zeros(num_slots, dtype=torch.bool)
+        self.dirty = new_host_array((num_slots,), torch.bool)
         # Ticket of the latest batch that read each slot; tickets <= _released_upto are done.
-        self.last_used = torch.zeros(num_slots, dtype=torch.int64)
-        self.frequency = torch.zeros(num_slots, dtype=torch.int64)
+        self.last_used = new_host_array((num_slots,), torch.int64)
+        self.frequency = new_host_array((num_slots,), torch.int64)
         self.id_of_slot[: self.num_static] = static_ids
 
     @staticmethod

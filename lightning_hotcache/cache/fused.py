@@ -22,7 +22,7 @@ from torch import Tensor
 from torchrec import EmbeddingBagConfig
 from torchrec.modules.embedding_configs import PoolingType
 
-from lightning_hotcache.cache.huge_pages import move_to_huge_pages
+from lightning_hotcache.cache.host_arrays import move_to_huge_pages
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
 KernelChoice = Literal["auto", "fbgemm", "pytorch"]
@@ -128,7 +128,7 @@ class FusedTables:
             if feature_groups is not None:
                 self._split_hash_space(feature_groups, slot_counts, feature_table_map)
             # The rows and their state, read and updated at random: on 2 MiB pages where the
-            # kernel grants them (see `huge_pages`; in place, so views stay valid).
+            # kernel grants them (see `host_arrays`; in place, so views stay valid).
             for array in (self.tbe.weights_host, getattr(self.tbe, "momentum1_host", None)):
                 if isinstance(array, Tensor):
                     move_to_huge_pages(array.data)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_hotcache.cache.huge_pages import zeros_on_huge_pages
+from lightning_hotcache.cache.host_arrays import new_host_array
 
 # Copy tables into the store in chunks of this many bytes, so initializing a table larger
 # than RAM never materializes it twice (deferred tables are also made in chunks this size).
@@ -238,8 +238,10 @@ class HostStore:
 
     def _allocate(self, key: str, width: int) -> Tensor:
         if self.directory is None:
-            # Misses and write-backs touch random rows: 2 MiB pages spare their TLB misses.
-            return zeros_on_huge_pages(self.num_embeddings, width)
+            # Misses and write-backs touch random rows: 2 MiB pages spare their TLB misses, and
+            # keeping the array out of forked DataLoader workers spares each write-back a
+            # copy-on-write fault per page (see `host_arrays`).
+            return new_host_array((self.num_embeddings, width), fill=None)  # table init fills it
         array = self.directory.create(f"{self.name}.{key}.f32", self.num_embeddings, width)
         self._maps.append(array)
         return torch.from_numpy(array)
