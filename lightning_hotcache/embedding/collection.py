@@ -100,7 +100,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         optimizer: the row-wise rule applied in backward.
         device: where the cached rows live.
         cache_policy: ``lfu``, ``lru``, ``static`` or ``lookahead`` (see `DeviceCache`).
-        host_storage: ``"memory"`` (RAM, pinned when CUDA is present) or a directory for
+        host_storage: ``"memory"`` (RAM; misses reach a GPU through small pinned buffers) or a directory for
             memory-mapped host tables. The module locks the directory (see `HostDirectory`:
             one owner at a time, files made fresh) until `release_host_storage`.
         is_weighted: use the KJT's per-sample weights (SUM pooling), as torchrec's flag of that name.
