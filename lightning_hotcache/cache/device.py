@@ -169,7 +169,7 @@ class DeviceCache:
         # The lookahead window: each announced batch's distinct ids, oldest first, and per id
         # how many of them read it (2 bytes a row of the table, on the host).
         self._window: deque[Tensor] = deque()
-        self._window_reads = torch.zeros(num_embeddings if policy == "lookahead" and len(static_ids) < num_embeddings else 0, dtype=torch.int16)
+        self._window_reads = new_host_array((num_embeddings if policy == "lookahead" and len(static_ids) < num_embeddings else 0,), torch.int16)
 
         widths = {"weight": embedding_dim, **optimizer.state_widths(embedding_dim)}
         if storage is None:
