@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -47,3 +48,24 @@ def cpu_trainer(**overrides: Any) -> pl.Trainer:
 @pytest.fixture
 def synthetic_factory():
     return tiny_synthetic
+
+
+def mappings_at(tensor: "torch.Tensor") -> tuple[dict[str, int], set[str]]:
+    """Summed /proc/self/smaps fields (KiB) and the VmFlags of the mappings that overlap
+    ``tensor``'s memory (advising a range splits a mapping at its 2 MiB boundaries, so the
+    array spans several)."""
+    first = tensor.data_ptr()
+    last = first + tensor.numel() * tensor.element_size()
+    fields: dict[str, int] = {}
+    flags: set[str] = set()
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start < last and first < end
+        elif inside and head == "VmFlags:":
+            flags.update(line.split()[1:])
+        elif inside and line.endswith(" kB"):
+            fields[head.rstrip(":")] = fields.get(head.rstrip(":"), 0) + int(line.split()[1])
+    return fields, flags

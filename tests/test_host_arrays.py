@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import mappings_at
+
 from lightning_hotcache import RowWiseOptimizerConfig
 from lightning_hotcache.cache import DeviceCache, HostStore
 from lightning_hotcache.cache import host_arrays
@@ -18,27 +20,6 @@ from lightning_hotcache.cache.slot_map import DenseSlotMap
 from torchrec.modules.embedding_configs import PoolingType
 
 ROWS = 3 * HUGE_PAGE // (16 * 4)  # 6 MiB of dim-16 float rows: at least two whole 2 MiB pages inside
-
-
-def mappings_at(tensor: torch.Tensor) -> tuple[dict[str, int], set[str]]:
-    """Summed /proc/self/smaps fields (KiB) and the VmFlags of the mappings that overlap
-    ``tensor``'s memory (advising a range splits a mapping at its 2 MiB boundaries, so the
-    array spans several)."""
-    first = tensor.data_ptr()
-    last = first + tensor.numel() * tensor.element_size()
-    fields: dict[str, int] = {}
-    flags: set[str] = set()
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start < last and first < end
-        elif inside and head == "VmFlags:":
-            flags.update(line.split()[1:])
-        elif inside and line.endswith(" kB"):
-            fields[head.rstrip(":")] = fields.get(head.rstrip(":"), 0) + int(line.split()[1])
-    return fields, flags
 
 
 def huge_kib_at(tensor: torch.Tensor) -> int:

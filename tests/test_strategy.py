@@ -10,7 +10,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import cpu_trainer, tiny_synthetic
+from conftest import cpu_trainer, mappings_at, tiny_synthetic
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_hotcache
@@ -23,9 +23,10 @@ from models import MODEL_REGISTRY, CTRModel, create_model
 OPTIMIZER = {"name": "rowwise_adagrad", "lr": 0.05}
 
 
-def data():
+def data(**overrides):
     # Tables up to ~100k rows against batches of 64, so small budgets really split them.
-    return tiny_synthetic(scale=0.01, num_embeddings_cap=None, num_train_samples=1024, num_val_samples=512, batch_size=64)
+    settings = dict(scale=0.01, num_embeddings_cap=None, num_train_samples=1024, num_val_samples=512, batch_size=64)
+    return tiny_synthetic(**{**settings, **overrides})
 
 
 def fit(name: str, strategy, epochs: int = 1, **trainer_kwargs) -> tuple[CTRModel, pl.Trainer, dict]:
@@ -380,6 +381,38 @@ def test_prefetch_thread_and_inline_staging_match_auto(thread, kernel, stats_pat
     assert not watcher.wrapped_in_ddp  # one process: nothing for DDP to reduce, as under auto
     assert all(m.kernel_note.startswith("pytorch" if kernel == "pytorch" else "fbgemm") for m in hot_cold_modules(model).values())
     assert not any(t.name == "hotcache-prefetch" for t in threading.enumerate())  # shut down cleanly
+    torch.testing.assert_close(model.state_dict(), baselines["dlrm"][0], rtol=1e-5, atol=1e-5)
+
+
+class _HostArraysOutsideWorkers(pl.Callback):
+    """Whether, once the loader's workers are forked, the module's large host arrays are kept
+    out of them (the ``dc`` VmFlag), and which workers the loader started."""
+
+    def __init__(self) -> None:
+        self.flags: list[bool] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args) -> None:
+        if self.flags:
+            return
+        for module in hot_cold_modules(pl_module).values():
+            for cache in module.caches.values():
+                for array in [] if cache.host is None else cache.host.arrays.values():
+                    if array.numel() * array.element_size() >= 2 << 20:
+                        self.flags.append("dc" in mappings_at(array)[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps (not Linux)")
+def test_forked_loader_workers_train_exactly_without_the_host_arrays(stats_path, baselines) -> None:
+    """DataLoader workers are forked once the strategy built the host stores, which they do
+    not get (`cache/host_arrays.py`): a worker that read one would crash the fit. With the
+    prefetch thread and two workers, hotcache learns what auto learned without workers."""
+    watcher = _HostArraysOutsideWorkers()
+    strategy = HotCacheStrategy(device_budget=0.05, stats_path=str(stats_path), prefetch_thread=True)
+    pl.seed_everything(0)
+    dm = data(num_workers=2)
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    cpu_trainer(strategy=strategy, max_epochs=1, callbacks=[watcher]).fit(model, dm)
+    assert watcher.flags and all(watcher.flags), "host stores of 2 MiB or more are kept out of forked workers"
     torch.testing.assert_close(model.state_dict(), baselines["dlrm"][0], rtol=1e-5, atol=1e-5)
 
 
