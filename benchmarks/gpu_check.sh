@@ -19,6 +19,10 @@
 # beyond_gpu.json there: 8 files in all.
 # Without $OUT, benchmarks/results/gpu_check/ takes them.
 #
+# GPU_CHECK_STAGES picks stages (default "1 2 3 4 5"; the others are reported as skipped):
+# two full checks and a machine's start take more than a 15-minute loan, so a session's
+# closing check may run "1 2 3" (the CUDA tests and the figures at scale 1.0) alone.
+#
 # GPU_DRY_RUN=1 runs every stage here, on the CPU, with the project's .venv and tiny sizes,
 # writing the same files (tests/test_gpu_benchmark.py runs it), so the script is known to
 # work before a GPU machine is lent. The packages that machine's image lacks are hidden from
@@ -31,6 +35,13 @@
 # the image lacks). Settings: GPU_PYTHON (python3), GPU_BENCH_ARGS (stage 3's gpu.py settings).
 set -o pipefail
 cd "$(dirname "$0")/.."
+STAGES=${GPU_CHECK_STAGES:-"1 2 3 4 5"}
+for k in $STAGES; do
+  case $k in
+    [1-5]) ;;
+    *) echo "GPU_CHECK_STAGES=\"$STAGES\" names stage '$k'; the stages are 1 to 5 (e.g. GPU_CHECK_STAGES=\"1 2 3\")." >&2; exit 2 ;;
+  esac
+done
 OUT=${OUT:-benchmarks/results/gpu_check}
 mkdir -p "$OUT"
 : > "$OUT/stages.txt"
@@ -61,6 +72,10 @@ export WANDB_MODE=offline
 stage() {
   local k=$1 name=$2 limit=$3
   shift 3
+  if [[ " $STAGES " != *" $k "* ]]; then
+    echo "stage $k $name: skipped (GPU_CHECK_STAGES=\"$STAGES\")" | tee -a "$OUT/stages.txt"
+    return 0
+  fi
   local start=$SECONDS
   timeout "$limit" "$@" >> "$OUT/stage$k.log" 2>&1
   local rc=$?

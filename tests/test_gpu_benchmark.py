@@ -68,9 +68,7 @@ def test_bad_settings_are_clear_errors(argv, error, capsys) -> None:
     assert error in capsys.readouterr().err
 
 
-def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
-    """`make gpu-check GPU_DRY_RUN=1`: the three stages the GPU machine runs (a 2-step fit, the
-    CUDA tests, the benchmark), here on the CPU, each reported in $OUT as it ends."""
+def _dry_run(out: Path, **env_overrides: str):
     import os
     import subprocess
 
@@ -79,8 +77,14 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
         pytest.skip("the dry run uses the project's .venv (made by `make test`)")
     # In-process tests of DDP-based strategies leave rendezvous variables behind; a fresh run picks its own.
     stale = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED"}
-    env = {**{k: v for k, v in os.environ.items() if k not in stale}, "OUT": str(tmp_path), "GPU_DRY_RUN": "1"}
-    done = subprocess.run(["make", "-s", "gpu-check", "GPU_DRY_RUN=1"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    env = {**{k: v for k, v in os.environ.items() if k not in stale}, "OUT": str(out), "GPU_DRY_RUN": "1", **env_overrides}
+    return subprocess.run(["make", "-s", "gpu-check", "GPU_DRY_RUN=1"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
+    """`make gpu-check GPU_DRY_RUN=1`: the five stages the GPU machine runs (a 2-step fit, the
+    CUDA tests, the benchmarks, the profile), here on the CPU, each reported in $OUT as it ends."""
+    done = _dry_run(tmp_path)
     logs = "".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("stage*.log")))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:] + logs
     stages = (tmp_path / "stages.txt").read_text().splitlines()
@@ -97,6 +101,20 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
     profiles = (tmp_path / "stage5.log").read_text()
     assert "## hotcache@0.1" in profiles and "## hotcache@0.01" in profiles
     assert len(list(tmp_path.iterdir())) <= 8  # what one device call brings back, with room to read
+
+
+def test_gpu_check_runs_the_stages_it_is_given_and_refuses_unknown_ones(tmp_path) -> None:
+    done = _dry_run(tmp_path, GPU_CHECK_STAGES="1")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    stages = (tmp_path / "stages.txt").read_text().splitlines()
+    assert stages[0].startswith("stage 1 imports-and-2-step-fit: rc 0,")
+    assert [line.split(":")[0] for line in stages[1:]] == [
+        "stage 2 cuda-tests", "stage 3 gpu-benchmark", "stage 4 tables-larger-than-the-gpu", "stage 5 profile",
+    ]  # fmt: skip
+    assert all("skipped" in line for line in stages[1:])
+    assert not (tmp_path / "gpu.json").exists() and not (tmp_path / "stage3.log").exists()
+    refused = _dry_run(tmp_path / "refused", GPU_CHECK_STAGES="1 6")
+    assert refused.returncode == 2 and "names stage '6'; the stages are 1 to 5" in refused.stderr
 
 
 def test_gpu_wheel_set_fits_the_machine_with_the_repository() -> None:
