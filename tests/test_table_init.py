@@ -84,6 +84,23 @@ def test_hot_cold_collection_initializes_deferred_tables_in_its_tiers(storage: s
         assert torch.equal(state[f"embedding_bags.{table.name}.weight"], whole(table, 9, 2**20)), table.name
 
 
+def test_split_tables_are_made_in_place_in_their_host_stores_in_one_process() -> None:
+    plan = make_plan(zipf_batches(), 0.05, 1, "lfu")
+    module = HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(TABLES, device=torch.device("meta")), plan, seed=9)
+    split = [t for t in TABLES if not module.caches[t.name].identity]
+    assert split
+    for table in split:
+        cache = module.caches[table.name]
+        at = cache.initial_rows_at("weight")
+        assert at is not None
+        for start, rows in initial_rows(table, 9, chunk_bytes=64 * 4 * table.embedding_dim, into=at):
+            assert rows.data_ptr() == cache.host.weight[start].data_ptr()  # in the store, no copy
+        assert torch.equal(cache.host.weight, whole(table, 9, 2**20)), table.name
+    host = HostStore("t", 500, 8, {})
+    sharded = DeviceCache("t", 1000, 8, RowWiseOptimizerConfig(), torch.tensor([0]), 16, "lfu", host, torch.device("cpu"), RowSharding(0, 2))
+    assert sharded.initial_rows_at("weight") is None  # a shard holds every other row: copied in
+
+
 def test_declaring_tables_far_larger_than_ram_takes_no_memory() -> None:
     huge = [
         EmbeddingBagConfig(name=f"t{i}", num_embeddings=10**9, embedding_dim=128, feature_names=[f"f{i}"]) for i in range(4)

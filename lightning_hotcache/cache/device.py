@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -169,7 +169,8 @@ class DeviceCache:
         # The lookahead window: each announced batch's distinct ids, oldest first, and per id
         # how many of them read it (2 bytes a row of the table, on the host).
         self._window: deque[Tensor] = deque()
-        self._window_reads = new_host_array((num_embeddings if policy == "lookahead" and len(static_ids) < num_embeddings else 0,), torch.int16)
+        window_rows = num_embeddings if policy == "lookahead" and len(static_ids) < num_embeddings else 0
+        self._window_reads = new_host_array((window_rows,), torch.int16)
 
         widths = {"weight": embedding_dim, **optimizer.state_widths(embedding_dim)}
         if storage is None:
@@ -552,6 +553,17 @@ class DeviceCache:
         if tuple(values.shape) != expected:
             raise ValueError(f"Table {self.name!r}: {key} has shape {expected}, got {tuple(values.shape)}.")
         self.load_rows(key, 0, values)
+
+    def initial_rows_at(self, key: str) -> Callable[[int, int], Tensor] | None:
+        """Where `load_rows` takes rows made in place (`initial_rows`'s ``into``): the host
+        store's own rows, in one process (across ranks a store holds every world-th row);
+        None where rows must be copied in. Write-backs in flight land first, so that none
+        lands on a row made afterwards."""
+        if self.identity or self.sharding.world != 1:
+            return None
+        assert self.host is not None
+        self._land_write_backs(everything=True)
+        return self.host.rows_at(key)
 
     @torch.no_grad()
     def load_rows(self, key: str, start: int, values: Tensor) -> None:

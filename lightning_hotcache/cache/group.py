@@ -19,6 +19,8 @@ work uses (state_dict, checkpoints, initialization, metrics).
 
 from __future__ import annotations
 
+from typing import Callable
+
 from torch import Tensor
 
 from lightning_hotcache.cache.device import CacheCounters, DeviceCache
@@ -78,3 +80,9 @@ class TableInGroup:
 
     def load_rows(self, key: str, start: int, values: Tensor) -> None:
         self.group.load_rows(key, self.start + start, values)
+
+    def initial_rows_at(self, key: str) -> Callable[[int, int], Tensor] | None:
+        """`DeviceCache.initial_rows_at` for this table's rows of the stack."""
+        if self.group.initial_rows_at(key) is None:
+            return None
+        return self.host.rows_at(key)

@@ -22,6 +22,7 @@ import socket
 import sys
 import warnings
 import weakref
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -284,7 +285,15 @@ class HostStore:
         step = max(1, CHUNK_BYTES // max(1, array.shape[1] * 4))
         for offset in range(0, len(values), step):
             chunk = values[offset : offset + step]
-            array[start + offset : start + offset + len(chunk)].copy_(chunk)
+            target = array[start + offset : start + offset + len(chunk)]
+            if chunk.data_ptr() != target.data_ptr():  # else made in place (see `rows_at`)
+                target.copy_(chunk)
+
+    def rows_at(self, key: str) -> Callable[[int, int], Tensor]:
+        """Rows ``[start, start + count)`` of an array, to be written in place (`initial_rows`'s
+        ``into``; `load` then finds them there and copies nothing)."""
+        array = self.arrays[key]
+        return lambda start, count: array[start : start + count]
 
     def flush_to_disk(self) -> None:
         """Make memory-mapped arrays durable (no-op in RAM)."""

@@ -316,8 +316,9 @@ class HotColdEmbeddingBagCollection(nn.Module):
     def initialize(self, seed: int) -> None:
         """Every table's initial rows (see `initial_rows`), written chunk by chunk into its tiers."""
         for table in self._tables:
-            for start, rows in initial_rows(table, seed):
-                self.caches[table.name].load_rows("weight", start, rows)
+            cache = self.caches[table.name]
+            for start, rows in initial_rows(table, seed, into=cache.initial_rows_at("weight")):
+                cache.load_rows("weight", start, rows)  # rows made in the host store stay there
 
     def reset_parameters(self, seed: int | None = None) -> None:
         """Draw every table's rows anew, as TorchRec's modules initialize them (from ``seed``;
