@@ -15,7 +15,7 @@ from lightning_hotcache import RowWiseOptimizerConfig
 from lightning_hotcache.cache import DeviceCache, HostStore
 from lightning_hotcache.cache import host_arrays
 from lightning_hotcache.cache.fused import FusedTables
-from lightning_hotcache.cache.host_arrays import HUGE_PAGE, move_to_huge_pages, new_host_array, zero_rows
+from lightning_hotcache.cache.host_arrays import HUGE_PAGE, move_to_huge_pages, new_array, new_host_array
 from lightning_hotcache.cache.slot_map import DenseSlotMap
 from torchrec.modules.embedding_configs import PoolingType
 
@@ -109,7 +109,7 @@ def test_forked_processes_do_not_share_new_arrays() -> None:
 def test_host_stores_maps_and_cpu_slots_stay_out_of_forked_processes() -> None:
     store = HostStore("t", ROWS, 16, {"momentum": 1})
     dense = DenseSlotMap(HUGE_PAGE, torch.tensor([3, 7]), 10, torch.device("cpu"))  # 8 MiB of int32
-    slots = zero_rows(ROWS, 16, "cpu")
+    slots = new_array((ROWS, 16), "cpu")
     for array in (store.weight, dense.slot_of_id, slots):
         assert "dc" in mappings_at(array)[1]
     assert dense.slot_of_id[3] == 0 and dense.slot_of_id[7] == 1 and int((dense.slot_of_id == -1).sum()) == HUGE_PAGE - 2

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from lightning_hotcache.cache.exchange import RowSharding, gather_table
 from lightning_hotcache.cache.host import HostStore
-from lightning_hotcache.cache.host_arrays import new_host_array, zero_rows
+from lightning_hotcache.cache.host_arrays import new_array, new_host_array
 from lightning_hotcache.cache.slot_map import make_slot_map
 from lightning_hotcache.sorting import unique
 from lightning_hotcache.cache.upload import RowUpload
@@ -174,7 +174,7 @@ class DeviceCache:
 
         widths = {"weight": embedding_dim, **optimizer.state_widths(embedding_dim)}
         if storage is None:
-            storage = {key: zero_rows(num_slots, width, device) for key, width in widths.items()}
+            storage = {key: new_array((num_slots, width), device) for key, width in widths.items()}
         shapes = {key: tuple(array.shape) for key, array in storage.items()}
         if shapes != {key: (num_slots, width) for key, width in widths.items()}:
             raise ValueError(f"Table {name!r}: storage of shapes {shapes} does not hold {num_slots} slots of {widths}.")

@@ -24,8 +24,9 @@ page switch (``THP_MEM_ALLOC_ENABLE``) is process-wide and also puts every large
 forward went from 3.1 to 5.0 ms under it). Here only the long-lived arrays are advised:
 
 * `new_host_array` maps a new array and advises it before anything touches it, so its pages
-  fault in as 2 MiB pages and stay out of forked children (host stores in RAM, the id -> slot
-  map on the host; `zero_rows`: cache slots and device tables where the device is the CPU);
+  fault in as 2 MiB pages and stay out of forked children (host stores in RAM, the cache's
+  books; through `new_array`, the id -> slot map, cache slots and device tables where their
+  device is the CPU);
 * `move_to_huge_pages` collapses an array that is already filled (``MADV_COLLAPSE``, Linux 6.1+,
   in place, 2 MiB at a time), for memory allocated by someone else (FBGEMM's TBE weights).
   Those stay shared with forked children: marking memory that its allocator may hand out
@@ -94,7 +95,7 @@ def new_host_array(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, f
     staging made it 2-3x slower. ``None`` leaves the kernel's zero pages, no pass over the
     memory, for an array the caller writes whole next (a host store, which table init fills).
     Arrays under 2 MiB are plain tensors (a page or two copied once after a fork)."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not sys.platform.startswith("linux"):
         return torch.full(shape, 0 if fill is None else fill, dtype=dtype)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -109,12 +110,12 @@ def new_host_array(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, f
     return array
 
 
-def zero_rows(num_rows: int, width: int, device: torch.device | str) -> Tensor:
-    """Zero float32 rows on ``device`` that training writes every step (cache slots, device
-    tables): on the CPU a `new_host_array`, elsewhere a plain tensor."""
+def new_array(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype = torch.float32, fill: float = 0) -> Tensor:
+    """An array filled with ``fill`` on ``device`` that training writes every step (cache slots,
+    device tables, the id -> slot map): on the CPU a `new_host_array`, elsewhere a plain tensor."""
     if torch.device(device).type == "cpu":
-        return new_host_array((num_rows, width))
-    return torch.zeros(num_rows, width, dtype=torch.float32, device=device)
+        return new_host_array(shape, dtype, fill)
+    return torch.full(shape, fill, dtype=dtype, device=device)
 
 
 def move_to_huge_pages(tensor: Tensor) -> bool:

@@ -33,7 +33,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_hotcache.cache.host_arrays import new_host_array
+from lightning_hotcache.cache.host_arrays import new_array
 
 SlotMapKind = Literal["dense", "hashed", "sorted"]
 DENSE_BYTES_PER_ROW = 4  # int32 slot per table row
@@ -88,10 +88,8 @@ class DenseSlotMap:
     """``slot_of_id[id]``: one gather per lookup."""
 
     def __init__(self, num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device) -> None:
-        if torch.device(device).type == "cpu":  # written at random every batch: kept from forked workers
-            self.slot_of_id = new_host_array((num_embeddings,), torch.int32, fill=-1)
-        else:
-            self.slot_of_id = torch.full((num_embeddings,), -1, dtype=torch.int32, device=device)
+        # Written at random every batch: on the CPU kept from forked workers (`host_arrays`).
+        self.slot_of_id = new_array((num_embeddings,), device, torch.int32, fill=-1)
         self.slot_of_id[static_ids] = torch.arange(len(static_ids), dtype=torch.int32, device=device)
 
     def tensors(self) -> list[Tensor]:

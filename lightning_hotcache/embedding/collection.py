@@ -44,7 +44,7 @@ from lightning_hotcache.cache import CachePolicy, DeviceCache, HostDirectory, Ho
 from lightning_hotcache.cache.exchange import RowSharding
 from lightning_hotcache.cache.fused import FusedTables, KernelChoice, check_kernel_choice, fused_unavailable
 from lightning_hotcache.cache.group import TableInGroup
-from lightning_hotcache.cache.host_arrays import zero_rows
+from lightning_hotcache.cache.host_arrays import new_array
 from lightning_hotcache.cache.owned_rows import OwnedRows
 from lightning_hotcache.embedding.layout import Layout, build_layout
 from lightning_hotcache.embedding.lookup import EmbeddingBagLookup, FusedLookup, LookupForOwners
@@ -246,7 +246,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
     def _own_device_table(self, table: int) -> dict[str, Tensor]:
         rows, dim = self.layout.device_rows[table], self.layout.device_dims[table]
         widths = {"weight": dim, **self.optimizer.state_widths(dim)}
-        return {key: zero_rows(rows, width, self.device) for key, width in widths.items()}
+        return {key: new_array((rows, width), self.device) for key, width in widths.items()}
 
     def _region(self, key: str) -> dict[str, Tensor]:
         """Views of one cache's slots in its device table."""
