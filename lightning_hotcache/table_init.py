@@ -15,16 +15,13 @@ tier a row may live in, sees the same table.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-from lightning_hotcache.cache.host import CHUNK_BYTES
-
-# Rows [start, start + count) of a table's destination, where its initial rows are made in place.
-RowsAt = Callable[[int, int], Tensor]
+from lightning_hotcache.cache.host import CHUNK_BYTES, RowsAt, rows_in
 
 
 def is_deferred(collection: EmbeddingBagCollection) -> bool:
@@ -78,7 +75,7 @@ def materialize_tables(module: nn.Module, device: torch.device | str = "cpu", se
             weight = collection.embedding_bags[table.name].weight
             with torch.no_grad():
                 in_place = weight.device.type == "cpu" and weight.is_contiguous()
-                for start, rows in initial_rows(table, seed, into=(lambda s, n, w=weight: w[s : s + n]) if in_place else None):
+                for start, rows in initial_rows(table, seed, into=rows_in(weight) if in_place else None):
                     if not in_place:
                         weight[start : start + len(rows)].copy_(rows)
     return found

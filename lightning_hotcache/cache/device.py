@@ -43,13 +43,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Literal, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_hotcache.cache.exchange import RowSharding, gather_table
-from lightning_hotcache.cache.host import HostStore
+from lightning_hotcache.cache.host import HostStore, RowsAt
 from lightning_hotcache.cache.host_arrays import new_array, new_host_array
 from lightning_hotcache.cache.slot_map import make_slot_map
 from lightning_hotcache.sorting import unique
@@ -554,7 +554,7 @@ class DeviceCache:
             raise ValueError(f"Table {self.name!r}: {key} has shape {expected}, got {tuple(values.shape)}.")
         self.load_rows(key, 0, values)
 
-    def initial_rows_at(self, key: str) -> Callable[[int, int], Tensor] | None:
+    def initial_rows_at(self, key: str) -> RowsAt | None:
         """Where `load_rows` takes rows made in place (`initial_rows`'s ``into``): the host
         store's own rows, in one process (across ranks a store holds every world-th row);
         None where rows must be copied in. Write-backs in flight land first, so that none

@@ -19,13 +19,11 @@ work uses (state_dict, checkpoints, initialization, metrics).
 
 from __future__ import annotations
 
-from typing import Callable
-
 from torch import Tensor
 
 from lightning_hotcache.cache.device import CacheCounters, DeviceCache
 from lightning_hotcache.cache.exchange import gather_table
-from lightning_hotcache.cache.host import HostStore
+from lightning_hotcache.cache.host import HostStore, RowsAt
 
 
 class TableInGroup:
@@ -81,8 +79,9 @@ class TableInGroup:
     def load_rows(self, key: str, start: int, values: Tensor) -> None:
         self.group.load_rows(key, self.start + start, values)
 
-    def initial_rows_at(self, key: str) -> Callable[[int, int], Tensor] | None:
-        """`DeviceCache.initial_rows_at` for this table's rows of the stack."""
+    def initial_rows_at(self, key: str) -> RowsAt | None:
+        """`DeviceCache.initial_rows_at` for this table's rows of the stack (where the stack
+        takes rows in place, after landing its write-backs, so does this table's view of it)."""
         if self.group.initial_rows_at(key) is None:
             return None
         return self.host.rows_at(key)

@@ -208,6 +208,16 @@ def _reserve(fd: int, path: Path, size: int) -> None:
         os.ftruncate(fd, size)
 
 
+# Rows [start, start + count) of a table's home, where its initial rows are made in place
+# (`lightning_hotcache.table_init.initial_rows`).
+RowsAt = Callable[[int, int], Tensor]
+
+
+def rows_in(array: Tensor) -> RowsAt:
+    """`RowsAt` of a contiguous array on the CPU: views of its rows."""
+    return lambda start, count: array[start : start + count]
+
+
 class HostStore:
     """Rows ``[0, num_embeddings)`` of one table plus per-row optimizer state.
 
@@ -289,11 +299,10 @@ class HostStore:
             if chunk.data_ptr() != target.data_ptr():  # else made in place (see `rows_at`)
                 target.copy_(chunk)
 
-    def rows_at(self, key: str) -> Callable[[int, int], Tensor]:
-        """Rows ``[start, start + count)`` of an array, to be written in place (`initial_rows`'s
-        ``into``; `load` then finds them there and copies nothing)."""
-        array = self.arrays[key]
-        return lambda start, count: array[start : start + count]
+    def rows_at(self, key: str) -> RowsAt:
+        """Rows of an array, to be written in place (`initial_rows`'s ``into``; `load` then
+        finds them there and copies nothing)."""
+        return rows_in(self.arrays[key])
 
     def flush_to_disk(self) -> None:
         """Make memory-mapped arrays durable (no-op in RAM)."""
