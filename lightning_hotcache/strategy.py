@@ -48,7 +48,7 @@ from typing_extensions import override
 
 from lightning_hotcache._compat import fit_train_dataloader, is_wrapping_checkpoint_io
 from lightning_hotcache.accumulation import refuse_gradient_accumulation
-from lightning_hotcache.cache import MAX_LOOKAHEAD_BATCHES, check_cache_policy
+from lightning_hotcache.cache import check_cache_policy
 from lightning_hotcache.cache.fused import KernelChoice, check_kernel_choice
 from lightning_hotcache.cache.upload import batch_to_device
 from lightning_hotcache.checkpoint import (
@@ -334,8 +334,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         check_kernel_choice(kernel)
         if prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}.")
-        if not 1 <= lookahead_batches <= MAX_LOOKAHEAD_BATCHES:
-            raise ValueError(f"lookahead_batches must be in [1, {MAX_LOOKAHEAD_BATCHES}], got {lookahead_batches}.")
+        if lookahead_batches < 1:
+            raise ValueError(f"lookahead_batches must be at least 1, got {lookahead_batches}.")
         if cache_policy == "lookahead" and prefetch_depth == 0:
             raise ValueError("cache_policy='lookahead' reads batches ahead of staging: it needs prefetch_depth >= 1.")
         if profile_batches < 1:

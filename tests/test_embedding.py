@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from test_embedding_exactness import TABLES, UPSTREAM, make_plan, zipf_batches
@@ -413,6 +415,57 @@ def test_lookahead_keeps_the_rows_an_announced_batch_reads(policy: str) -> None:
             cache.announce(trace[step + 1])  # one batch ahead of the acquire
         cache.release(DeviceCache.acquire_all([cache], [ids], announced=True)[0].ticket)
     assert cache.counters.hits == (2 if policy == "lookahead" else 1)
+
+
+def test_an_announced_batch_is_deduplicated_once_and_must_come_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Announcing a batch checks, orders and deduplicates its ids; its staging reuses that work,
+    # so it must be the batch announced first: any other is refused, never staged with its ids.
+    import lightning_hotcache.cache.device as device_module
+    import lightning_hotcache.cache.lookahead as lookahead_module
+    import lightning_hotcache.embedding.staging as staging_module
+
+    m = module(0.05, depth=2, policy="lookahead")
+    batches = zipf_batches(steps=2)
+    deduplicated = _count_calls(monkeypatch, device_module, "unique")
+    deduplicated_ahead = _count_calls(monkeypatch, lookahead_module, "unique")
+    checked = _count_calls(monkeypatch, staging_module, "check_ids")
+    for batch in batches:
+        m.announce(batch)
+    announcing = (len(deduplicated), len(deduplicated_ahead), len(checked))
+    assert announcing[0] == 0 and announcing[1] > 0 and announcing[2] == 2
+    with pytest.raises(RuntimeError, match="oldest announced"):
+        m.prefetch(batches[1], announced=True)
+    m.clear_prefetched()  # the window forgotten: announce again
+    for batch in batches:
+        m.announce(batch)
+    for batch in batches:
+        m.prefetch(batch, announced=True)
+    assert (len(deduplicated), len(deduplicated_ahead), len(checked)) == (0, 2 * announcing[1], 4)  # staging added none
+    for batch, grad in zip(batches, UPSTREAM):
+        m(batch).values().backward(grad)
+
+
+def test_an_acquire_of_another_batch_than_the_announced_one_is_refused() -> None:
+    from lightning_hotcache import RowWiseOptimizerConfig
+    from lightning_hotcache.cache import DeviceCache, HostStore
+
+    sgd = RowWiseOptimizerConfig(name="sgd")
+    cache = DeviceCache("t", 10, 2, sgd, torch.empty(0, dtype=torch.int64), 4, "lookahead", HostStore("t", 10, 2, {}), torch.device("cpu"))
+    cache.announce(torch.tensor([1, 2, 2]))
+    with pytest.raises(RuntimeError, match="got 2 ids, but the oldest announced batch has 3"):
+        DeviceCache.acquire_all([cache], [torch.tensor([1, 2])], announced=True)
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[None]:
+    calls: list[None] = []
+    original = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
 
 
 def test_a_batch_moved_to_the_device_is_put_in_order_with_the_hosts_sizes() -> None:

@@ -2,7 +2,6 @@
 
 from lightning_hotcache.cache.device import (
     CACHE_POLICIES,
-    MAX_LOOKAHEAD_BATCHES,
     CacheCapacityError,
     CacheCounters,
     CachePolicy,
@@ -13,7 +12,6 @@ from lightning_hotcache.cache.host import HostDirectory, HostStorageInUseError, 
 
 __all__ = [
     "CACHE_POLICIES",
-    "MAX_LOOKAHEAD_BATCHES",
     "CacheCapacityError",
     "CacheCounters",
     "CachePolicy",

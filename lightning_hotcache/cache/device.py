@@ -51,6 +51,7 @@ from torch import Tensor
 from lightning_hotcache.cache.exchange import RowSharding, gather_table
 from lightning_hotcache.cache.host import HostStore, RowsAt
 from lightning_hotcache.cache.host_arrays import new_array, new_host_array
+from lightning_hotcache.cache.lookahead import LookaheadWindow
 from lightning_hotcache.cache.slot_map import make_slot_map
 from lightning_hotcache.sorting import unique
 from lightning_hotcache.cache.upload import RowUpload
@@ -69,8 +70,6 @@ def check_cache_policy(policy: str) -> None:
 RESERVE_BATCHES = 8
 # Write-backs whose copy to the host may still be running; beyond this the oldest is waited for.
 MAX_PENDING_WRITE_BACKS = 4
-# Announced batches a lookahead window may hold: each row counts them in an int16.
-MAX_LOOKAHEAD_BATCHES = 2**15 - 1
 
 _LOOKUPS, _MISSES, _FETCHED, _EVICTED, _WRITTEN_BACK = range(5)  # rows of DeviceCache._segment_tally
 
@@ -102,7 +101,8 @@ class DeviceCache:
         num_dynamic: dynamic slots.
         policy: ``lfu``, ``lru``, ``static`` (dynamic slots only stage each batch's misses
             and are emptied after it, as in FAE), or ``lookahead``: LFU, except that a row some
-            announced future batch reads (`announce`) is evicted only when nothing else can be.
+            announced future batch reads (`announce`) is evicted only when nothing else can be,
+            the one read farthest ahead first (see `LookaheadWindow`).
         host: the host store of this rank's rows of the table (see ``sharding``); may be
             ``None`` only when static_ids cover all rows.
         device: where the slots live.
@@ -166,11 +166,6 @@ class DeviceCache:
         self._released_upto = 0
         self._released_early: set[int] = set()
         self._write_backs: deque[_WriteBack] = deque()  # oldest first
-        # The lookahead window: each announced batch's distinct ids, oldest first, and per id
-        # how many of them read it (2 bytes a row of the table, on the host).
-        self._window: deque[Tensor] = deque()
-        window_rows = num_embeddings if policy == "lookahead" and len(static_ids) < num_embeddings else 0
-        self._window_reads = new_host_array((window_rows,), torch.int16)
 
         widths = {"weight": embedding_dim, **optimizer.state_widths(embedding_dim)}
         if storage is None:
@@ -179,6 +174,7 @@ class DeviceCache:
         if shapes != {key: (num_slots, width) for key, width in widths.items()}:
             raise ValueError(f"Table {name!r}: storage of shapes {shapes} does not hold {num_slots} slots of {widths}.")
         self.slots: dict[str, Tensor] = storage
+        self.window: LookaheadWindow | None = None
         if self.identity:
             return
         # The books are written at random every batch: kept from forked workers (`host_arrays`).
@@ -189,6 +185,8 @@ class DeviceCache:
         self.last_used = new_host_array((num_slots,), torch.int64)
         self.frequency = new_host_array((num_slots,), torch.int64)
         self.id_of_slot[: self.num_static] = static_ids
+        if policy == "lookahead":
+            self.window = LookaheadWindow(num_embeddings, num_slots)
 
     @staticmethod
     def num_slots(num_embeddings: int, static_ids: Tensor, num_dynamic: int) -> int:
@@ -254,16 +252,14 @@ class DeviceCache:
     def announce(self, ids: Tensor) -> None:
         """A future batch will read ``ids`` (acquired with ``announced=True``, in announcing
         order): under ``lookahead`` its rows are kept until then where anything else can go."""
-        if len(self._window_reads) == 0:
+        if self.window is None:
             return
-        distinct = unique(ids.to(self.books, torch.int64))[0]
-        self._window_reads[distinct] += 1
-        self._window.append(distinct)
+        self.window.announce(ids.to(self.books, torch.int64), self.slot_map.lookup)
 
     def clear_window(self) -> None:
         """Forget the announced batches (an epoch cut short leaves some never acquired)."""
-        self._window.clear()
-        self._window_reads.zero_()
+        if self.window is not None:
+            self.window.clear()
 
     def _begin_acquire(self, ids: Tensor, announced: bool = False) -> _Acquire:
         """Lock the hits and free slots for the misses (their rows come next).
@@ -272,20 +268,23 @@ class DeviceCache:
         the slot map's binary searches run on sorted queries, which walk the same paths
         (2.6x faster than the batch's raw ids for Criteo-like skew in a micro-benchmark)."""
         ids = ids.to(self.books, torch.int64)
-        if announced and self._window:
-            self._window_reads[self._window.popleft()] -= 1
         self.counters.lookups += ids.numel()
         self._issued += 1
         if self.identity:
             self._tally(_LOOKUPS, ids)
             self.counters.hits += ids.numel()
             return _Acquire(ids, ids, self._issued)
-        distinct, inverse, counts = unique(ids, return_counts=True)
+        next_reads = None
+        if announced and self.window:  # deduplicated when it was announced
+            oldest, next_reads = self.window.retire(ids.numel(), self.name)
+            distinct, inverse, counts = oldest.distinct, oldest.inverse, oldest.counts
+        else:
+            distinct, inverse, counts = unique(ids, return_counts=True)
         self._tally(_LOOKUPS, distinct, counts, ascending=True)
         slots = self.slot_map.lookup(distinct)
         missing = slots < 0
         num_missing = int(missing.sum())
-        acquire = _Acquire(distinct, slots, self._issued, inverse=inverse, counts=counts)
+        acquire = _Acquire(distinct, slots, self._issued, inverse=inverse, counts=counts, next_reads=next_reads)
         if not num_missing:
             self.counters.hits += ids.numel()
             self.last_used[slots] = self._issued
@@ -319,6 +318,9 @@ class DeviceCache:
             self.last_used[victims] = acquire.ticket
         if acquire.inverse is None:  # identity: slots are the ids
             return Acquired(slots, acquire.ticket, slots)
+        if acquire.next_reads is not None:
+            assert self.window is not None
+            self.window.installed(slots, acquire.next_reads)
         if self.policy in ("lfu", "lookahead"):
             assert acquire.counts is not None
             self.frequency.index_add_(0, slots, acquire.counts)
@@ -390,7 +392,8 @@ class DeviceCache:
         What it gives up: rows installed after the scan are not victims before the next one.
         The ``static`` policy keeps the exact scan (its dynamic slots are emptied every batch).
         Under ``lookahead`` the rows an announced batch reads come after every other unlocked
-        slot, never enter the reserve, and leave it when announced after the scan."""
+        slot, the one read farthest ahead first; they never enter the reserve, and leave it
+        when announced after the scan."""
         start = self.num_static
         if self._never_used_from + count <= self.num_dynamic:
             # Never-used slots are empty and unlocked: the scoring below would pick them first.
@@ -400,8 +403,8 @@ class DeviceCache:
         self._never_used_from = self.num_dynamic
         if self.policy != "static" and len(self._reserve) >= count:
             unread = self._reserve[self.last_used[self._reserve] < self._reserve_ticket]
-            if len(self._window_reads):
-                unread = unread[~self._awaited(unread)]
+            if self.window is not None:
+                unread = unread[~self.window.awaited(unread)]
             if len(unread) >= count:
                 self._reserve = unread[count:]
                 return unread[:count]
@@ -424,11 +427,10 @@ class DeviceCache:
             return torch.topk(score, count, largest=False).indices + start
         # One sort of every slot: cheaper than topk once k is more than a few percent of them.
         ranked = score.sort().indices
-        if len(self._window_reads):  # rows the window reads after every other unlocked slot
-            awaited = self._awaited(ranked + start) & ~locked[ranked]
-            tier = awaited.to(torch.int8).masked_fill_(locked[ranked], 2)  # locked ones stay last
-            ranked = ranked[tier.sort(stable=True).indices]
-            spare = free - int(awaited.sum())  # unlocked slots no announced batch reads
+        if self.window is not None:  # rows the window reads after every other unlocked slot, farthest read first
+            order = self.window.eviction_order(ranked + start)
+            spare = free - int((order[~locked[ranked]] > 0).sum())  # unlocked slots no announced batch reads
+            ranked = ranked[order.masked_fill_(locked[ranked], torch.iinfo(torch.int64).max).sort(stable=True).indices]
             victims = ranked[:count] + start
             self._reserve = ranked[count : max(count, min(spare, RESERVE_BATCHES * count))] + start
             self._reserve_ticket = self._issued
@@ -437,11 +439,6 @@ class DeviceCache:
         self._reserve, self._reserve_ticket = ranked[count:], self._issued
         return ranked[:count]
 
-    def _awaited(self, slots: Tensor) -> Tensor:
-        """Whether an announced batch reads the row in each of ``slots`` (False when empty)."""
-        ids = self.id_of_slot[slots]
-        return (ids >= 0) & (self._window_reads[ids.clamp(min=0)] > 0)
-
     def _evict(self, slots: Tensor) -> None:
         if len(slots) == 0:
             return
@@ -449,6 +446,8 @@ class DeviceCache:
         ids = self.id_of_slot[slots]
         self.slot_map.remove(ids)
         self.id_of_slot[slots] = -1
+        if self.window is not None:
+            self.window.emptied(slots)
         self.counters.evicted_rows += len(slots)
         self._tally(_EVICTED, ids)
 
@@ -608,6 +607,7 @@ class _Acquire:
     missing: Tensor | None = None  # which of `ids` miss, when there is a fetch
     needed: Tensor | None = None  # their ids
     victims: Tensor | None = None  # the slots they go to
+    next_reads: Tensor | None = None  # under lookahead, the next announced read of each of `ids`
 
 
 class _WriteBack:

@@ -46,6 +46,12 @@ from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.guards import check_not_empty
 
 
+# A batch's ids as staging finds them (`Staging._ids`): the features checked and in the
+# module's order, their values, what each value reads, each acquired cache's spans of values,
+# and each acquired cache's ids.
+_Prepared = tuple[KeyedJaggedTensor, Tensor, Tensor, dict[str, list[tuple[int, int]]], list[Tensor]]
+
+
 class Staging:
     """Stages batches into ``caches`` (cache key -> cache) laid out by ``layout``, and keeps
     the staged batches until their rows may be unlocked."""
@@ -82,6 +88,9 @@ class Staging:
         feature_table = layout.device_table_of_feature()
         self._table_runs = [_runs([k for k, t in enumerate(feature_table) if t == table]) for table in range(len(layout.device_rows))]
         self.queue: deque[StagedBatch] = deque()
+        # Batches announced and not yet staged, as `_ids` prepared them (oldest first): a batch
+        # is checked, ordered and deduplicated once, when announced (see `announce`).
+        self._announced: deque[tuple[KeyedJaggedTensor, _Prepared]] = deque()
         # Batches in forward or backward. Only the training thread and its backward change the
         # list, and never at once (forward does not run during the backward it waits for).
         self.in_flight: list[StagedBatch] = []
@@ -97,7 +106,7 @@ class Staging:
             self._settle_finished()
             yield
 
-    def _ids(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, Tensor, Tensor, dict[str, list[tuple[int, int]]], list[Tensor]]:
+    def _ids(self, features: KeyedJaggedTensor) -> _Prepared:
         """``features`` (on the host) checked and in the module's order; its values; what each
         value reads (a stack's global id, a whole table's row in a shared device table); each
         acquired cache's spans of values; and each acquired cache's ids."""
@@ -117,24 +126,40 @@ class Staging:
 
     def announce(self, features: KeyedJaggedTensor) -> None:
         """A future training batch (on the host): the caches' lookahead windows learn its ids."""
-        announced = self._ids(features)[4]
+        prepared = self._ids(features)
         with self.locked():
-            for key, ids in zip(self._acquired, announced):
+            for key, ids in zip(self._acquired, prepared[4]):
                 self.caches[key].announce(ids)
+            self._announced.append((features, prepared))
 
     def clear_window(self) -> None:
         with self.locked():
+            self._announced.clear()
             for key in self._acquired:
                 self.caches[key].clear_window()
+
+    def _announced_ids(self, features: KeyedJaggedTensor) -> _Prepared | None:
+        """`_ids` of ``features``, the oldest batch announced, as its announcement found them
+        (``None`` when no batch is announced: the window was cleared)."""
+        if not self._announced:
+            return None
+        oldest, prepared = self._announced.popleft()
+        if not same_batch(oldest, features):
+            raise RuntimeError(
+                "stage(announced=True) got a batch other than the oldest announced one; stage announced batches in "
+                "the order they were announced."
+            )
+        return prepared
 
     def stage(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None, announced: bool = False) -> StagedBatch:
         """Stage ``features``, the batch as forward will get it (``arrives_as``: the same batch
         already moved to the device, whose values are then never read here; ``announced``: the
         oldest batch `announce`d)."""
         arriving = features if arrives_as is None else arrives_as
+        prepared = self._announced_ids(features) if announced else None
         if features.values().device.type != "cpu":
             features = features.to(torch.device("cpu"))
-        ours, values, indices, spans, ids = self._ids(features)
+        ours, values, indices, spans, ids = prepared or self._ids(features)
         bounds, per_key = ours.offset_per_key(), ours.length_per_key()
         with self.locked():
             acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids, announced)

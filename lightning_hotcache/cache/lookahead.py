@@ -1,0 +1,151 @@
+"""The lookahead window of a cache: the batches announced ahead of their acquire, and for
+every resident row the next of them that reads it.
+
+Under ``cache_policy="lookahead"`` the loader reads batches ahead of staging and announces
+each (`DeviceCache.announce`). Eviction then follows Belady within the window: a row that
+no announced batch reads goes first (by LFU), then the row whose next read is farthest.
+
+What it keeps, all on the host:
+
+* each announced batch deduplicated (distinct ids, each id's place among them, counts),
+  which its acquire reuses instead of deduplicating the batch again;
+* the window's ids end to end in a ring, each entry with the announcement number of the
+  next batch that reads the same row (``never`` if none yet): a link a later announcement
+  fills in. Entries have global positions; the live ones are ``[start, end)``;
+* per row of the table, the position of its latest announced read (4 bytes a row), which is
+  how an announcement finds the entry to link from;
+* per slot, the announcement number of its row's next read.
+
+So an announcement and a retirement cost a few index operations over the batch's distinct
+ids, whatever the window's length: no search through the window. Written by hand because no
+cache in TorchRec or FBGEMM takes future accesses (theirs evict by LRU or LFU).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from lightning_hotcache.cache.host_arrays import new_host_array
+from lightning_hotcache.sorting import unique
+
+NEVER = torch.iinfo(torch.int64).max  # no announced batch reads the row
+# Positions are kept per row in an int32; past this the live ones are moved down (`_make_room`).
+MAX_POSITION = 2**31 - 1
+
+
+@dataclass
+class Announced:
+    """An announced batch as `unique` found it, and where its distinct ids start in the ring."""
+
+    distinct: Tensor
+    inverse: Tensor
+    counts: Tensor
+    first: int
+
+
+class LookaheadWindow:
+    """The announced batches of a table of ``num_embeddings`` rows cached in ``num_slots`` slots.
+
+    Args:
+        num_embeddings: rows of the table.
+        num_slots: slots of its cache.
+        max_position: positions kept below this (a test makes it small to move them often).
+    """
+
+    def __init__(self, num_embeddings: int, num_slots: int, max_position: int = MAX_POSITION) -> None:
+        self.max_position = max_position
+        self._batches: deque[Announced] = deque()
+        self._announced = 0  # announcement number of the next batch announced
+        self._start = self._end = 0  # live ring positions
+        self._next_of = torch.full((1024,), NEVER, dtype=torch.int64)  # the ring; its length a power of two
+        # Written at random every announcement: kept from forked workers (`host_arrays`).
+        self._last_at = new_host_array((num_embeddings,), torch.int32, fill=-1)
+        self.next_read = new_host_array((num_slots,), torch.int64, fill=NEVER)
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def host_bytes(self) -> int:
+        """Host memory the window holds now (its batches' ids, the ring, per row and per slot)."""
+        batches = sum(t.numel() * t.element_size() for b in self._batches for t in (b.distinct, b.inverse, b.counts))
+        return batches + sum(t.numel() * t.element_size() for t in (self._next_of, self._last_at, self.next_read))
+
+    def announce(self, ids: Tensor, slot_of: Callable[[Tensor], Tensor]) -> None:
+        """A future batch reads ``ids`` (on the host); ``slot_of`` gives the slot of resident
+        ids (-1 elsewhere)."""
+        distinct, inverse, counts = unique(ids, return_counts=True)
+        self._make_room(len(distinct))
+        number, first = self._announced, self._end
+        positions = torch.arange(first, first + len(distinct))
+        mask = len(self._next_of) - 1
+        latest = self._last_at[distinct].to(torch.int64)
+        linked = latest >= self._start  # the row's latest read is in the window: link it here
+        self._next_of[latest[linked] & mask] = number
+        self._next_of[positions & mask] = NEVER
+        self._last_at[distinct] = positions.to(torch.int32)
+        # A resident row no batch in the window read: this batch is its next read.
+        slots = slot_of(distinct[~linked])
+        self.next_read[slots[slots >= 0]] = number
+        self._batches.append(Announced(distinct, inverse, counts, first))
+        self._announced += 1
+        self._end += len(distinct)
+
+    def retire(self, num_ids: int, table: str) -> tuple[Announced, Tensor]:
+        """The oldest announced batch, being acquired with ``num_ids`` ids, out of the window;
+        and the next read of each of its distinct ids (for `installed`)."""
+        oldest = self._batches.popleft()
+        if len(oldest.inverse) != num_ids:
+            raise RuntimeError(
+                f"Table {table!r}: acquire(announced=True) got {num_ids} ids, but the oldest announced batch has "
+                f"{len(oldest.inverse)}; acquire announced batches in the order they were announced."
+            )
+        positions = torch.arange(oldest.first, oldest.first + len(oldest.distinct))
+        self._start = oldest.first + len(oldest.distinct)
+        return oldest, self._next_of[positions & (len(self._next_of) - 1)]
+
+    def installed(self, slots: Tensor, next_reads: Tensor) -> None:
+        """A retired batch's rows are in ``slots``: their next reads are ``next_reads``."""
+        self.next_read[slots] = next_reads
+
+    def emptied(self, slots: Tensor) -> None:
+        self.next_read[slots] = NEVER
+
+    def awaited(self, slots: Tensor) -> Tensor:
+        """Whether an announced batch reads the row in each of ``slots``."""
+        return self.next_read[slots] != NEVER
+
+    def eviction_order(self, slots: Tensor) -> Tensor:
+        """A key for ``slots``: 0 for rows no announced batch reads, then larger the nearer the
+        row's next read (sorted ascending, the farthest-read rows come first)."""
+        nxt = self.next_read[slots]
+        return torch.where(nxt == NEVER, 0, 1 + self._announced - nxt)
+
+    def clear(self) -> None:
+        """Forget every announced batch."""
+        self._batches.clear()
+        self._start = self._end
+        self.next_read.fill_(NEVER)
+
+    def _make_room(self, count: int) -> None:
+        """Room for ``count`` more entries: a longer ring, and positions moved down to start at
+        0 when they would pass ``max_position`` (rare: once in ~2 billion ids announced)."""
+        shift = self._start if self._end + count > self.max_position else 0
+        needed = self._end - self._start + count
+        if needed > self.max_position:
+            raise RuntimeError(f"The lookahead window would hold {needed} ids, more than {self.max_position}; shorten it.")
+        if shift:
+            stale = self._last_at < self._start
+            self._last_at.sub_(shift).masked_fill_(stale, -1)
+            for batch in self._batches:
+                batch.first -= shift
+        if shift or needed > len(self._next_of):
+            ring = torch.full((max(len(self._next_of), 1 << (needed - 1).bit_length()),), NEVER, dtype=torch.int64)
+            live = torch.arange(self._start, self._end)
+            ring[(live - shift) & (len(ring) - 1)] = self._next_of[live & (len(self._next_of) - 1)]
+            self._next_of = ring
+            self._start, self._end = self._start - shift, self._end - shift
