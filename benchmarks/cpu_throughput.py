@@ -13,7 +13,8 @@ Prints a table and writes benchmarks/results/cpu_throughput.json.
     python benchmarks/cpu_throughput.py --optimizer adam   # lazy Adam: auto vs hotcache's PyTorch path
     python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.01 hotcache@0.01+lookahead
 
-By default every strategy but the ``+lookahead`` ones (the lookahead cache policy) runs.
+By default every strategy but the ``+lookahead`` (the lookahead cache policy) and ``+thread``
+(staging on the prefetch thread) ones runs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from clock import StepClock, timed_trainer
+from clock import StepClock, cache_counters, staging_totals, timed_trainer
 from report import add_ratios, rounds_of_jobs, write_report
 
 from datamodules import SyntheticCTRDataModule
@@ -40,11 +41,22 @@ def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
     dm = SyntheticCTRDataModule(scale=1.0, embedding_dim=args.dim, batch_size=args.batch_size,
                                 num_train_samples=args.batch_size * (args.steps + 200), shuffle=False)  # fmt: skip
     model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer, "lr": 0.05})
-    clock = StepClock(args.warmup)
+    clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer))
     trainer = timed_trainer(strategy, args.steps, clock)
     trainer.fit(model, dm)
-    # ru_maxrss is in KiB on Linux: the whole process' peak, i.e. this run's.
-    out = {"samples_per_s": clock.samples_per_s, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}
+    steps = args.steps - args.warmup
+    moved = {key: clock.at_end[key] - clock.at_start[key] for key in clock.at_end}
+    out = {
+        "samples_per_s": clock.samples_per_s,
+        # ru_maxrss is in KiB on Linux: the whole process' peak, i.e. this run's.
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
+        "hit_rate": moved["hits"] / moved["lookups"] if moved["lookups"] else None,
+        "fetched_rows_per_step": moved["fetched_rows"] / steps,
+        # With the prefetch thread (`+thread`): steps whose batch was not staged in time. Inline
+        # staging (the CPU's default) runs between steps, so every fetch is on the loop's path.
+        "staging_waits_per_step": moved["staging_waits"] / steps,
+        "staging_wait_ms_per_step": 1e3 * moved["staging_wait_s"] / steps,
+    }
     plan = getattr(trainer.strategy, "plan", None)
     if plan is not None:
         out["device_mib"] = plan.device_bytes / 2**20
@@ -71,9 +83,17 @@ def main() -> None:
         "auto": lambda: "auto",
         "torchrec": lambda: "torchrec",
         **{f"hotcache@{b:g}": (lambda b=b: HotCacheStrategy(device_budget=b, profile_batches=50)) for b in (1.0, 0.1, 0.01)},
+        # The lookahead cache policy, and staging on the prefetch thread (inline by default on the CPU).
         **{
-            f"hotcache@{b:g}+lookahead": (lambda b=b: HotCacheStrategy(device_budget=b, profile_batches=50, cache_policy="lookahead"))
+            f"hotcache@{b:g}{policy}{thread}": (
+                lambda b=b, policy=policy, thread=thread: HotCacheStrategy(
+                    device_budget=b, profile_batches=50, cache_policy="lookahead" if policy else "lfu", prefetch_thread=bool(thread)
+                )
+            )
             for b in (0.1, 0.01)
+            for policy in ("", "+lookahead")
+            for thread in ("", "+thread")
+            if policy or thread
         },
     }
     if args.optimizer == "adam":
@@ -90,12 +110,15 @@ def main() -> None:
     results = rounds_of_jobs(__file__, settings, chosen, args.rounds)
     add_ratios(results, ("auto", "torchrec"))
     # "paired": the median over rounds of the ratio within a round (see report.add_ratios).
-    print(f"{'strategy':<16}{'samples/s':>12}{'x auto':>9}{'x torchrec':>12}{'paired':>8}{'peak RSS MiB':>14}  rounds")
+    print(f"{'strategy':<32}{'samples/s':>12}{'x auto':>9}{'x torchrec':>12}{'paired':>8}{'hit rate':>10}{'waits/step':>12}"
+          f"{'wait ms/step':>14}{'peak RSS MiB':>14}  rounds")  # fmt: skip
     for name, r in results.items():
         paired = r.get("x_torchrec_paired", r.get("x_auto_paired", float("nan")))
+        hit_rate = "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.3f}"
         print(
-            f"{name:<16}{r['samples_per_s']:>12.0f}{r['x_auto']:>9.2f}{r['x_torchrec']:>12.2f}{paired:>8.2f}"
-            f"{r['peak_rss_mib']:>14.0f}  {' '.join(f'{x:.0f}' for x in r['rounds'])}"
+            f"{name:<32}{r['samples_per_s']:>12.0f}{r['x_auto']:>9.2f}{r['x_torchrec']:>12.2f}{paired:>8.2f}{hit_rate:>10}"
+            f"{r['staging_waits_per_step']:>12.2f}{r['staging_wait_ms_per_step']:>14.2f}{r['peak_rss_mib']:>14.0f}"
+            f"  {' '.join(f'{x:.0f}' for x in r['rounds'])}"
         )
     write_report("cpu_throughput", args, results, rows=33_762_577)
 

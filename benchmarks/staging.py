@@ -14,13 +14,17 @@ alive, as a DataLoader's workers do in training: memory they share with the pare
 copy-on-write, so they are part of what a write-back costs (``LIGHTNING_HOTCACHE_DONTFORK=0``
 gives the host arrays back to them, for an A/B; see `lightning_hotcache.cache.host_arrays`).
 
+``--lookahead K`` stages under the lookahead cache policy, each batch announced K batches
+ahead of its staging, as the strategy's loader does: a batch's time is then its staging and
+the announcement of the batch K ahead, the prefetch thread's work per batch.
+
 ``--device cuda`` stages into a module on the GPU, as training does. On ``--device cpu`` the
 rows are in host memory, and the module is given the directory a CUDA module keeps: the dense
 id map (`make_slot_map` with ``budgeted=False``), and no distinct reads per device table from
 the host (on CUDA the device finds them, `sorted_reads`). So any machine measures the host's
 share of GPU staging; compare budgets and commits within one run, or on one machine.
 
-    python benchmarks/staging.py [--scale 1.0] [--dim 128] [--budgets 0.1 0.01] [--batches 30] [--forked-workers 4]
+    python benchmarks/staging.py [--scale 1.0] [--dim 128] [--budgets 0.1 0.01] [--batches 30] [--forked-workers 4] [--lookahead 64]
 """
 
 from __future__ import annotations
@@ -58,8 +62,11 @@ def as_on_cuda(module: HotColdEmbeddingBagCollection) -> None:
 def stage_batches(
     args: argparse.Namespace, budget: float, dm: SyntheticCTRDataModule, stats: AccessStats, batches: list[KeyedJaggedTensor]
 ) -> dict[str, float]:
-    plan = HotColdPlanner(budget, OPTIMIZER, prefetch_depth=1, device=args.device, grow_budget_to_minimum=True).plan(dm.tables, stats)
-    module = HotColdEmbeddingBagCollection(dm.tables, plan, OPTIMIZER, device=args.device, kernel="pytorch")
+    policy = "lookahead" if args.lookahead else "lfu"
+    planner = HotColdPlanner(budget, OPTIMIZER, prefetch_depth=1, cache_policy=policy, device=args.device, grow_budget_to_minimum=True,
+                             lookahead_batches=args.lookahead)  # fmt: skip
+    plan = planner.plan(dm.tables, stats)
+    module = HotColdEmbeddingBagCollection(dm.tables, plan, OPTIMIZER, device=args.device, cache_policy=policy, kernel="pytorch")
     for cache in module._staging.caches.values():  # every host page written once, as table init does, before timing
         for array in [] if cache.host is None else cache.host.arrays.values():
             array.fill_(0.01)
@@ -72,14 +79,18 @@ def stage_batches(
         return sum(c.lookups for c in counters), sum(c.hits for c in counters), sum(c.fetched_rows for c in counters)
 
     seconds, fetched, lookups, hits = [], [], 0, 0
+    for features in batches[: args.lookahead]:  # the window, before the first batch is staged
+        staging.announce(features)
     with idle_forked_processes(args.forked_workers):
-        for k, features in enumerate(batches):
+        for k, features in enumerate(batches[: args.batches]):
             before = totals()
             arriving = features.to(device)
             if args.device == "cuda":
                 torch.cuda.synchronize()
             started = time.perf_counter()
-            staged = staging.stage(features, arrives_as=arriving)
+            if args.lookahead:
+                staging.announce(batches[k + args.lookahead])
+            staged = staging.stage(features, arrives_as=arriving, announced=bool(args.lookahead))
             seconds.append(time.perf_counter() - started)
             staging.finish(staged, changed=True)
             if k >= args.warmup:
@@ -122,13 +133,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile-batches", type=int, default=20)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--forked-workers", type=int, default=4, help="idle processes forked while staging, as DataLoader workers")
+    parser.add_argument("--lookahead", type=int, default=0, help="stage under the lookahead policy with this window (batches); 0: LFU")
     parser.add_argument("--out", type=Path, default=RESULTS / "staging.json")
     args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.batches:
         parser.error(f"--warmup must be in [0, --batches - 1] so that some batches are timed; got {args.warmup} of {args.batches}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
-    count = args.profile_batches + args.batches
+    if args.lookahead < 0:
+        parser.error(f"--lookahead must be >= 0, got {args.lookahead}")
+    count = args.profile_batches + args.batches + args.lookahead
     dm = SyntheticCTRDataModule(scale=args.scale, embedding_dim=args.dim, batch_size=args.batch_size, num_train_samples=args.batch_size * count)
     source = dm.source("train")
     drawn = [source.batch(i * args.batch_size, (i + 1) * args.batch_size) for i in range(count)]

@@ -268,6 +268,7 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
         device=_given(options.device, strategy.root_device),
         grow_budget_to_minimum=run.grow_budget_to_minimum,
         prefetch_thread=_given(options.prefetch_thread, run.prefetch_thread),
+        lookahead_batches=run.lookahead_batches,
     )
     run_batch_size = None
     try:

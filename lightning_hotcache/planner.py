@@ -205,6 +205,9 @@ class HotColdPlan:
         world_size, prefetch_depth, cache_policy: the run's settings.
         batches_in_flight: batches whose rows the cache slots hold at once (`batches_in_flight`).
         batch_size: samples per batch of the stats the plan was made from (None: made without).
+        lookahead_batches: under ``cache_policy="lookahead"``, the batches announced ahead.
+        window_bytes: host memory those batches and the window's books take (an estimate from
+            the profile; see `HotColdPlanner.window_bytes`).
         note: why part of the budget is left unused, if it is.
         sharding_plan: TorchRec's plan for the whole tables (not saved).
     """
@@ -217,6 +220,8 @@ class HotColdPlan:
     cache_policy: str = "lfu"
     batches_in_flight: int = field(default_factory=lambda: batches_in_flight(1, prefetch_thread=False))
     batch_size: int | None = None
+    lookahead_batches: int = 0
+    window_bytes: int = 0
     note: str = ""
     sharding_plan: "ShardingPlan | None" = field(default=None, compare=False)
 
@@ -263,6 +268,8 @@ class HotColdPlan:
             f"world size {self.world_size}, prefetch depth {self.prefetch_depth} "
             f"({self.batches_in_flight} batches in flight), policy {self.cache_policy}"
         )
+        if self.lookahead_batches:
+            lines.append(f"lookahead window: {self.lookahead_batches} batches, ~{format_bytes(self.window_bytes)} of host memory")
         if self.note:
             lines.append(self.note)
         return "\n".join(lines)
@@ -278,6 +285,8 @@ class HotColdPlan:
             "cache_policy": self.cache_policy,
             "batches_in_flight": self.batches_in_flight,
             "batch_size": self.batch_size,
+            "lookahead_batches": self.lookahead_batches,
+            "window_bytes": self.window_bytes,
             "note": self.note,
             "tables": [t.to_json() for t in self.tables],
         }
@@ -299,6 +308,8 @@ class HotColdPlan:
             cache_policy=str(data["cache_policy"]),
             batches_in_flight=int(data["batches_in_flight"]),
             batch_size=None if data["batch_size"] is None else int(data["batch_size"]),
+            lookahead_batches=int(data.get("lookahead_batches", 0)),  # plans saved before the lookahead policy lack them
+            window_bytes=int(data.get("window_bytes", 0)),
             note=str(data["note"]),
             sharding_plan=sharding_plan,
         )
@@ -404,6 +415,7 @@ class HotColdPlanner:
         device: torch.device | str = "cpu",
         grow_budget_to_minimum: bool = False,
         prefetch_thread: bool | None = None,
+        lookahead_batches: int = 64,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}.")
@@ -416,6 +428,7 @@ class HotColdPlanner:
         self.cache_policy = cache_policy
         self.device = device
         self.grow_budget_to_minimum = grow_budget_to_minimum
+        self.lookahead_batches = lookahead_batches if cache_policy == "lookahead" else 0
 
     def _min_slots(self, table: EmbeddingBagConfig, stats: "AccessStats | None") -> int:
         if stats is None:
@@ -489,6 +502,13 @@ class HotColdPlanner:
                                    slots[t.name], self._split_bytes(t, len(ids), slots[t.name]),
                                    _expected_hit_rate(stats, t, reach)))  # fmt: skip
         device_tables = [t for t in tables if t.name in on_device]
+        window = self.window_bytes(plans, stats)
+        available = _available_host_memory()
+        if window > available:
+            raise ValueError(
+                f"A lookahead window of {self.lookahead_batches} batches needs ~{format_bytes(window)} of host memory, "
+                f"but {format_bytes(available)} is available: lower lookahead_batches."
+            )
         return HotColdPlan(
             tables=plans,
             budget_bytes=budget,
@@ -498,9 +518,31 @@ class HotColdPlanner:
             cache_policy=self.cache_policy,
             batches_in_flight=self.batches_in_flight,
             batch_size=stats.batch_size if stats is not None and split else None,
+            lookahead_batches=self.lookahead_batches,
+            window_bytes=window,
             note=self._unused_budget_note(plans, stats, whole, budget),
             sharding_plan=torchrec_sharding_plan(device_tables, self.world_size, self.device),
         )
+
+    def window_bytes(self, plans: Sequence[TablePlan], stats: "AccessStats | None") -> int:
+        """Host memory the lookahead window takes (0 without one), from the profile's mean
+        lookups and most distinct rows a batch: per announced batch, its ids as the loader
+        gives them and as staging prepares them (values, slots, each cache's ids: 8 bytes a
+        lookup each) and, for a split table, each id's place among the distinct ones, and
+        the distinct ids, their counts and their ring entries (up to twice as many: its
+        length is a power of two); per row of a split table, the place of its latest announced
+        read (4 bytes), and per slot its next read (8). The batches' dense features and
+        labels, which the loader holds too, are not counted."""
+        if not self.lookahead_batches or stats is None:
+            return 0
+        per_batch = fixed = 0.0
+        for t in plans:
+            lookups = stats.num_lookups[t.name] / max(1, stats.num_batches)
+            per_batch += 4 * 8 * lookups
+            if not t.on_device:
+                per_batch += 8 * lookups + 4 * 8 * stats.unique_rows_per_batch(t.name)[1]
+                fixed += 4 * t.num_embeddings + 8 * (len(t.static_ids) + t.cache_slots)
+        return int(fixed + self.lookahead_batches * per_batch)
 
     def _check_growable(self, budget: int, minimum: int) -> None:
         """Refuse to grow a budget given in plain bytes from far below the minimum (see

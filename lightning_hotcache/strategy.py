@@ -425,7 +425,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         planner = HotColdPlanner(
             budget, optimizer, world_size=self.world_size, prefetch_depth=self.prefetch_depth,
             cache_policy=self.cache_policy, device=self.root_device, grow_budget_to_minimum=self.grow_budget_to_minimum,
-            prefetch_thread=self.uses_prefetch_thread,
+            prefetch_thread=self.uses_prefetch_thread, lookahead_batches=self.lookahead_batches,
         )  # fmt: skip
         if saved is not None:
             self.plan = saved

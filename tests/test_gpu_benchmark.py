@@ -237,3 +237,9 @@ def test_staging_benchmark_stages_as_a_cuda_module_would(tmp_path, monkeypatch) 
     split = [cache for module in built for cache in module._staging.caches.values() if not cache.identity]
     assert split and all(isinstance(cache.slot_map, DenseSlotMap) for cache in split)
     assert not any(module._staging.sums_gradients for module in built)
+    assert all(cache.window is None for cache in split)
+    built.clear()
+    staging.main(["--scale", "0.001", "--batch-size", "64", "--batches", "8", "--warmup", "2", "--budgets", "0.01", "--lookahead", "3",
+                  "--out", str(out)])  # fmt: skip
+    split = [cache for module in built for cache in module._staging.caches.values() if not cache.identity]
+    assert split and all(cache.window is not None and len(cache.window) == 3 for cache in split)  # each batch announced 3 ahead

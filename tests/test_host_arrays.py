@@ -16,6 +16,7 @@ from lightning_hotcache.cache import DeviceCache, HostStore
 from lightning_hotcache.cache import host_arrays
 from lightning_hotcache.cache.fused import FusedTables
 from lightning_hotcache.cache.host_arrays import HUGE_PAGE, move_to_huge_pages, new_array, new_host_array
+from lightning_hotcache.cache.lookahead import LookaheadWindow
 from lightning_hotcache.cache.slot_map import DenseSlotMap
 from torchrec.modules.embedding_configs import PoolingType
 
@@ -122,6 +123,11 @@ def test_host_stores_maps_and_cpu_slots_stay_out_of_forked_processes() -> None:
     for books in (cache.id_of_slot, cache.dirty, cache.last_used, cache.frequency):
         assert "dc" in mappings_at(books)[1]
     assert cache.id_of_slot[0] == 0 and bool((cache.id_of_slot[1:] == -1).all()) and not cache.dirty.any()
+    # The lookahead window's arrays: per row, per slot, and its ring once it outgrows 2 MiB.
+    window = LookaheadWindow(num_rows, HUGE_PAGE)
+    window.announce(torch.arange(HUGE_PAGE // 2), slot_of=lambda distinct: torch.full_like(distinct, -1))
+    for books in (window._last_at, window.next_read, window._next_of):
+        assert "dc" in mappings_at(books)[1]
 
 
 def test_new_arrays_hold_their_fill() -> None:

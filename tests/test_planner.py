@@ -283,3 +283,24 @@ def test_stats_that_cannot_serve_the_run_are_refused() -> None:
     with pytest.raises(ValueError, match="table extra is in the model but not in the stats.*hotcache profile"):
         extra = EmbeddingBagConfig(name="extra", num_embeddings=9, embedding_dim=8, feature_names=["x"])
         HotColdPlanner(0.1, SGD).plan([*TABLES, extra], stats())
+
+
+def test_the_lookahead_window_is_counted_in_host_memory(tmp_path, monkeypatch) -> None:
+    import lightning_hotcache.planner as planner_module
+
+    def planned(k: int) -> HotColdPlan:
+        return HotColdPlanner(0.1, SGD, cache_policy="lookahead", lookahead_batches=k).plan(TABLES, stats())
+
+    assert HotColdPlanner(0.1, SGD, cache_policy="lfu", lookahead_batches=64).plan(TABLES, stats()).window_bytes == 0
+    two, four = planned(2), planned(4)
+    # Per announced batch: 768 lookups of 8-byte ids 4 times over, and for each split table its
+    # lookups' places and 4 arrays as long as its most distinct rows a batch.
+    split = [t for t in two.tables if not t.on_device]
+    per_batch = 4 * 8 * 768 + sum(8 * 256 + 4 * 8 * stats().unique_rows_per_batch(t.name)[1] for t in split)
+    assert four.window_bytes - two.window_bytes == pytest.approx(2 * per_batch, abs=2)
+    assert "lookahead window: 2 batches" in str(two)
+    two.save(tmp_path / "plan.json")
+    assert HotColdPlan.load(tmp_path / "plan.json").window_bytes == two.window_bytes
+    monkeypatch.setattr(planner_module, "_available_host_memory", lambda: two.window_bytes + 1)
+    with pytest.raises(ValueError, match="A lookahead window of 4 batches needs .* lower lookahead_batches"):
+        planned(4)

@@ -62,8 +62,8 @@ class LookaheadWindow:
         self._batches: deque[Announced] = deque()
         self._announced = 0  # announcement number of the next batch announced
         self._start = self._end = 0  # live ring positions
-        self._next_of = torch.full((1024,), NEVER, dtype=torch.int64)  # the ring; its length a power of two
-        # Written at random every announcement: kept from forked workers (`host_arrays`).
+        # Written at random every announcement, as the ring is: kept from forked workers (`host_arrays`).
+        self._next_of = new_host_array((1024,), torch.int64, fill=NEVER)  # the ring; its length a power of two
         self._last_at = new_host_array((num_embeddings,), torch.int32, fill=-1)
         self.next_read = new_host_array((num_slots,), torch.int64, fill=NEVER)
 
@@ -144,7 +144,7 @@ class LookaheadWindow:
             for batch in self._batches:
                 batch.first -= shift
         if shift or needed > len(self._next_of):
-            ring = torch.full((max(len(self._next_of), 1 << (needed - 1).bit_length()),), NEVER, dtype=torch.int64)
+            ring = new_host_array((max(len(self._next_of), 1 << (needed - 1).bit_length()),), torch.int64, fill=NEVER)
             live = torch.arange(self._start, self._end)
             ring[(live - shift) & (len(ring) - 1)] = self._next_of[live & (len(self._next_of) - 1)]
             self._next_of = ring
