@@ -51,7 +51,7 @@ from torch import Tensor
 from lightning_hotcache.cache.exchange import RowSharding, gather_table
 from lightning_hotcache.cache.host import HostStore, RowsAt
 from lightning_hotcache.cache.host_arrays import new_array, new_host_array
-from lightning_hotcache.cache.lookahead import LookaheadWindow
+from lightning_hotcache.cache.lookahead import NEVER, LookaheadWindow
 from lightning_hotcache.cache.slot_map import make_slot_map
 from lightning_hotcache.sorting import unique
 from lightning_hotcache.cache.upload import RowUpload
@@ -70,6 +70,10 @@ def check_cache_policy(policy: str) -> None:
 RESERVE_BATCHES = 8
 # Write-backs whose copy to the host may still be running; beyond this the oldest is waited for.
 MAX_PENDING_WRITE_BACKS = 4
+
+# Reads since a row came in, as the lookahead policy's tie-break among rows read next by one
+# batch: capped so that (next read, reads) is one int64 key.
+_USES_CAP = 2**22 - 1
 
 _LOOKUPS, _MISSES, _FETCHED, _EVICTED, _WRITTEN_BACK = range(5)  # rows of DeviceCache._segment_tally
 
@@ -425,19 +429,36 @@ class DeviceCache:
         score.masked_fill_(locked, torch.iinfo(torch.int64).max)
         if self.policy == "static":
             return torch.topk(score, count, largest=False).indices + start
+        if self.window is not None:
+            return self._victims_by_window(count, score, locked)
         # One sort of every slot: cheaper than topk once k is more than a few percent of them.
         ranked = score.sort().indices
-        if self.window is not None:  # rows the window reads after every other unlocked slot, farthest read first
-            order = self.window.eviction_order(ranked + start)
-            spare = free - int((order[~locked[ranked]] > 0).sum())  # unlocked slots no announced batch reads
-            ranked = ranked[order.masked_fill_(locked[ranked], torch.iinfo(torch.int64).max).sort(stable=True).indices]
-            victims = ranked[:count] + start
-            self._reserve = ranked[count : max(count, min(spare, RESERVE_BATCHES * count))] + start
-            self._reserve_ticket = self._issued
-            return victims
         ranked = ranked[: min(free, RESERVE_BATCHES * count)] + start
         self._reserve, self._reserve_ticket = ranked[count:], self._issued
         return ranked[:count]
+
+    def _victims_by_window(self, count: int, score: Tensor, locked: Tensor) -> Tensor:
+        """Lookahead's victims among the dynamic slots (``score``: LFU's, ``locked``: each
+        slot's lock): the unlocked rows no announced batch reads, least used first (the rest
+        of them reserved), then the rows read farthest ahead, of those read next by one batch
+        the least used first. Each part is sorted alone: the window's rows often fill the
+        cache at small budgets, and two sorts of every slot cost twice one."""
+        assert self.window is not None
+        start = self.num_static
+        next_read = self.window.next_read[start:]
+        unlocked = ~locked
+        spare = (unlocked & (next_read == NEVER)).nonzero().squeeze(1)
+        self._reserve_ticket = self._issued
+        if len(spare) >= count:
+            spare = spare[score[spare].sort().indices] + start
+            self._reserve = spare[count : max(count, min(len(spare), RESERVE_BATCHES * count))]
+            return spare[:count]
+        self._reserve = spare[:0]
+        awaited = (unlocked & (next_read != NEVER)).nonzero().squeeze(1)
+        # Farthest next read first, then the fewest reads since the row came in (capped: one key).
+        uses = self.frequency[start:][awaited].clamp(max=_USES_CAP)
+        farthest = torch.topk(next_read[awaited] * (_USES_CAP + 1) + (_USES_CAP - uses), count - len(spare)).indices
+        return torch.cat([spare, awaited[farthest]]) + start
 
     def _evict(self, slots: Tensor) -> None:
         if len(slots) == 0:

@@ -119,12 +119,6 @@ class LookaheadWindow:
         """Whether an announced batch reads the row in each of ``slots``."""
         return self.next_read[slots] != NEVER
 
-    def eviction_order(self, slots: Tensor) -> Tensor:
-        """A key for ``slots``: 0 for rows no announced batch reads, then larger the nearer the
-        row's next read (sorted ascending, the farthest-read rows come first)."""
-        nxt = self.next_read[slots]
-        return torch.where(nxt == NEVER, 0, 1 + self._announced - nxt)
-
     def clear(self) -> None:
         """Forget every announced batch."""
         self._batches.clear()
