@@ -79,9 +79,11 @@ def stage_batches(
         return sum(c.lookups for c in counters), sum(c.hits for c in counters), sum(c.fetched_rows for c in counters)
 
     seconds, fetched, lookups, hits = [], [], 0, 0
-    for features in batches[: args.lookahead]:  # the window, before the first batch is staged
-        staging.announce(features)
     with idle_forked_processes(args.forked_workers):
+        # The window, before the first batch is staged: announced once the workers are forked,
+        # as the loader's batches are.
+        for features in batches[: args.lookahead]:
+            staging.announce(features)
         for k, features in enumerate(batches[: args.batches]):
             before = totals()
             arriving = features.to(device)

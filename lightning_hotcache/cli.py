@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from lightning_hotcache._compat import has_last_checkpoint
 from lightning_hotcache.cache import CACHE_POLICIES
+from lightning_hotcache.cache.lookahead import default_lookahead_batches
 
 
 class HotCacheCLI(LightningCLI):
@@ -259,16 +260,19 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
     stats_path = options.stats or run.stats_path
     stats = AccessStats.load(stats_path, tables) if stats_path else None
     optimizer = getattr(cli.model, "embedding_optimizer_config", None) or RowWiseOptimizerConfig()
+    policy = _given(options.policy, run.cache_policy)
+    # The lookahead window's default depends on the run's batch size (`default_lookahead_batches`).
+    window = run.lookahead_batches or default_lookahead_batches(_run_batch_size(cli) if policy == "lookahead" else None)
     planner = HotColdPlanner(
         _given(options.budget, run.device_budget),
         optimizer,
         world_size=_given(options.world_size, cli.trainer.world_size),
         prefetch_depth=_given(options.prefetch_depth, run.prefetch_depth),
-        cache_policy=_given(options.policy, run.cache_policy),
+        cache_policy=policy,
         device=_given(options.device, strategy.root_device),
         grow_budget_to_minimum=run.grow_budget_to_minimum,
         prefetch_thread=_given(options.prefetch_thread, run.prefetch_thread),
-        lookahead_batches=run.lookahead_batches,
+        lookahead_batches=window,
     )
     run_batch_size = None
     try:

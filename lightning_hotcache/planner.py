@@ -36,6 +36,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchrec import EmbeddingBagConfig
 
 from lightning_hotcache.cache.device import check_cache_policy
+from lightning_hotcache.cache.lookahead import DEFAULT_WINDOW_BATCHES
 from lightning_hotcache.cache.slot_map import sparse_map_bytes_per_resident
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
@@ -415,7 +416,7 @@ class HotColdPlanner:
         device: torch.device | str = "cpu",
         grow_budget_to_minimum: bool = False,
         prefetch_thread: bool | None = None,
-        lookahead_batches: int = 64,
+        lookahead_batches: int = DEFAULT_WINDOW_BATCHES,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}.")

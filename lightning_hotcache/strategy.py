@@ -49,6 +49,7 @@ from typing_extensions import override
 from lightning_hotcache._compat import fit_train_dataloader, is_wrapping_checkpoint_io
 from lightning_hotcache.accumulation import refuse_gradient_accumulation
 from lightning_hotcache.cache import check_cache_policy
+from lightning_hotcache.cache.lookahead import default_lookahead_batches
 from lightning_hotcache.cache.fused import KernelChoice, check_kernel_choice
 from lightning_hotcache.cache.upload import batch_to_device
 from lightning_hotcache.checkpoint import (
@@ -123,7 +124,7 @@ class _PrefetchingLoader:
 
     def _read_ahead(self, modules: list[HotColdEmbeddingBagCollection]) -> Iterator[Any]:
         """The loader's batches; under the lookahead policy each is first announced to the
-        modules and handed on ``lookahead_batches`` batches later."""
+        modules and handed on ``window_batches`` batches later."""
         if self.strategy.cache_policy != "lookahead":
             yield from self.loader
             return
@@ -134,7 +135,7 @@ class _PrefetchingLoader:
                     if module.reads(features):
                         module.announce(features)
             window.append(batch)
-            if len(window) > self.strategy.lookahead_batches:
+            if len(window) > self.strategy.window_batches:
                 yield window.popleft()
         yield from window
 
@@ -282,14 +283,16 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             budget it was planned for).
         profile_batches: training batches to profile when there are no stats.
         cache_policy: ``lfu``, ``lru``, ``static`` (FAE: hot rows only, misses staged per batch)
-            or ``lookahead`` (LFU that keeps the rows of the next ``lookahead_batches``
-            training batches, read ahead by the loader, wherever other rows can go).
+            or ``lookahead`` (the loader reads training batches ahead; a cache evicts the rows
+            none of them reads first, by LFU, then the row read farthest ahead).
         host_storage: ``"memory"`` or a directory for memory-mapped host tables.
         prefetch_depth: training batches whose rows are staged ahead of the current one.
         lookahead_batches: with ``cache_policy="lookahead"``, training batches read ahead of
-            staging, whose ids (only) the caches see. 64 by default: on Zipf traces a window
-            of 64 closes about three quarters of the hit-rate gap between LFU and Belady's
-            optimum, 16 a third (benchmarks/README.md, hit_rate).
+            staging, whose ids (only) the caches see. Default (`default_lookahead_batches`):
+            131,072 samples' worth, within [64, 256] batches (256 of 256 or 512 samples, 64
+            of 2,048 or more), what closed 80% of the hit-rate gap between LFU and Belady's
+            optimum on Zipf traces (benchmarks/README.md, hit_rate). The plan counts its host
+            memory.
         prefetch_thread: stage on a background thread. Default: on CUDA devices, where the host
             bookkeeping then overlaps GPU compute; not on CPU, where the thread competes with
             the model for the same cores (measured slower on 2 cores: 32.1 s vs 26.7 s for the
@@ -321,7 +324,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         cache_policy: str = "lfu",
         host_storage: str = "memory",
         prefetch_depth: int = 1,
-        lookahead_batches: int = 64,
+        lookahead_batches: int | None = None,
         prefetch_thread: bool | None = None,
         cache_metrics: bool = True,
         checkpoint_shards: bool = False,
@@ -334,7 +337,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         check_kernel_choice(kernel)
         if prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}.")
-        if lookahead_batches < 1:
+        if lookahead_batches is not None and lookahead_batches < 1:
             raise ValueError(f"lookahead_batches must be at least 1, got {lookahead_batches}.")
         if cache_policy == "lookahead" and prefetch_depth == 0:
             raise ValueError("cache_policy='lookahead' reads batches ahead of staging: it needs prefetch_depth >= 1.")
@@ -361,6 +364,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         self.host_storage = host_storage
         self.prefetch_depth = prefetch_depth
         self.lookahead_batches = lookahead_batches
+        # The window the loader keeps: lookahead_batches, or the default for the run's batches (set up with the modules).
+        self.window_batches = lookahead_batches or default_lookahead_batches(None)
         self.prefetch_thread = prefetch_thread
         self.cache_metrics = cache_metrics
         self.checkpoint_shards = checkpoint_shards
@@ -422,10 +427,12 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         saved = HotColdPlan.load(self.plan_path) if self.plan_path is not None else None
         # With a plan file, "auto" leaves the budget to the plan (`hotcache plan --budget` chose it).
         budget = saved.budget_bytes if saved is not None and self.device_budget == "auto" else self.device_budget
+        if self.cache_policy == "lookahead" and self.lookahead_batches is None:
+            self.window_batches = default_lookahead_batches(self._run_batch_size(trainer))
         planner = HotColdPlanner(
             budget, optimizer, world_size=self.world_size, prefetch_depth=self.prefetch_depth,
             cache_policy=self.cache_policy, device=self.root_device, grow_budget_to_minimum=self.grow_budget_to_minimum,
-            prefetch_thread=self.uses_prefetch_thread, lookahead_batches=self.lookahead_batches,
+            prefetch_thread=self.uses_prefetch_thread, lookahead_batches=self.window_batches,
         )  # fmt: skip
         if saved is not None:
             self.plan = saved

@@ -65,3 +65,24 @@ def test_a_window_over_the_whole_trace_evicts_as_belady(capacity: int) -> None:
     for ids in trace:
         cache.release(DeviceCache.acquire_all([cache], [torch.from_numpy(ids)], announced=True)[0].ticket)
     assert cache.counters.hits == belady_hits(trace, capacity)
+
+
+def test_the_default_window_reaches_its_samples_within_its_bounds() -> None:
+    from lightning_hotcache.cache.lookahead import default_lookahead_batches
+
+    assert [default_lookahead_batches(b) for b in (None, 64, 256, 512, 1000, 2048, 8192)] == [64, 256, 256, 256, 132, 64, 64]
+
+
+def test_a_fit_reads_the_default_window_for_its_batch_size(tmp_path) -> None:
+    from conftest import cpu_trainer, tiny_synthetic
+
+    from lightning_hotcache import HotCacheStrategy
+    from models import create_model
+
+    dm = tiny_synthetic(scale=0.01, num_embeddings_cap=None, num_train_samples=4 * 1024, batch_size=1024)
+    model = create_model("dlrm", dm.tables, dm.num_dense_features)
+    strategy = HotCacheStrategy(device_budget=0.05, profile_batches=2, cache_policy="lookahead", grow_budget_to_minimum=True)
+    cpu_trainer(strategy=strategy, max_epochs=1, limit_val_batches=0).fit(model, dm)
+    assert strategy.window_batches == strategy.plan.lookahead_batches == 128  # 131,072 samples of 1,024
+    assert any(not t.on_device for t in strategy.plan.tables), "some table is split"
+    assert strategy.plan.window_bytes > 0 and "lookahead window: 128 batches" in str(strategy.plan)
