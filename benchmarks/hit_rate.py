@@ -267,6 +267,7 @@ def main() -> None:
     parser.add_argument("--profile-batches", type=int, default=50)
     parser.add_argument("--trace-batches", type=int, default=200)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.001, 0.003, 0.01, 0.03, 0.1, 0.2])
+    parser.add_argument("--movielens-budgets", type=float, nargs="+", help="MovieLens' budgets (default: --budgets)")
     parser.add_argument("--windows", type=int, nargs="+", default=[1, 4, 16], help="lookahead windows (batches) to model")
     parser.add_argument("--out", type=Path, default=RESULTS / "hit_rate.json")
     args = parser.parse_args()
@@ -280,7 +281,7 @@ def main() -> None:
     # Small batches: its tables have 21 to 1,682 rows, so one batch of 256 fills 20% of them.
     movielens = MovieLensDataModule(batch_size=32, embedding_dim=8)
     movielens.setup("fit")
-    results += run("movielens-100k", movielens, args.budgets, 200, 2000, args.windows)
+    results += run("movielens-100k", movielens, args.movielens_budgets or args.budgets, 200, 2000, args.windows)
 
     models = ["lfu", *(f"la {k}" for k in args.windows)]
     print(f"{'dataset':<22}{'budget':>8}" + "".join(f"{p:>9}" for p in POLICIES) + "  ours>=best" + "".join(f"{'model ' + m:>11}" for m in models)

@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sharded-checkpoint", type=Path, help="hotcache: also save a checkpoint with per-rank shards")
     parser.add_argument("--prefetch-thread", action="store_true", help="hotcache: stage on a background thread")
     parser.add_argument("--kernel", default="auto", help="hotcache: the device tier's kernel (auto, fbgemm, pytorch)")
+    parser.add_argument("--cache-policy", default="lfu", help="hotcache: the caches' policy")
     parser.add_argument(
         "--resume-from", type=int, nargs="+", help="checkpoint every 2 steps, then resume from these steps' checkpoints"
     )
@@ -130,7 +131,7 @@ def fit(
     if strategy == "hotcache" and args.device_budget is not None:
         strategy = HotCacheStrategy(
             device_budget=args.device_budget, profile_batches=2, checkpoint_shards=args.sharded_checkpoint is not None,
-            prefetch_thread=args.prefetch_thread, kernel=args.kernel,
+            prefetch_thread=args.prefetch_thread, kernel=args.kernel, cache_policy=args.cache_policy,
         )
     trainer = cpu_trainer(
         strategy=strategy,

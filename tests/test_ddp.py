@@ -99,21 +99,24 @@ def test_ranks_seeded_apart_start_from_rank_zeros_weights(tmp_path: Path, strate
     [
         (2, "sgd", False, "fbgemm"),
         (2, "rowwise_adagrad", True, "fbgemm"),
+        (2, "rowwise_adagrad", "lookahead", "fbgemm"),
         (2, "rowwise_adagrad", False, "pytorch"),
         (2, "adam", False, "pytorch"),  # no fused Adam (see fused_unavailable)
         (4, "sgd", False, "fbgemm"),
         (4, "adam", False, "pytorch"),
     ],
-    ids=["2-sgd", "2-rowwise_adagrad-prefetch_thread", "2-rowwise_adagrad-pytorch", "2-adam", "4-sgd", "4-adam"],
+    ids=["2-sgd", "2-rowwise_adagrad-prefetch_thread", "2-rowwise_adagrad-lookahead", "2-rowwise_adagrad-pytorch", "2-adam", "4-sgd", "4-adam"],
 )  # 4 x row-wise Adagrad: the torchrun test
 def test_hotcache_processes_match_one_with_their_batches_together(
-    tmp_path: Path, procs: int, optimizer: str, thread: bool, kernel: str
+    tmp_path: Path, procs: int, optimizer: str, thread: bool | str, kernel: str
 ) -> None:
     """Host stores sharded across the ranks, each row updated by its owner from every rank's
     gradient, other ranks' rows fetched in the forward that reads them (with staging on a
-    background thread, too), on FBGEMM's kernel and on PyTorch's: the same tables as 1
-    process with all the ranks' batches."""
+    background thread, too, and on it under the lookahead policy), on FBGEMM's kernel and on
+    PyTorch's: the same tables as 1 process with all the ranks' batches."""
     split = ["--big-tables", "--device-budget=0.05", *(["--prefetch-thread"] if thread else [])]
+    if thread == "lookahead":
+        split.append("--cache-policy=lookahead")
     sharded = tmp_path / "sharded.ckpt"
     many = _train(tmp_path, procs, 256 // procs, optimizer, "hotcache", *split, f"--kernel={kernel}", f"--sharded-checkpoint={sharded}")
     one = _train(tmp_path, 1, 256, optimizer, "auto", *split)
