@@ -86,11 +86,6 @@ class LookaheadWindow:
     def __len__(self) -> int:
         return len(self._batches)
 
-    def host_bytes(self) -> int:
-        """Host memory the window holds now (its batches' ids, the ring, per row and per slot)."""
-        batches = sum(t.numel() * t.element_size() for b in self._batches for t in (b.distinct, b.inverse, b.counts))
-        return batches + sum(t.numel() * t.element_size() for t in (self._next_of, self._last_at, self.next_read))
-
     def announce(self, ids: Tensor, slot_of: Callable[[Tensor], Tensor]) -> None:
         """A future batch reads ``ids`` (on the host); ``slot_of`` gives the slot of resident
         ids (-1 elsewhere)."""
