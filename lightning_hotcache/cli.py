@@ -261,8 +261,11 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
     stats = AccessStats.load(stats_path, tables) if stats_path else None
     optimizer = getattr(cli.model, "embedding_optimizer_config", None) or RowWiseOptimizerConfig()
     policy = _given(options.policy, run.cache_policy)
-    # The lookahead window's default depends on the run's batch size (`default_lookahead_batches`).
-    window = run.lookahead_batches or default_lookahead_batches(_run_batch_size(cli) if policy == "lookahead" else None)
+    # The run's batch size, read once: stats must have been made with it, and the lookahead
+    # window's default depends on it (`default_lookahead_batches`).
+    default_window = policy == "lookahead" and run.lookahead_batches is None
+    run_batch_size = _run_batch_size(cli) if stats is not None or default_window else None
+    window = run.lookahead_batches or default_lookahead_batches(run_batch_size)
     planner = HotColdPlanner(
         _given(options.budget, run.device_budget),
         optimizer,
@@ -274,11 +277,8 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
         prefetch_thread=_given(options.prefetch_thread, run.prefetch_thread),
         lookahead_batches=window,
     )
-    run_batch_size = None
     try:
-        if stats is not None:
-            run_batch_size = _run_batch_size(cli)
-        plan = planner.plan(tables, stats, run_batch_size)
+        plan = planner.plan(tables, stats, run_batch_size if stats is not None else None)
     except StatsNeededError:
         stats = _profile(cli, tables, options.batches)
         plan = planner.plan(tables, stats)

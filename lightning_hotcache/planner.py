@@ -537,8 +537,9 @@ class HotColdPlanner:
         if not self.lookahead_batches or stats is None:
             return 0
         per_batch = fixed = 0.0
+        num_lookups = stats.num_lookups  # a dict built per read
         for t in plans:
-            lookups = stats.num_lookups[t.name] / max(1, stats.num_batches)
+            lookups = num_lookups[t.name] / max(1, stats.num_batches)
             per_batch += 4 * 8 * lookups
             if not t.on_device:
                 per_batch += 8 * lookups + 4 * 8 * stats.unique_rows_per_batch(t.name)[1]

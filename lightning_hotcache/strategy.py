@@ -427,8 +427,12 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         saved = HotColdPlan.load(self.plan_path) if self.plan_path is not None else None
         # With a plan file, "auto" leaves the budget to the plan (`hotcache plan --budget` chose it).
         budget = saved.budget_bytes if saved is not None and self.device_budget == "auto" else self.device_budget
-        if self.cache_policy == "lookahead" and self.lookahead_batches is None:
-            self.window_batches = default_lookahead_batches(self._run_batch_size(trainer))
+        # The run's batch size, read once (from the loader's first batches) by whatever needs it.
+        default_window = self.cache_policy == "lookahead" and self.lookahead_batches is None
+        needs_batch_size = saved is not None or self.stats_path is not None or default_window
+        batch_size = self._run_batch_size(trainer) if needs_batch_size else None
+        if default_window:
+            self.window_batches = default_lookahead_batches(batch_size)
         planner = HotColdPlanner(
             budget, optimizer, world_size=self.world_size, prefetch_depth=self.prefetch_depth,
             cache_policy=self.cache_policy, device=self.root_device, grow_budget_to_minimum=self.grow_budget_to_minimum,
@@ -436,11 +440,11 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         )  # fmt: skip
         if saved is not None:
             self.plan = saved
-            planner.check_plan(self.plan, tables, self._run_batch_size(trainer))
+            planner.check_plan(self.plan, tables, batch_size)
         else:
             stats = AccessStats.load(self.stats_path, tables) if self.stats_path else None
             try:
-                self.plan = planner.plan(tables, stats, self._run_batch_size(trainer) if stats is not None else None)
+                self.plan = planner.plan(tables, stats, batch_size if stats is not None else None)
             except StatsNeededError:
                 with self._training_batches(trainer) as batches:
                     self.plan = planner.plan(tables, profile_batches(batches, tables, self.profile_batches))
