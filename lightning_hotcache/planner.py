@@ -560,8 +560,9 @@ class HotColdPlanner:
         """Raise ValueError, saying what differs, unless ``plan`` (made earlier, e.g. by
         ``hotcache plan``) can train ``tables`` in this planner's run: the same tables, world
         size and cache policy, slots for at least this run's batches in flight, device bytes
-        within ``device_budget``, and, when ``batch_size`` (the run's) is given, the batch
-        size of the stats it was made from."""
+        within ``device_budget``, a lookahead window no longer than the one whose host memory
+        it counted, and, when ``batch_size`` (the run's) is given, the batch size of the stats
+        it was made from."""
         plan.check_tables(tables)
         whole = sum(t.num_embeddings * row_bytes(t, self.optimizer) for t in tables)
         budget = resolve_budget(self.device_budget, whole, self.device)
@@ -577,6 +578,14 @@ class HotColdPlanner:
             problems.append(
                 f"its cache slots hold {plan.batches_in_flight} batches in flight but this run has "
                 f"{self.batches_in_flight} (prefetch_depth {self.prefetch_depth}, see `batches_in_flight`)"
+            )
+        # A longer window than planned would take host memory nobody checked (`window_bytes`); a
+        # shorter one takes less. Plans saved before the window was counted say 0: not checked.
+        if self.lookahead_batches > plan.lookahead_batches > 0:
+            problems.append(
+                f"its lookahead window of {plan.lookahead_batches} batches was counted as "
+                f"~{format_bytes(plan.window_bytes)} of host memory but this run reads {self.lookahead_batches} "
+                "batches ahead (lookahead_batches)"
             )
         if plan.device_bytes > budget:
             problems.append(

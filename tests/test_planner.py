@@ -274,6 +274,20 @@ def test_plan_is_checked_against_the_run(tmp_path) -> None:
         HotColdPlanner(1000, SGD, prefetch_depth=1).check_plan(minimal, TABLES)
 
 
+def test_a_plan_is_refused_for_a_longer_lookahead_window_than_it_counted() -> None:
+    # Its window's host memory was checked for the window it was made with; a longer one was not.
+    def planner(window: int) -> HotColdPlanner:
+        return HotColdPlanner(0.1, SGD, cache_policy="lookahead", lookahead_batches=window)
+
+    plan = planner(8).plan(TABLES, stats())
+    planner(8).check_plan(plan, TABLES)
+    planner(2).check_plan(plan, TABLES)  # a shorter window takes less host memory
+    with pytest.raises(ValueError, match=r"lookahead window of 8 batches was counted as ~.* reads 9 batches ahead.*hotcache plan"):
+        planner(9).check_plan(plan, TABLES)
+    # A plan saved before windows were counted (no lookahead_batches) is not refused for it.
+    planner(64).check_plan(HotColdPlan.from_dict(plan.to_dict() | {"lookahead_batches": 0, "window_bytes": 0}), TABLES)
+
+
 def test_stats_that_cannot_serve_the_run_are_refused() -> None:
     # Else the plan is made and training fails at its first step, asking for more budget.
     with pytest.raises(ValueError, match="hold no batches.*hotcache profile"):
