@@ -11,6 +11,7 @@ from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
 from lightning_hotcache.cache import CacheCapacityError, DeviceCache, HostStore
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection
+from lightning_hotcache.embedding.batch import per_value
 
 
 def module(fraction: float | None = 0.05, depth: int = 0, policy: str = "lru") -> HotColdEmbeddingBagCollection:
@@ -485,3 +486,11 @@ def test_a_batch_moved_to_the_device_is_put_in_order_with_the_hosts_sizes() -> N
     assert ours.keys() == order and ours.length_per_key_or_none() == host_ours.length_per_key() == [1, 2]
     assert ours.offset_per_key_or_none() == host_ours.offset_per_key()
     assert torch.equal(ours.values(), torch.tensor([7, 5, 6])) and torch.equal(ours.lengths(), host_ours.lengths())
+
+
+@pytest.mark.parametrize("lengths", [[3, 3, 3], [2, 0, 5], [0, 0, 0], [4]])
+def test_per_value_repeats_each_keys_value_over_its_values(lengths) -> None:
+    # The broadcast (equal lengths) and repeat_interleave paths give the same.
+    per_key = torch.tensor([7, -1, 40, 2])[: len(lengths)]
+    expected = torch.repeat_interleave(per_key, torch.tensor(lengths))
+    assert torch.equal(per_value(per_key, lengths, sum(lengths)), expected)

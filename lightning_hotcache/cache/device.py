@@ -420,37 +420,42 @@ class DeviceCache:
                 f"{self.num_dynamic} dynamic cache slots are free (the others hold rows of batches in flight). "
                 "Raise the device budget, lower prefetch_depth, or use smaller batches."
             )
-        last_used = self.last_used[start:]
-        # LFU ranks by frequency, then by last use (tickets are < _issued + 1): one exact integer key.
-        lfu = self.policy in ("lfu", "lookahead")
-        score = self.frequency[start:] * (self._issued + 1) + last_used if lfu else last_used.clone()
-        # masked_fill_, not mask indexing: no host sync on CUDA
-        score.masked_fill_(self.id_of_slot[start:] < 0, -1)  # empty slots first
+        if self.window is not None:
+            return self._victims_by_window(count, locked)
+        score = self._score(slice(start, None))
         score.masked_fill_(locked, torch.iinfo(torch.int64).max)
         if self.policy == "static":
             return torch.topk(score, count, largest=False).indices + start
-        if self.window is not None:
-            return self._victims_by_window(count, score, locked)
         # One sort of every slot: cheaper than topk once k is more than a few percent of them.
         ranked = score.sort().indices
         ranked = ranked[: min(free, RESERVE_BATCHES * count)] + start
         self._reserve, self._reserve_ticket = ranked[count:], self._issued
         return ranked[:count]
 
-    def _victims_by_window(self, count: int, score: Tensor, locked: Tensor) -> Tensor:
-        """Lookahead's victims among the dynamic slots (``score``: LFU's, ``locked``: each
-        slot's lock): the unlocked rows no announced batch reads, least used first (the rest
-        of them reserved), then the rows read farthest ahead, of those read next by one batch
-        the least used first. Each part is sorted alone: the window's rows often fill the
-        cache at small budgets, and two sorts of every slot cost twice one."""
+    def _score(self, slots: Tensor | slice) -> Tensor:
+        """The eviction score of ``slots`` (lowest goes first): empty slots -1, then LFU's
+        frequency with ties by last use, or LRU's last use."""
+        last_used = self.last_used[slots]
+        # LFU ranks by frequency, then by last use (tickets are < _issued + 1): one exact integer key.
+        lfu = self.policy in ("lfu", "lookahead")
+        score = self.frequency[slots] * (self._issued + 1) + last_used if lfu else last_used.clone()
+        # masked_fill_, not mask indexing: no host sync on CUDA
+        return score.masked_fill_(self.id_of_slot[slots] < 0, -1)
+
+    def _victims_by_window(self, count: int, locked: Tensor) -> Tensor:
+        """Lookahead's victims among the dynamic slots (``locked``: each slot's lock): the
+        unlocked rows no announced batch reads, least used first (the rest of them reserved),
+        then the rows read farthest ahead, of those read next by one batch the least used
+        first. Each part is scored and sorted alone: the window's rows often fill the cache at
+        small budgets, and two sorts of every slot cost twice one."""
         assert self.window is not None
         start = self.num_static
         next_read = self.window.next_read[start:]
         unlocked = ~locked
-        spare = (unlocked & (next_read == NEVER)).nonzero().squeeze(1)
+        spare = (unlocked & (next_read == NEVER)).nonzero().squeeze(1) + start
         self._reserve_ticket = self._issued
         if len(spare) >= count:
-            spare = spare[score[spare].sort().indices] + start
+            spare = spare[self._score(spare).sort().indices]
             self._reserve = spare[count : max(count, min(len(spare), RESERVE_BATCHES * count))]
             return spare[:count]
         self._reserve = spare[:0]
@@ -458,7 +463,7 @@ class DeviceCache:
         # Farthest next read first, then the fewest reads since the row came in (capped: one key).
         uses = self.frequency[start:][awaited].clamp(max=_USES_CAP)
         farthest = torch.topk(next_read[awaited] * (_USES_CAP + 1) + (_USES_CAP - uses), count - len(spare)).indices
-        return torch.cat([spare, awaited[farthest]]) + start
+        return torch.cat([spare, awaited[farthest] + start])
 
     def _evict(self, slots: Tensor) -> None:
         if len(slots) == 0:

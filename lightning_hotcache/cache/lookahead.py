@@ -92,13 +92,13 @@ class LookaheadWindow:
         distinct, inverse, counts = unique(ids, return_counts=True)
         self._make_room(len(distinct))
         number, first = self._announced, self._end
-        positions = torch.arange(first, first + len(distinct))
         mask = len(self._next_of) - 1
         latest = self._last_at[distinct].to(torch.int64)
         linked = latest >= self._start  # the row's latest read is in the window: link it here
         self._next_of[latest[linked] & mask] = number
-        self._next_of[positions & mask] = NEVER
-        self._last_at[distinct] = positions.to(torch.int32)
+        for entries in self._ring_slices(first, len(distinct)):
+            entries.fill_(NEVER)
+        self._last_at[distinct] = torch.arange(first, first + len(distinct), dtype=torch.int32)
         # A resident row no batch in the window read: this batch is its next read.
         slots = slot_of(distinct[~linked])
         self.next_read[slots[slots >= 0]] = number
@@ -115,9 +115,15 @@ class LookaheadWindow:
                 f"Table {table!r}: acquire(announced=True) got {num_ids} ids, but the oldest announced batch has "
                 f"{len(oldest.inverse)}; acquire announced batches in the order they were announced."
             )
-        positions = torch.arange(oldest.first, oldest.first + len(oldest.distinct))
         self._start = oldest.first + len(oldest.distinct)
-        return oldest, self._next_of[positions & (len(self._next_of) - 1)]
+        return oldest, torch.cat(self._ring_slices(oldest.first, len(oldest.distinct)))
+
+    def _ring_slices(self, first: int, count: int) -> list[Tensor]:
+        """The ring's entries of positions ``[first, first + count)``: one slice, or two where
+        they wrap around its end (slices, not indices: no index tensor to build and scatter)."""
+        start = first & (len(self._next_of) - 1)
+        head = self._next_of[start : start + count]
+        return [head, self._next_of[: count - len(head)]] if len(head) < count else [head]
 
     def installed(self, slots: Tensor, next_reads: Tensor) -> None:
         """A retired batch's rows are in ``slots``: their next reads are ``next_reads``."""

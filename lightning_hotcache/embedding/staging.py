@@ -39,6 +39,7 @@ from lightning_hotcache.embedding.batch import (
     concat_spans,
     in_feature_order,
     on_device,
+    per_value,
     same_batch,
     sorted_reads,
 )
@@ -118,7 +119,7 @@ class Staging:
         if self._value_base is None:
             indices = values.clone()  # the caches' slots are written into it
         else:
-            indices = values + torch.repeat_interleave(self._value_base, torch.tensor(per_key), output_size=len(values))
+            indices = values + per_value(self._value_base, per_key, len(values))
         spans = {key: [(bounds[a], bounds[b]) for a, b in self._runs[key]] for key in self._acquired}
         # A stack reads global ids (in `indices`); a table of its own reads its ids.
         ids = [concat_spans(indices if key in self.layout.stacks else values, spans[key]) for key in self._acquired]
@@ -180,7 +181,7 @@ class Staging:
                 indices[spans[key][0][0] : spans[key][0][1]] = slots
             else:  # features apart: one scatter, not a copy per run
                 if cache_of_value is None:
-                    cache_of_value = torch.repeat_interleave(self._cache_of_feature, torch.tensor(per_key), output_size=len(values))
+                    cache_of_value = per_value(self._cache_of_feature, per_key, len(values))
                 indices.masked_scatter_(cache_of_value == self._acquired.index(key), slots)
         if arriving.values().device != values.device:
             ours = on_device(arriving, features, ours, self.layout.features, self.layout.input_of, self.layout.table_of)
