@@ -88,17 +88,3 @@ def cache_counters(model: nn.Module) -> dict[str, int]:
             out["h2d_bytes"] += c.fetched_rows * row_bytes
             out["d2h_bytes"] += c.written_back_rows * row_bytes
     return out
-
-
-def staging_totals(trainer: pl.Trainer) -> dict[str, float]:
-    """Running totals of the hotcache strategy's waits for its prefetch thread (zeros under
-    other strategies and inline staging): batches the loop waited for, and seconds; and the
-    thread's own time (`StagingWork`): batches staged, seconds reading them from the loader,
-    seconds staging them, and the thread's CPU seconds in staging."""
-    waits = getattr(trainer.strategy, "staging_waits", None)
-    work = getattr(trainer.strategy, "staging_work", None)
-    return {
-        "staging_waits": 0 if waits is None else waits.batches, "staging_wait_s": 0.0 if waits is None else waits.seconds,
-        "staged_batches": 0 if work is None else work.batches, "reading_s": 0.0 if work is None else work.reading_seconds,
-        "staging_s": 0.0 if work is None else work.staging_seconds, "staging_cpu_s": 0.0 if work is None else work.staging_cpu_seconds,
-    }  # fmt: skip

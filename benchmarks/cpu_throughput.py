@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from clock import StepClock, cache_counters, staging_totals, timed_trainer
+from clock import StepClock, cache_counters, timed_trainer
 from report import add_ratios, rounds_of_jobs, write_report
 
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotCacheStrategy  # importing the package registers "torchrec" too
+from lightning_hotcache.callbacks import staging_totals
 from models import DLRM
 
 RESULTS = Path(__file__).parent / "results"

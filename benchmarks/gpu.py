@@ -53,7 +53,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from clock import StepClock, cache_counters, staging_totals, timed_trainer
+from clock import StepClock, cache_counters, timed_trainer
 from report import add_ratios, rounds_of_jobs, write_report
 
 from torch import Tensor
@@ -63,6 +63,7 @@ from typing_extensions import override
 
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotCacheStrategy
+from lightning_hotcache.callbacks import staging_totals
 from lightning_hotcache.embedding import hot_cold_modules
 from models import DLRM
 

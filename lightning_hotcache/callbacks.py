@@ -74,7 +74,7 @@ class CacheMetrics(Callback):
         self.per_table = per_table
         self._last: dict[str, tuple[int, int, int, int, int]] = {}
         self._steps = self._samples = 0
-        self._staging = (0, 0.0, 0, 0.0, 0.0)  # the strategy's staging waits and work when last logged
+        self._staging: dict[str, float] = {}  # the strategy's staging waits and work when last logged (`staging_totals`)
 
     def _snapshot(self, pl_module: pl.LightningModule) -> dict[str, tuple[int, int, int, int, int, int]]:
         from lightning_hotcache.embedding import hot_cold_modules
@@ -91,7 +91,7 @@ class CacheMetrics(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = {k: v[:5] for k, v in self._snapshot(pl_module).items()}
         self._steps = self._samples = 0
-        self._staging = _staging_totals(trainer)
+        self._staging = staging_totals(trainer)
         plan = getattr(trainer.strategy, "plan", None)
         if plan is None:
             return
@@ -124,12 +124,13 @@ class CacheMetrics(Callback):
         steps, samples = self._steps, self._samples
         self._last = {k: v[:5] for k, v in now.items()}
         self._steps = self._samples = 0
-        before, self._staging = self._staging, _staging_totals(trainer)
+        before, self._staging = self._staging, staging_totals(trainer)
         if getattr(trainer.strategy, "uses_prefetch_thread", False):  # inline, staging keeps no step waiting
-            waited, wait_s, staged, staging_s, staging_cpu_s = (a - b for a, b in zip(self._staging, before))
-            figures = {"cache/staging_waits": waited / steps, "cache/staging_wait_ms": 1e3 * wait_s / steps}
-            if staged:
-                figures |= {"cache/staging_ms": 1e3 * staging_s / staged, "cache/staging_cpu_ms": 1e3 * staging_cpu_s / staged}
+            moved = {key: value - before.get(key, 0) for key, value in self._staging.items()}
+            figures = {"cache/staging_waits": moved["staging_waits"] / steps, "cache/staging_wait_ms": 1e3 * moved["staging_wait_s"] / steps}
+            if moved["staged_batches"]:
+                staged = moved["staged_batches"]
+                figures |= {"cache/staging_ms": 1e3 * moved["staging_s"] / staged, "cache/staging_cpu_ms": 1e3 * moved["staging_cpu_s"] / staged}
             pl_module.log_dict(figures, on_step=True, on_epoch=False)
         if not lookups:
             return
@@ -146,10 +147,16 @@ class CacheMetrics(Callback):
         )
 
 
-def _staging_totals(trainer: pl.Trainer) -> tuple[int, float, int, float, float]:
-    """The hotcache strategy's running totals (zeros elsewhere): batches waited for and seconds;
-    batches its prefetch thread staged, seconds and CPU seconds."""
-    waits, work = getattr(trainer.strategy, "staging_waits", None), getattr(trainer.strategy, "staging_work", None)
-    if waits is None or work is None:
-        return (0, 0.0, 0, 0.0, 0.0)
-    return (waits.batches, waits.seconds, work.batches, work.staging_seconds, work.staging_cpu_seconds)
+def staging_totals(trainer: pl.Trainer) -> dict[str, float]:
+    """Running totals of the hotcache strategy's waits for its prefetch thread (zeros under
+    other strategies and inline staging): batches the loop waited for, and seconds; and the
+    thread's own time (`StagingWork`): batches staged, seconds reading them from the loader,
+    seconds staging them, and the thread's CPU seconds in staging. `CacheMetrics` logs them;
+    the benchmarks read them too."""
+    waits = getattr(trainer.strategy, "staging_waits", None)
+    work = getattr(trainer.strategy, "staging_work", None)
+    return {
+        "staging_waits": 0 if waits is None else waits.batches, "staging_wait_s": 0.0 if waits is None else waits.seconds,
+        "staged_batches": 0 if work is None else work.batches, "reading_s": 0.0 if work is None else work.reading_seconds,
+        "staging_s": 0.0 if work is None else work.staging_seconds, "staging_cpu_s": 0.0 if work is None else work.staging_cpu_seconds,
+    }  # fmt: skip
