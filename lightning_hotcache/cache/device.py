@@ -439,8 +439,7 @@ class DeviceCache:
         # LFU ranks by frequency, then by last use (tickets are < _issued + 1): one exact integer key.
         lfu = self.policy in ("lfu", "lookahead")
         score = self.frequency[slots] * (self._issued + 1) + last_used if lfu else last_used.clone()
-        # masked_fill_, not mask indexing: no host sync on CUDA
-        return score.masked_fill_(self.id_of_slot[slots] < 0, -1)
+        return score.masked_fill_(self.id_of_slot[slots] < 0, -1)  # empty slots first
 
     def _victims_by_window(self, count: int, locked: Tensor) -> Tensor:
         """Lookahead's victims among the dynamic slots (``locked``: each slot's lock): the
