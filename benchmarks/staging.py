@@ -20,8 +20,9 @@ the announcement of the batch K ahead, the prefetch thread's work per batch.
 
 ``--device cuda`` stages into a module on the GPU, as training does. On ``--device cpu`` the
 rows are in host memory, and the module is given the directory a CUDA module keeps: the dense
-id map (`make_slot_map` with ``budgeted=False``), and no distinct reads per device table from
-the host (on CUDA the device finds them, `sorted_reads`). So any machine measures the host's
+id map (`make_slot_map` with ``budgeted=False``), write-backs that land once a later acquire
+finds them copied (a CPU cache's land when evicted), and no distinct reads per device table
+from the host (on CUDA the device finds them, `sorted_reads`). So any machine measures the host's
 share of GPU staging; compare budgets and commits within one run, or on one machine.
 
     python benchmarks/staging.py [--scale 1.0] [--dim 128] [--budgets 0.1 0.01] [--batches 30] [--forked-workers 4] [--lookahead 64]
@@ -56,6 +57,7 @@ def as_on_cuda(module: HotColdEmbeddingBagCollection) -> None:
         if not cache.identity:
             static = cache.id_of_slot[: cache.num_static]
             cache.slot_map = slot_map.make_slot_map(cache.num_embeddings, static, len(cache.id_of_slot), cache.books, cache.id_of_slot, budgeted=False)
+            cache.defers_write_backs = True
     module._staging.sums_gradients = False
 
 

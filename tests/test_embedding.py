@@ -360,29 +360,34 @@ def test_batches_with_other_features_or_order_read_the_same_rows(kernel, weighte
     torch.testing.assert_close(got, expected)
 
 
-def _row_3_updated_and_evicted() -> tuple[DeviceCache, HostStore]:
-    """A one-slot cache whose row 3 was updated to 7.0 and then evicted by row 5: its
-    write-back is in flight (on the CPU it lands at the acquire after next), and the host
-    store still holds the old row."""
+def _row_3_updated_and_evicted(defers: bool) -> tuple[DeviceCache, HostStore]:
+    """A one-slot cache whose row 3 was updated to 7.0 and then evicted by row 5. With
+    ``defers`` (CUDA's write-backs, which land once their copy is done) the write-back is in
+    flight, landing at the acquire after next on the CPU, and the host store still holds the
+    old row; without (a CPU cache's own), it landed when evicted."""
     from lightning_hotcache import RowWiseOptimizerConfig
 
     sgd = RowWiseOptimizerConfig(name="sgd")
     host = HostStore("t", 10, 2, sgd.state_widths(2))
     host.load("weight", torch.zeros(10, 2))
     cache = DeviceCache("t", 10, 2, sgd, torch.empty(0, dtype=torch.int64), 1, "lru", host, torch.device("cpu"))
+    assert not cache.defers_write_backs
+    cache.defers_write_backs = defers
     slots, ticket = cache.acquire(torch.tensor([3]))
     cache.weight[slots] = 7.0  # an update of row 3
     cache.mark_updated(slots)
     cache.release(ticket)
     cache.release(cache.acquire(torch.tensor([5]))[1])
-    assert cache.counters.written_back_rows == 1 and torch.equal(host.weight[3], torch.zeros(2))
+    assert cache.counters.written_back_rows == 1
+    assert torch.equal(host.weight[3], torch.zeros(2) if defers else torch.full((2,), 7.0))
     return cache, host
 
 
-def test_a_row_fetched_again_before_its_write_back_lands_comes_from_the_evicted_copy() -> None:
+@pytest.mark.parametrize("defers", [True, False], ids=["deferred", "at-once"])
+def test_a_row_fetched_again_before_its_write_back_lands_comes_from_the_evicted_copy(defers: bool) -> None:
     # The directory decides on the host; a row evicted and fetched again before its write-back
     # landed must come back with its update, not as the host's stale row.
-    cache, host = _row_3_updated_and_evicted()
+    cache, host = _row_3_updated_and_evicted(defers)
     slots, ticket = cache.acquire(torch.tensor([3]))
     assert torch.equal(cache.weight[slots], torch.full((1, 2), 7.0))
     assert torch.equal(host.weight[3], torch.full((2,), 7.0))  # landed after this acquire's fetch
@@ -390,8 +395,9 @@ def test_a_row_fetched_again_before_its_write_back_lands_comes_from_the_evicted_
     assert torch.equal(cache.full()[3], torch.full((2,), 7.0))
 
 
-def test_whole_table_reads_land_every_write_back_first() -> None:
-    cache, _ = _row_3_updated_and_evicted()
+@pytest.mark.parametrize("defers", [True, False], ids=["deferred", "at-once"])
+def test_whole_table_reads_land_every_write_back_first(defers: bool) -> None:
+    cache, _ = _row_3_updated_and_evicted(defers)
     assert torch.equal(cache.host_weights(torch.tensor([3])), torch.full((1, 2), 7.0))
     cache.load_rows("weight", 0, torch.ones(10, 2))  # a load after the write-back: nothing lands over it later
     cache.release(cache.acquire(torch.tensor([6]))[1])

@@ -170,6 +170,10 @@ class DeviceCache:
         self._released_upto = 0
         self._released_early: set[int] = set()
         self._write_backs: deque[_WriteBack] = deque()  # oldest first
+        # Whether evicted rows reach the host store later, once their copy off the device is
+        # done (CUDA), or when evicted (a CPU device: the copy is done when made, and landing
+        # it at once spares every later fetch the search of the rows still in flight).
+        self.defers_write_backs = self._upload.asynchronous
 
         widths = {"weight": embedding_dim, **optimizer.state_widths(embedding_dim)}
         if storage is None:
@@ -287,18 +291,20 @@ class DeviceCache:
         self._tally(_LOOKUPS, distinct, counts, ascending=True)
         slots = self.slot_map.lookup(distinct)
         missing = slots < 0
-        num_missing = int(missing.sum())
         acquire = _Acquire(distinct, slots, self._issued, inverse=inverse, counts=counts, next_reads=next_reads)
-        if not num_missing:
+        if not bool(missing.any()):
             self.counters.hits += ids.numel()
             self.last_used[slots] = self._issued
             return acquire
-        needed, missed_lookups = distinct[missing], counts[missing]
+        # Positions, not the mask: each selection by them is a gather (a mask is a nonzero each time).
+        at_missing = missing.nonzero().squeeze(1)
+        num_missing = len(at_missing)
+        needed, missed_lookups = distinct.index_select(0, at_missing), counts.index_select(0, at_missing)
         self.counters.hits += ids.numel() - int(missed_lookups.sum())
         self._tally(_MISSES, needed, missed_lookups, ascending=True)
         # Lock the hits first, so that fetching the misses cannot evict them.
         self.last_used[slots[~missing]] = self._issued
-        acquire.missing, acquire.needed = missing, needed
+        acquire.missing, acquire.needed = at_missing, needed
         acquire.victims = self._choose_victims(num_missing)
         self._evict(acquire.victims[self.id_of_slot[acquire.victims] >= 0])
         return acquire
@@ -318,7 +324,7 @@ class DeviceCache:
             fetched = needed if self.sharding.world == 1 else needed[self.sharding.owned(needed)]
             self.counters.fetched_rows += len(fetched)
             self._tally(_FETCHED, fetched, ascending=True)
-            slots[acquire.missing] = victims
+            slots.index_copy_(0, acquire.missing, victims)
             self.last_used[victims] = acquire.ticket
         if acquire.inverse is None:  # identity: slots are the ids
             return Acquired(slots, acquire.ticket, slots)
@@ -488,8 +494,13 @@ class DeviceCache:
         slots = slots[order]
         at = self._upload.to_device(slots)
         evicted = {key: tensor.index_select(0, at) for key, tensor in self.slots.items()}
-        rows, copied = self._upload.download(evicted)
-        self._write_backs.append(_WriteBack(ids, evicted, rows, copied, self._issued))
+        if self.defers_write_backs:
+            rows, copied = self._upload.download(evicted)
+            self._write_backs.append(_WriteBack(ids, evicted, rows, copied, self._issued))
+        else:
+            assert self.host is not None
+            self._land_write_backs(everything=True)  # any deferred before: older copies land first
+            self.host.write(self.sharding.local(ids), evicted)
         self.dirty[slots] = False
         self.counters.written_back_rows += len(slots)
         self._tally(_WRITTEN_BACK, ids, ascending=True)
@@ -629,7 +640,7 @@ class _Acquire:
     ticket: int
     inverse: Tensor | None = None  # position in `ids` of each id of the batch
     counts: Tensor | None = None  # lookups of each of `ids`
-    missing: Tensor | None = None  # which of `ids` miss, when there is a fetch
+    missing: Tensor | None = None  # the positions in `ids` of those that miss, when there is a fetch
     needed: Tensor | None = None  # their ids
     victims: Tensor | None = None  # the slots they go to
     next_reads: Tensor | None = None  # under lookahead, the next announced read of each of `ids`
