@@ -9,7 +9,8 @@ table init and profiling excluded); the cache's hit rate and the bytes its rows 
 optimizer state) moved host -> device and back per step over the same steps (the batches'
 own transfer, the same for every strategy, is not counted); how long a step waited, on
 average, for hotcache's prefetch thread to stage its batch (0: staging keeps up), and that
-thread's own time per batch (reading it from the loader; staging it, wall and CPU); the peak device memory
+thread's own time per batch (waiting for the reader thread, which reads it from the loader and
+announces it; staging it, wall and CPU); the peak device memory
 (``torch.cuda.max_memory_allocated``, CUDA only) and the run's peak host RSS.
 
 * ``auto``: Lightning's plain strategy, every table on the device (needs them to fit).
@@ -200,7 +201,7 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
         # Steps whose batch the prefetch thread had not staged in time, and the wait per step.
         "staging_waits_per_step": moved["staging_waits"] / steps,
         "staging_wait_ms_per_step": 1e3 * moved["staging_wait_s"] / steps,
-        # The prefetch thread's time per batch it staged: reading it from the loader, staging
+        # The prefetch thread's time per batch it staged: waiting for the reader thread, staging
         # it (wall), and its own CPU time in staging (far below the wall time: it waited).
         **{f"{key}_ms_per_batch": 1e3 * moved[f"{key}_s"] / moved["staged_batches"] if moved["staged_batches"] else None
            for key in ("reading", "staging", "staging_cpu")},  # fmt: skip

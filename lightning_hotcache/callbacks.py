@@ -150,9 +150,9 @@ class CacheMetrics(Callback):
 def staging_totals(trainer: pl.Trainer) -> dict[str, float]:
     """Running totals of the hotcache strategy's waits for its prefetch thread (zeros under
     other strategies and inline staging): batches the loop waited for, and seconds; and the
-    thread's own time (`StagingWork`): batches staged, seconds reading them from the loader,
-    seconds staging them, and the thread's CPU seconds in staging. `CacheMetrics` logs them;
-    the benchmarks read them too."""
+    thread's own time (`StagingWork`): batches staged, seconds waiting for the reader thread
+    to read them, seconds staging them, and the thread's CPU seconds in staging.
+    `CacheMetrics` logs them; the benchmarks read them too."""
     waits = getattr(trainer.strategy, "staging_waits", None)
     work = getattr(trainer.strategy, "staging_work", None)
     return {

@@ -420,7 +420,8 @@ class HotColdPlanner:
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}.")
-        self.batches_in_flight = batches_in_flight(prefetch_depth, prefetch_thread_used(prefetch_thread, device))
+        self.prefetch_thread = prefetch_thread_used(prefetch_thread, device)
+        self.batches_in_flight = batches_in_flight(prefetch_depth, self.prefetch_thread)
         check_cache_policy(cache_policy)
         self.device_budget = device_budget
         self.optimizer = optimizer or RowWiseOptimizerConfig()
@@ -532,8 +533,10 @@ class HotColdPlanner:
         lookup each) and, for a split table, each id's place among the distinct ones, and
         the distinct ids, their counts and their ring entries (up to twice as many: its
         length is a power of two); per row of a split table, the place of its latest announced
-        read (4 bytes), and per slot its next read (8). The batches' dense features and
-        labels, which the loader holds too, are not counted."""
+        read (4 bytes), and per slot its next read (8). The batches announced are the window's,
+        the one read before the oldest is handed on, and with a prefetch thread the two its
+        reader thread holds ahead of it. The batches' dense features and labels, which the
+        loader holds too, are not counted."""
         if not self.lookahead_batches or stats is None:
             return 0
         per_batch = fixed = 0.0
@@ -544,7 +547,8 @@ class HotColdPlanner:
             if not t.on_device:
                 per_batch += 8 * lookups + 4 * 8 * stats.unique_rows_per_batch(t.name)[1]
                 fixed += 4 * t.num_embeddings + 8 * (len(t.static_ids) + t.cache_slots)
-        return int(fixed + self.lookahead_batches * per_batch)
+        announced = self.lookahead_batches + 1 + 2 * int(self.prefetch_thread)
+        return int(fixed + announced * per_batch)
 
     def _check_growable(self, budget: int, minimum: int) -> None:
         """Refuse to grow a budget given in plain bytes from far below the minimum (see

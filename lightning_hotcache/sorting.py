@@ -30,6 +30,10 @@ import torch
 from torch import Tensor
 
 
+# A batch's ids as `unique` with counts finds them: the distinct ids ascending, each id's
+# position among them, and how often each is read.
+Distinct = tuple[Tensor, Tensor, Tensor]
+
 # torch's CPU sort of integers is FBGEMM's radix sort (parallel under OpenMP) from this many
 # values on: `at::internal::GRAIN_SIZE` (ATen's SortingKernel.cpp, `can_use_radix_sort`).
 RADIX_SORT_FROM = 32768

@@ -90,7 +90,8 @@ class _PrefetchingLoader:
     so the rows a step reads are resident before the step starts. A model whose
     ``on_before_batch_transfer`` rewrites the sparse features would not match what was
     staged; forward then says so. With ``prefetch_thread`` the staging runs on a background
-    thread, overlapping the model's dense compute (torch ops release the GIL); staging runs
+    thread, overlapping the model's dense compute (torch ops release the GIL), and reading
+    and announcing the batches on another; staging runs
     no collective (across processes it reads only the rank's own rows; other ranks' rows
     come in forward), so this holds across processes too. Outside
     training mode (sanity checks, validation) batches pass through untouched.
@@ -123,11 +124,10 @@ class _PrefetchingLoader:
             yield from self._staged_inline(modules)
 
     def _read_ahead(self, modules: list[HotColdEmbeddingBagCollection]) -> Iterator[Any]:
-        """The loader's batches; under the lookahead policy each is first announced to the
-        modules and handed on ``window_batches`` batches later."""
-        if self.strategy.cache_policy != "lookahead":
-            yield from self.loader
-            return
+        """The loader's batches, each announced to the modules first (its ids checked, ordered
+        and deduplicated there, `Staging.announce`); under the lookahead policy handed on
+        ``window_batches`` batches later, so that the caches evict by the batches to come."""
+        ahead = self.strategy.window_batches if self.strategy.cache_policy == "lookahead" else 0
         window: deque[Any] = deque()
         for batch in self.loader:
             for features in _features_of(batch):
@@ -135,82 +135,107 @@ class _PrefetchingLoader:
                     if module.reads(features):
                         module.announce(features)
             window.append(batch)
-            if len(window) > self.strategy.window_batches:
+            if len(window) > ahead:
                 yield window.popleft()
         yield from window
 
-    def _stage(self, batch: Any, modules: list[HotColdEmbeddingBagCollection]) -> Any:
+    def _moved(self, batches: Iterator[Any]) -> Iterator[tuple[Any, Any]]:
+        """Each of ``batches`` and its move to the device: the ids are staged from the host
+        batch (the caches' directories are there), the moved batch is what forward will get."""
         # A plain move (one that leaves the host free: `batch_to_device`), not
         # strategy.batch_to_device: that runs the module's transfer hooks,
         # which mark the module as inside a hook and would break `self.log` on the training
         # thread. The loop runs the hooks itself afterwards, on a batch already in place.
-        # The ids are staged from the host batch (the caches' directories are there), the
-        # moved batch is what forward will get.
-        moved = batch_to_device(batch, self.strategy.root_device)
+        for batch in batches:
+            yield batch, batch_to_device(batch, self.strategy.root_device)
+
+    def _stage(self, batch: Any, moved: Any, modules: list[HotColdEmbeddingBagCollection]) -> Any:
         for features, arriving in zip(_features_of(batch), _features_of(moved)):
             for module in modules:
                 if module.reads(features):
-                    module.prefetch(features, arrives_as=arriving, announced=self.strategy.cache_policy == "lookahead")
+                    module.prefetch(features, arrives_as=arriving, announced=True)
         return moved
 
     def _staged_inline(self, modules: list[HotColdEmbeddingBagCollection]) -> Iterator[Any]:
         ahead: deque[Any] = deque()
-        for batch in self._read_ahead(modules):
-            ahead.append(self._stage(batch, modules))
+        for batch, moved in self._moved(self._read_ahead(modules)):
+            ahead.append(self._stage(batch, moved, modules))
             if len(ahead) > self.strategy.prefetch_depth:
                 yield ahead.popleft()
         yield from ahead
 
     def _staged_in_background(self, modules: list[HotColdEmbeddingBagCollection]) -> Iterator[Any]:
-        ready: queue.Queue[Any] = queue.Queue(maxsize=self.strategy.prefetch_depth)
-        stop = threading.Event()
+        # Two threads beside training: a reader takes each batch from the loader, announces it
+        # (its per-id preparation) and moves it to the device, and the prefetch thread stages
+        # it (acquires its rows): a batch's preparation overlaps the staging of the one before,
+        # which on a GPU host was the step's bound at small budgets. The reader runs one batch
+        # ahead (under the lookahead policy, one past the window).
+        read = _in_thread(self._moved(self._read_ahead(modules)), depth=1, name="hotcache-reader")
+        yield from _in_thread(self._staged(read, modules), depth=self.strategy.prefetch_depth, name="hotcache-prefetch",
+                              waits=self.strategy.staging_waits)  # fmt: skip
 
-        def work() -> None:
-            try:
-                batches = self._read_ahead(modules)
-                while True:
-                    started = time.perf_counter()
-                    batch = next(batches, _END)
-                    if batch is _END:
-                        break
-                    read, cpu = time.perf_counter(), time.thread_time()
-                    staged = self._stage(batch, modules)
-                    self.strategy.staging_work.add(read - started, time.perf_counter() - read, time.thread_time() - cpu)
+    def _staged(self, batches: Iterator[Any], modules: list[HotColdEmbeddingBagCollection]) -> Iterator[Any]:
+        """``batches`` staged one by one, the time each took counted in `HotCacheStrategy.staging_work`."""
+        with contextlib.closing(batches):  # type: ignore[type-var]  # a generator: closing it stops its thread
+            while True:
+                started = time.perf_counter()
+                item = next(batches, _END)
+                if item is _END:
+                    return
+                read, cpu = time.perf_counter(), time.thread_time()
+                staged = self._stage(*item, modules)
+                self.strategy.staging_work.add(read - started, time.perf_counter() - read, time.thread_time() - cpu)
+                yield staged
+
+
+def _in_thread(items: Iterator[Any], depth: int, name: str, waits: "StagingWaits | None" = None) -> Iterator[Any]:
+    """``items``, produced on a thread of their own at most ``depth`` ahead of this generator's
+    consumer. An error raised there is raised here; closing this generator stops the thread,
+    which closes ``items`` (a generator) there. A wait for an item counts in ``waits``."""
+    ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def work() -> None:
+        try:
+            with contextlib.closing(items):  # type: ignore[type-var]
+                for item in items:
                     while not stop.is_set():
                         try:
-                            ready.put(staged, timeout=0.05)
+                            ready.put(item, timeout=0.05)
                             break
                         except queue.Full:
                             continue
                     if stop.is_set():
                         return
-                ready.put(_END)
-            except BaseException as err:  # handed to the training thread, which raises it
-                ready.put(_Failed(err))
+            ready.put(_END)
+        except BaseException as err:  # handed to the consumer, which raises it
+            ready.put(_Failed(err))
 
-        worker = threading.Thread(target=work, name="hotcache-prefetch", daemon=True)
-        worker.start()
-        try:
-            while (item := self._next_staged(ready)) is not _END:
-                if isinstance(item, _Failed):
-                    raise item.error
-                yield item
-        finally:
-            stop.set()
-            while worker.is_alive():  # unblock a worker waiting on a full queue
-                with contextlib.suppress(queue.Empty):
-                    ready.get(timeout=0.05)
-            worker.join()
+    worker = threading.Thread(target=work, name=name, daemon=True)
+    worker.start()
+    try:
+        while (item := _next_item(ready, waits)) is not _END:
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+    finally:
+        stop.set()
+        while worker.is_alive():  # unblock a worker waiting on a full queue
+            with contextlib.suppress(queue.Empty):
+                ready.get(timeout=0.05)
+        worker.join()
 
-    def _next_staged(self, ready: queue.Queue[Any]) -> Any:
-        """The prefetch thread's next item; a wait for it counts in `HotCacheStrategy.staging_waits`."""
-        try:
-            return ready.get_nowait()
-        except queue.Empty:
-            started = time.perf_counter()
-            item = ready.get()
-            self.strategy.staging_waits.add(time.perf_counter() - started)
-            return item
+
+def _next_item(ready: "queue.Queue[Any]", waits: "StagingWaits | None") -> Any:
+    """The thread's next item; a wait for it counts in ``waits``."""
+    try:
+        return ready.get_nowait()
+    except queue.Empty:
+        started = time.perf_counter()
+        item = ready.get()
+        if waits is not None:
+            waits.add(time.perf_counter() - started)
+        return item
 
 
 @dataclass
@@ -229,9 +254,9 @@ class StagingWaits:
 
 @dataclass
 class StagingWork:
-    """What the prefetch thread spent per batch: waiting for the loader (and, under the
-    lookahead policy, announcing), and staging, in wall time and in the thread's own CPU time.
-    Staging whose wall time far exceeds its CPU time waited (for the GIL, the module's lock,
+    """What the prefetch thread spent per batch: waiting for the reader thread (the loader,
+    and announcing the batch: checking, ordering and deduplicating its ids), and staging,
+    in wall time and in the thread's own CPU time. Staging whose wall time far exceeds its CPU time waited (for the GIL, the module's lock,
     a copy's event) rather than worked (the thread works its share of a parallel op, so that
     counts)."""
 

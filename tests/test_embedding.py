@@ -424,22 +424,26 @@ def test_lookahead_keeps_the_rows_an_announced_batch_reads(policy: str) -> None:
     assert cache.counters.hits == (2 if policy == "lookahead" else 1)
 
 
-def test_an_announced_batch_is_deduplicated_once_and_must_come_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Announcing a batch checks, orders and deduplicates its ids; its staging reuses that work,
-    # so it must be the batch announced first: any other is refused, never staged with its ids.
+@pytest.mark.parametrize("policy", ["lfu", "lookahead"])
+def test_an_announced_batch_is_deduplicated_once_and_must_come_in_order(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    # Announcing a batch checks, orders and deduplicates its ids (under every policy: the
+    # strategy's reader thread does it beside the staging of the batch before); its staging
+    # reuses that work, so it must be the batch announced first: any other is refused, never
+    # staged with its ids.
     import lightning_hotcache.cache.device as device_module
     import lightning_hotcache.cache.lookahead as lookahead_module
     import lightning_hotcache.embedding.staging as staging_module
 
-    m = module(0.05, depth=2, policy="lookahead")
+    m = module(0.05, depth=2, policy=policy)
     batches = zipf_batches(steps=2)
-    deduplicated = _count_calls(monkeypatch, device_module, "unique")
-    deduplicated_ahead = _count_calls(monkeypatch, lookahead_module, "unique")
+    in_staging = _count_calls(monkeypatch, device_module, "unique")
+    in_window = _count_calls(monkeypatch, lookahead_module, "unique")
+    announcing = _count_calls(monkeypatch, staging_module, "unique")
     checked = _count_calls(monkeypatch, staging_module, "check_ids")
     for batch in batches:
         m.announce(batch)
-    announcing = (len(deduplicated), len(deduplicated_ahead), len(checked))
-    assert announcing[0] == 0 and announcing[1] > 0 and announcing[2] == 2
+    announced = (len(in_staging), len(in_window), len(announcing), len(checked))
+    assert announced[:2] == (0, 0) and announced[2] > 0 and announced[3] == 2
     with pytest.raises(RuntimeError, match="oldest announced"):
         m.prefetch(batches[1], announced=True)
     m.clear_prefetched()  # the window forgotten: announce again
@@ -447,7 +451,7 @@ def test_an_announced_batch_is_deduplicated_once_and_must_come_in_order(monkeypa
         m.announce(batch)
     for batch in batches:
         m.prefetch(batch, announced=True)
-    assert (len(deduplicated), len(deduplicated_ahead), len(checked)) == (0, 2 * announcing[1], 4)  # staging added none
+    assert (len(in_staging), len(in_window), len(announcing), len(checked)) == (0, 0, 2 * announced[2], 4)  # staging added none
     for batch, grad in zip(batches, UPSTREAM):
         m(batch).values().backward(grad)
 

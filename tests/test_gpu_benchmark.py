@@ -217,7 +217,8 @@ def test_profile_mode_prints_where_the_steps_time_goes(capsys) -> None:
 
 def test_staging_benchmark_stages_as_a_cuda_module_would(tmp_path, monkeypatch) -> None:
     # benchmarks/staging.py on a CPU: the host's share of GPU staging, with the directory a
-    # CUDA module keeps (the dense id map; distinct reads left to the device).
+    # CUDA module keeps (the dense id map; write-backs in flight; distinct reads left to the
+    # device), split into the reader thread's part and the prefetch thread's.
     import staging
 
     from lightning_hotcache.cache.slot_map import DenseSlotMap
@@ -234,8 +235,10 @@ def test_staging_benchmark_stages_as_a_cuda_module_would(tmp_path, monkeypatch) 
     results = json.loads(out.read_text())["results"]
     assert list(results) == ["hotcache@0.1", "hotcache@0.01"]
     assert all(r["staging_ms_per_batch"] > 0 and 0 < r["hit_rate"] < 1 and r["fetched_rows_per_batch"] > 0 for r in results.values())
+    assert all(0 < r["reader_ms_per_batch"] < r["staging_ms_per_batch"] and 0 < r["prefetch_ms_per_batch"] < r["staging_ms_per_batch"]
+               for r in results.values())  # fmt: skip
     split = [cache for module in built for cache in module._staging.caches.values() if not cache.identity]
-    assert split and all(isinstance(cache.slot_map, DenseSlotMap) for cache in split)
+    assert split and all(isinstance(cache.slot_map, DenseSlotMap) and cache.defers_write_backs for cache in split)
     assert not any(module._staging.sums_gradients for module in built)
     assert all(cache.window is None for cache in split)
     built.clear()

@@ -312,6 +312,9 @@ def test_the_lookahead_window_is_counted_in_host_memory(tmp_path, monkeypatch) -
     split = [t for t in two.tables if not t.on_device]
     per_batch = 4 * 8 * 768 + sum(8 * 256 + 4 * 8 * stats().unique_rows_per_batch(t.name)[1] for t in split)
     assert four.window_bytes - two.window_bytes == pytest.approx(2 * per_batch, abs=2)
+    # A prefetch thread's reader holds two batches more, announced ahead of it.
+    threaded = HotColdPlanner(0.1, SGD, cache_policy="lookahead", lookahead_batches=2, prefetch_thread=True).plan(TABLES, stats())
+    assert threaded.window_bytes - two.window_bytes == pytest.approx(2 * per_batch, abs=2)
     assert "lookahead window: 2 batches" in str(two)
     two.save(tmp_path / "plan.json")
     assert HotColdPlan.load(tmp_path / "plan.json").window_bytes == two.window_bytes

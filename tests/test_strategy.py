@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import itertools
 import pickle
+import threading
 from pathlib import Path
+from typing import Iterator
 
 import lightning.pytorch as pl
 import pytest
@@ -117,7 +119,8 @@ def assert_hotcache_matches_auto(
     assert_same_val_metrics(metrics, expected_metrics)
 
 
-def test_lookahead_loader_announces_each_batch_its_window_ahead_of_staging() -> None:
+@pytest.mark.parametrize("policy", ["lookahead", "lfu"])
+def test_the_loader_announces_each_batch_ahead_of_staging(policy: str) -> None:
     from torchrec import KeyedJaggedTensor
 
     events: list[tuple[str, int]] = []
@@ -130,9 +133,12 @@ def test_lookahead_loader_announces_each_batch_its_window_ahead_of_staging() -> 
             events.append(("announce", int(features.values()[0])))
 
     batches = [KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([i]), torch.tensor([1])) for i in range(5)]
-    strategy = HotCacheStrategy(cache_policy="lookahead", lookahead_batches=2)
+    strategy = HotCacheStrategy(cache_policy=policy, lookahead_batches=2)
     for batch in _PrefetchingLoader(batches, strategy)._read_ahead([Module()]):  # type: ignore[list-item]
         events.append(("stage", int(batch.values()[0])))
+    if policy == "lfu":  # each checked and deduplicated just before
+        assert events == [(event, i) for i in range(5) for event in ("announce", "stage")]
+        return
     # Batch i is staged once batch i + 2 is announced (the last ones when the loader ends).
     assert events == [("announce", 0), ("announce", 1), ("announce", 2), ("stage", 0), ("announce", 3), ("stage", 1),
                       ("announce", 4), ("stage", 2), ("stage", 3), ("stage", 4)]  # fmt: skip
@@ -316,17 +322,47 @@ def test_run_killed_mid_epoch_resumes_exactly(strategy, tmp_path, stats_path) ->
 
 def test_waits_for_the_prefetch_thread_are_counted() -> None:
     import queue
-    import threading
 
-    strategy = HotCacheStrategy()
-    loader = _PrefetchingLoader([], strategy)
+    from lightning_hotcache.strategy import StagingWaits, _next_item
+
+    waits = StagingWaits()
     ready: queue.Queue = queue.Queue()
     ready.put("staged in time")
-    assert loader._next_staged(ready) == "staged in time"
-    assert (strategy.staging_waits.batches, strategy.staging_waits.seconds) == (0, 0.0)
+    assert _next_item(ready, waits) == "staged in time"
+    assert (waits.batches, waits.seconds) == (0, 0.0)
     threading.Timer(0.05, ready.put, args=("staged late",)).start()
-    assert loader._next_staged(ready) == "staged late"
-    assert strategy.staging_waits.batches == 1 and strategy.staging_waits.seconds >= 0.04
+    assert _next_item(ready, waits) == "staged late"
+    assert waits.batches == 1 and waits.seconds >= 0.04
+
+
+def test_a_background_thread_hands_on_its_items_in_order_and_its_error_and_stops_when_closed() -> None:
+    from lightning_hotcache.strategy import _in_thread
+
+    def names() -> Iterator[str]:
+        yield threading.current_thread().name
+        yield "second"
+        raise ValueError("a bad batch")
+
+    items = _in_thread(names(), depth=1, name="hotcache-test")
+    assert next(items) == "hotcache-test" and next(items) == "second"
+    with pytest.raises(ValueError, match="a bad batch"):
+        next(items)
+
+    closed = threading.Event()
+
+    def endless() -> Iterator[int]:
+        try:
+            n = 0
+            while True:
+                yield n
+                n += 1
+        finally:
+            closed.set()
+
+    items = _in_thread(endless(), depth=2, name="hotcache-test")
+    assert [next(items) for _ in range(5)] == [0, 1, 2, 3, 4]
+    items.close()  # stops the thread, which closes its generator
+    assert closed.is_set() and not any(t.name == "hotcache-test" for t in threading.enumerate())
 
 
 @pytest.mark.parametrize("thread", [True, False], ids=["thread", "inline"])
@@ -348,6 +384,8 @@ def test_cache_metrics_log_staging_waits_where_a_prefetch_thread_stages(thread) 
         assert 4 <= work.batches <= 4 + strategy.prefetch_depth + 1
         # (the two clocks are read a moment apart: a thread that never waits may show a hair more CPU)
         assert work.reading_seconds > 0 and 0 < work.staging_cpu_seconds <= work.staging_seconds + 1e-3
+        # The reader and prefetch threads end with the epoch (max_steps cut it short).
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("hotcache-")]
     else:
         assert strategy.staging_waits.batches == 0 and work.batches == 0
 

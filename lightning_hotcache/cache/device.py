@@ -53,7 +53,7 @@ from lightning_hotcache.cache.host import HostStore, RowsAt
 from lightning_hotcache.cache.host_arrays import new_array, new_host_array
 from lightning_hotcache.cache.lookahead import NEVER, LookaheadWindow
 from lightning_hotcache.cache.slot_map import make_slot_map
-from lightning_hotcache.sorting import unique
+from lightning_hotcache.sorting import Distinct, unique
 from lightning_hotcache.cache.upload import RowUpload
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 
@@ -245,34 +245,40 @@ class DeviceCache:
 
     @staticmethod
     @torch.no_grad()
-    def acquire_all(caches: Sequence["DeviceCache"], ids: Sequence[Tensor], announced: bool = False) -> list[Acquired]:
+    def acquire_all(
+        caches: Sequence["DeviceCache"], ids: Sequence[Tensor], announced: bool = False, found: Sequence[Distinct | None] | None = None
+    ) -> list[Acquired]:
         """`acquire` for several caches at once (misses of every cache first, then every
         install: a prefetch thread sees no cache half-staged); ``announced``: the batch is the
-        oldest `announce`d one. Slots are on the host; only the fetched rows and their slots
-        go to the device."""
-        started = [cache._begin_acquire(i, announced) for cache, i in zip(caches, ids)]
+        oldest `announce`d one; ``found``: each cache's ids deduplicated by `unique` (with
+        counts) ahead, where the caller has them. Slots are on the host; only the fetched rows
+        and their slots go to the device."""
+        found = found if found is not None else [None] * len(caches)
+        started = [cache._begin_acquire(i, announced, f) for cache, i, f in zip(caches, ids, found)]
         rows = [None if a.needed is None else cache._read_own(a.needed) for cache, a in zip(caches, started)]
         acquired = [cache._finish_acquire(a, r) for cache, a, r in zip(caches, started, rows)]
         for cache in caches:
             cache._land_write_backs(everything=False)
         return acquired
 
-    def announce(self, ids: Tensor) -> None:
+    def announce(self, ids: Tensor, found: Distinct | None = None) -> None:
         """A future batch will read ``ids`` (acquired with ``announced=True``, in announcing
-        order): under ``lookahead`` its rows are kept until then where anything else can go."""
+        order; ``found``: their `unique`, where the caller has it): under ``lookahead`` its
+        rows are kept until then where anything else can go."""
         if self.window is None:
             return
-        self.window.announce(ids.to(self.books, torch.int64), self.slot_map.lookup)
+        self.window.announce(ids.to(self.books, torch.int64), self.slot_map.lookup, found)
 
     def clear_window(self) -> None:
         """Forget the announced batches (an epoch cut short leaves some never acquired)."""
         if self.window is not None:
             self.window.clear()
 
-    def _begin_acquire(self, ids: Tensor, announced: bool = False) -> _Acquire:
+    def _begin_acquire(self, ids: Tensor, announced: bool = False, found: Distinct | None = None) -> _Acquire:
         """Lock the hits and free slots for the misses (their rows come next).
 
-        The batch's ids are deduplicated first: every later step works on distinct ids, and
+        The batch's ids are deduplicated first (or were ahead: ``found``, or the window's
+        announcement): every later step works on distinct ids, and
         the slot map's binary searches run on sorted queries, which walk the same paths
         (2.6x faster than the batch's raw ids for Criteo-like skew in a micro-benchmark)."""
         ids = ids.to(self.books, torch.int64)
@@ -286,6 +292,8 @@ class DeviceCache:
         if announced and self.window:  # deduplicated when it was announced
             oldest, next_reads = self.window.retire(ids.numel(), self.name)
             distinct, inverse, counts = oldest.distinct, oldest.inverse, oldest.counts
+        elif found is not None:
+            distinct, inverse, counts = found
         else:
             distinct, inverse, counts = unique(ids, return_counts=True)
         self._tally(_LOOKUPS, distinct, counts, ascending=True)

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_hotcache.cache.host_arrays import new_host_array
-from lightning_hotcache.sorting import unique
+from lightning_hotcache.sorting import Distinct, unique
 
 NEVER = torch.iinfo(torch.int64).max  # no announced batch reads the row
 # The default window, measured (benchmarks/README.md, "hit_rate"): on Criteo-shaped Zipf
@@ -86,10 +86,10 @@ class LookaheadWindow:
     def __len__(self) -> int:
         return len(self._batches)
 
-    def announce(self, ids: Tensor, slot_of: Callable[[Tensor], Tensor]) -> None:
-        """A future batch reads ``ids`` (on the host); ``slot_of`` gives the slot of resident
-        ids (-1 elsewhere)."""
-        distinct, inverse, counts = unique(ids, return_counts=True)
+    def announce(self, ids: Tensor, slot_of: Callable[[Tensor], Tensor], found: Distinct | None = None) -> None:
+        """A future batch reads ``ids`` (on the host; ``found``: their `unique`, where the caller
+        has it); ``slot_of`` gives the slot of resident ids (-1 elsewhere)."""
+        distinct, inverse, counts = found if found is not None else unique(ids, return_counts=True)
         self._make_room(len(distinct))
         number, first = self._announced, self._end
         mask = len(self._next_of) - 1

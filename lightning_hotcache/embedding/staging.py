@@ -45,6 +45,7 @@ from lightning_hotcache.embedding.batch import (
 )
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.guards import check_not_empty
+from lightning_hotcache.sorting import Distinct, unique
 
 
 # A batch's ids as staging finds them (`Staging._ids`): the features checked and in the
@@ -89,9 +90,11 @@ class Staging:
         feature_table = layout.device_table_of_feature()
         self._table_runs = [_runs([k for k, t in enumerate(feature_table) if t == table]) for table in range(len(layout.device_rows))]
         self.queue: deque[StagedBatch] = deque()
-        # Batches announced and not yet staged, as `_ids` prepared them (oldest first): a batch
-        # is checked, ordered and deduplicated once, when announced (see `announce`).
-        self._announced: deque[tuple[KeyedJaggedTensor, _Prepared]] = deque()
+        # Batches announced and not yet staged, as `_ids` prepared them with each acquired
+        # cache's ids deduplicated (oldest first): a batch is checked, ordered and
+        # deduplicated once, when announced (see `announce`).
+        self._announced: deque[tuple[KeyedJaggedTensor, _Prepared, list[Distinct | None]]] = deque()
+        self._windowed = any(caches[key].window is not None for key in self._acquired)
         # Batches in forward or backward. Only the training thread and its backward change the
         # list, and never at once (forward does not run during the backward it waits for).
         self.in_flight: list[StagedBatch] = []
@@ -126,12 +129,19 @@ class Staging:
         return ours, values, indices, spans, ids
 
     def announce(self, features: KeyedJaggedTensor) -> None:
-        """A future training batch (on the host): the caches' lookahead windows learn its ids."""
+        """A future training batch (on the host), staged later with ``announced=True`` in this
+        order: checked, ordered and deduplicated now, outside the module's lock (on a reader
+        thread that work overlaps the staging of earlier batches), and under the lookahead
+        policy the caches' windows learn its ids."""
         prepared = self._ids(features)
+        found = [None if self.caches[key].identity else unique(ids, return_counts=True) for key, ids in zip(self._acquired, prepared[4])]
+        if not self._windowed:
+            self._announced.append((features, prepared, found))
+            return
         with self.locked():
-            for key, ids in zip(self._acquired, prepared[4]):
-                self.caches[key].announce(ids)
-            self._announced.append((features, prepared))
+            for key, ids, distinct in zip(self._acquired, prepared[4], found):
+                self.caches[key].announce(ids, distinct)
+            self._announced.append((features, prepared, found))
 
     def clear_window(self) -> None:
         with self.locked():
@@ -139,31 +149,32 @@ class Staging:
             for key in self._acquired:
                 self.caches[key].clear_window()
 
-    def _announced_ids(self, features: KeyedJaggedTensor) -> _Prepared | None:
-        """`_ids` of ``features``, the oldest batch announced, as its announcement found them
-        (``None`` when no batch is announced: the window was cleared)."""
+    def _announced_ids(self, features: KeyedJaggedTensor) -> tuple[_Prepared, list[Distinct | None]] | None:
+        """`_ids` of ``features``, the oldest batch announced, and its caches' distinct ids, as
+        its announcement found them (``None`` when no batch is announced: the window was cleared)."""
         if not self._announced:
             return None
-        oldest, prepared = self._announced.popleft()
+        oldest, prepared, found = self._announced.popleft()
         if not same_batch(oldest, features):
             raise RuntimeError(
                 "stage(announced=True) got a batch other than the oldest announced one; stage announced batches in "
                 "the order they were announced."
             )
-        return prepared
+        return prepared, found
 
     def stage(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None, announced: bool = False) -> StagedBatch:
         """Stage ``features``, the batch as forward will get it (``arrives_as``: the same batch
         already moved to the device, whose values are then never read here; ``announced``: the
         oldest batch `announce`d)."""
         arriving = features if arrives_as is None else arrives_as
-        prepared = self._announced_ids(features) if announced else None
+        ahead = self._announced_ids(features) if announced else None
         if features.values().device.type != "cpu":
             features = features.to(torch.device("cpu"))
-        ours, values, indices, spans, ids = prepared or self._ids(features)
+        prepared, found = ahead or (self._ids(features), None)
+        ours, values, indices, spans, ids = prepared
         bounds, per_key = ours.offset_per_key(), ours.length_per_key()
         with self.locked():
-            acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids, announced)
+            acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids, announced, found)
             for key in self._counted_only:
                 self.caches[key].count_lookups(sum(per_key[k] for k in self._positions[key]))
         cache_of_value: Tensor | None = None
