@@ -35,7 +35,7 @@ STRATEGIES = ["auto", "torchrec", "hotcache", "hotcache/pytorch+thread", "hotcac
 def _strategy(name: str) -> str | HotCacheStrategy:
     # A budget below the tables' size, so rows really move between the cache and the host store.
     if name == "hotcache/pytorch+thread":
-        return HotCacheStrategy(device_budget=0.05, profile_batches=2, kernel="pytorch", prefetch_thread=True)
+        return HotCacheStrategy(device_budget=0.05, profile_batches=2, kernel="pytorch", prefetch_thread=True, reader_thread=True)
     if name == "hotcache/lookahead":
         return HotCacheStrategy(device_budget=0.05, profile_batches=2, cache_policy="lookahead", lookahead_batches=2)
     return HotCacheStrategy(device_budget=0.05, profile_batches=2) if name == "hotcache" else name

@@ -149,6 +149,11 @@ def test_the_loader_announces_each_batch_ahead_of_staging(policy: str) -> None:
         HotCacheStrategy(cache_policy="lookahead", prefetch_depth=0)
 
 
+def test_a_reader_thread_needs_the_prefetch_thread() -> None:
+    with pytest.raises(ValueError, match=r"reader_thread=True reads batches ahead of the prefetch thread: it needs prefetch_thread=True"):
+        HotCacheStrategy(prefetch_thread=False, reader_thread=True)
+
+
 def test_profiles_when_no_stats_and_logs_cache_metrics() -> None:
     _, trainer, _ = fit("dlrm", HotCacheStrategy(device_budget=0.1, profile_batches=4), epochs=1)
     plan = trainer.strategy.plan
@@ -365,14 +370,15 @@ def test_a_background_thread_hands_on_its_items_in_order_and_its_error_and_stops
     assert closed.is_set() and not any(t.name == "hotcache-test" for t in threading.enumerate())
 
 
-@pytest.mark.parametrize("thread", [True, False], ids=["thread", "inline"])
-def test_cache_metrics_log_staging_waits_where_a_prefetch_thread_stages(thread) -> None:
+@pytest.mark.parametrize(("thread", "reader"), [(True, True), (True, False), (False, False)], ids=["thread+reader", "thread", "inline"])
+def test_cache_metrics_log_staging_waits_where_a_prefetch_thread_stages(thread, reader) -> None:
     pl.seed_everything(0)
     dm = data()
     model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
-    strategy = HotCacheStrategy(device_budget=0.1, profile_batches=4, prefetch_thread=thread)
+    strategy = HotCacheStrategy(device_budget=0.1, profile_batches=4, prefetch_thread=thread, reader_thread=reader or None)
     trainer = cpu_trainer(strategy=strategy, max_steps=4, log_every_n_steps=1)
     trainer.fit(model, dm)
+    assert strategy.uses_reader_thread == reader  # on the CPU not by default
     assert ("cache/staging_wait_ms" in trainer.callback_metrics) == ("cache/staging_ms" in trainer.callback_metrics) == thread
     work = strategy.staging_work
     if thread:
@@ -392,6 +398,7 @@ def test_cache_metrics_log_staging_waits_where_a_prefetch_thread_stages(thread) 
 
 class _SeesPrefetchThread(pl.Callback):
     seen = False
+    seen_reader = False
     wrapped_in_ddp = False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -400,22 +407,23 @@ class _SeesPrefetchThread(pl.Callback):
         from torch.nn.parallel import DistributedDataParallel
 
         self.seen |= any(t.name == "hotcache-prefetch" for t in threading.enumerate())
+        self.seen_reader |= any(t.name == "hotcache-reader" for t in threading.enumerate())
         self.wrapped_in_ddp |= isinstance(trainer.strategy.model, DistributedDataParallel)
 
 
 @pytest.mark.parametrize("kernel", ["auto", "pytorch"])
-@pytest.mark.parametrize("thread", [True, False], ids=["thread", "inline"])
-def test_prefetch_thread_and_inline_staging_match_auto(thread, kernel, stats_path, baselines) -> None:
-    # kernel="pytorch" with the thread in one process is what a CUDA machine without FBGEMM's
-    # CUDA build runs by default.
+@pytest.mark.parametrize(("thread", "reader"), [(True, True), (True, False), (False, False)], ids=["thread+reader", "thread", "inline"])
+def test_prefetch_thread_and_inline_staging_match_auto(thread, reader, kernel, stats_path, baselines) -> None:
+    # kernel="pytorch" with both threads in one process is what a CUDA machine without
+    # FBGEMM's CUDA build runs by default.
     import threading
 
     watcher = _SeesPrefetchThread()
     strategy = HotCacheStrategy(
-        device_budget=0.05, stats_path=str(stats_path), prefetch_thread=thread, prefetch_depth=2, kernel=kernel
+        device_budget=0.05, stats_path=str(stats_path), prefetch_thread=thread, reader_thread=reader, prefetch_depth=2, kernel=kernel
     )
     model, trainer, _ = fit("dlrm", strategy, callbacks=[watcher])
-    assert watcher.seen == thread
+    assert (watcher.seen, watcher.seen_reader) == (thread, reader)
     assert not watcher.wrapped_in_ddp  # one process: nothing for DDP to reduce, as under auto
     assert all(m.kernel_note.startswith("pytorch" if kernel == "pytorch" else "fbgemm") for m in hot_cold_modules(model).values())
     assert not any(t.name == "hotcache-prefetch" for t in threading.enumerate())  # shut down cleanly
@@ -445,7 +453,7 @@ def test_forked_loader_workers_train_exactly_without_the_host_arrays(stats_path,
     not get (`cache/host_arrays.py`): a worker that read one would crash the fit. With the
     prefetch thread and two workers, hotcache learns what auto learned without workers."""
     watcher = _HostArraysOutsideWorkers()
-    strategy = HotCacheStrategy(device_budget=0.05, stats_path=str(stats_path), prefetch_thread=True)
+    strategy = HotCacheStrategy(device_budget=0.05, stats_path=str(stats_path), prefetch_thread=True, reader_thread=True)
     pl.seed_everything(0)
     dm = data(num_workers=2)
     model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
@@ -454,7 +462,8 @@ def test_forked_loader_workers_train_exactly_without_the_host_arrays(stats_path,
     torch.testing.assert_close(model.state_dict(), baselines["dlrm"][0], rtol=1e-5, atol=1e-5)
 
 
-def test_bad_ids_found_on_the_prefetch_thread_surface_in_training() -> None:
+@pytest.mark.parametrize("threads", [{}, {"prefetch_thread": True, "reader_thread": True}], ids=["inline", "thread+reader"])
+def test_bad_ids_found_on_the_prefetch_thread_surface_in_training(threads) -> None:
     from torchrec import EmbeddingBagConfig
 
     pl.seed_everything(0)
@@ -462,7 +471,8 @@ def test_bad_ids_found_on_the_prefetch_thread_surface_in_training() -> None:
     tables = [EmbeddingBagConfig(**{**t.__dict__, "num_embeddings": 1}) if t.name == "t_cat_2" else t for t in dm.tables]
     model = create_model("dlrm", tables, dm.num_dense_features)
     with pytest.raises(ValueError, match="Feature 'cat_2' of table 't_cat_2' has id"):
-        cpu_trainer(strategy=HotCacheStrategy(device_budget=1.0), max_steps=2).fit(model, dm)
+        cpu_trainer(strategy=HotCacheStrategy(device_budget=1.0, **threads), max_steps=2).fit(model, dm)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("hotcache-")]
 
 
 @pytest.mark.parametrize("strategy", ["hotcache", "torchrec", "auto"])
