@@ -193,8 +193,9 @@ def test_checkpoint_written_on_cuda_loads_without_a_gpu(tmp_path, stats_paths) -
     strategy = HotCacheStrategy(device_budget=0.1, stats_path=str(stats_paths["dlrm"]))
     _, trainer, metrics = fit("dlrm", strategy, **CUDA)
     assert any(not t.on_device for t in trainer.strategy.plan.tables), "split tables are gathered from both tiers"
-    # On CUDA staging runs on the prefetch thread by default: every hotcache case here ran with it.
-    assert trainer.strategy.uses_prefetch_thread
+    # On CUDA staging runs on the prefetch thread by default, with a reader thread ahead of
+    # it: every hotcache case here ran with both.
+    assert trainer.strategy.uses_prefetch_thread and trainer.strategy.uses_reader_thread
     trainer.save_checkpoint(tmp_path / "cuda.ckpt")
     path = os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
