@@ -10,7 +10,7 @@ optimizer state) moved host -> device and back per step over the same steps (the
 own transfer, the same for every strategy, is not counted); how long a step waited, on
 average, for hotcache's prefetch thread to stage its batch (0: staging keeps up), and that
 thread's own time per batch (waiting for the reader thread, which reads it from the loader and
-announces it; staging it, wall and CPU); the peak device memory
+announces it; staging it, wall and CPU) and the reader's time announcing it; the peak device memory
 (``torch.cuda.max_memory_allocated``, CUDA only) and the run's peak host RSS.
 
 * ``auto``: Lightning's plain strategy, every table on the device (needs them to fit).
@@ -158,7 +158,7 @@ def _cap_device_memory(args: argparse.Namespace) -> int | None:
 
 def _does_not_fit(error: BaseException, cap: int | None) -> dict[str, Any]:
     keys = ("hit_rate", "fetched_rows_per_step", "h2d_bytes_per_step", "d2h_bytes_per_step", "staging_waits_per_step",
-            "staging_wait_ms_per_step", "reading_ms_per_batch", "staging_ms_per_batch", "staging_cpu_ms_per_batch",
+            "staging_wait_ms_per_step", "reading_ms_per_batch", "staging_ms_per_batch", "staging_cpu_ms_per_batch", "announcing_ms_per_batch",
             "device_peak_bytes", "peak_rss_mib")  # fmt: skip
     return {
         "samples_per_s": float("nan"), **dict.fromkeys(keys), "device_memory_cap_bytes": cap,
@@ -202,9 +202,10 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
         "staging_waits_per_step": moved["staging_waits"] / steps,
         "staging_wait_ms_per_step": 1e3 * moved["staging_wait_s"] / steps,
         # The prefetch thread's time per batch it staged: waiting for the reader thread, staging
-        # it (wall), and its own CPU time in staging (far below the wall time: it waited).
+        # it (wall), and its own CPU time in staging (far below the wall time: it waited); and
+        # the reader thread's time announcing it (wall).
         **{f"{key}_ms_per_batch": 1e3 * moved[f"{key}_s"] / moved["staged_batches"] if moved["staged_batches"] else None
-           for key in ("reading", "staging", "staging_cpu")},  # fmt: skip
+           for key in ("reading", "staging", "staging_cpu", "announcing")},  # fmt: skip
         "device_peak_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
         # ru_maxrss is in KiB on Linux: the whole process' peak, i.e. this run's.
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
@@ -225,13 +226,13 @@ def _mib(value: float | None) -> str:
 def _thread_ms(r: dict[str, Any]) -> str:
     if r.get("staging_ms_per_batch") is None:
         return "-"
-    return f"{r['reading_ms_per_batch']:.1f}, {r['staging_ms_per_batch']:.1f} ({r['staging_cpu_ms_per_batch']:.1f})"
+    return f"{r['reading_ms_per_batch']:.1f}, {r['staging_ms_per_batch']:.1f} ({r['staging_cpu_ms_per_batch']:.1f}), {r['announcing_ms_per_batch']:.1f}"
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     print(
         f"{'strategy':<16}{'samples/s':>12}{'x auto':>8}{'x cpu-lookup':>14}{'hit rate':>10}{'H2D MiB/step':>14}{'D2H MiB/step':>14}"
-        f"{'staging wait ms/step':>22}{'thread ms/batch: read, stage (CPU)':>36}{'device peak MiB':>17}{'cache MiB':>11}{'peak RSS MiB':>14}  rounds"
+        f"{'staging wait ms/step':>22}{'thread ms/batch: read, stage (CPU), announce':>46}{'device peak MiB':>17}{'cache MiB':>11}{'peak RSS MiB':>14}  rounds"
     )
     for name, r in results.items():
         if "does_not_fit" in r:
@@ -240,7 +241,7 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         print(
             f"{name:<16}{r['samples_per_s']:>12,.0f}{r['x_auto']:>8.2f}{r['x_cpu-lookup']:>14.2f}{hit:>10}{_mib(r['h2d_bytes_per_step']):>14}"
-            f"{_mib(r['d2h_bytes_per_step']):>14}{r['staging_wait_ms_per_step']:>22.2f}{_thread_ms(r):>36}{_mib(r['device_peak_bytes']):>17}"
+            f"{_mib(r['d2h_bytes_per_step']):>14}{r['staging_wait_ms_per_step']:>22.2f}{_thread_ms(r):>46}{_mib(r['device_peak_bytes']):>17}"
             f"{_mib(r.get('cache_device_bytes')):>11}"
             f"{r['peak_rss_mib']:>14,.0f}  {' '.join(f'{x:,.0f}' for x in r['rounds'])}"
         )

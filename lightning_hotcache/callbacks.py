@@ -60,7 +60,8 @@ class CacheMetrics(Callback):
     (``cache/staging_waits``) and the milliseconds a step waited for it on average
     (``cache/staging_wait_ms``): staging, not the device, bounds such steps; and what staging a
     batch took the thread (``cache/staging_ms``, and ``cache/staging_cpu_ms`` of its own CPU
-    time: far less means it waited, for the GIL or a copy). Across ranks a
+    time: far less means it waited, for the GIL or a copy), and announcing it, on the reader
+    thread where there is one (``cache/announcing_ms``). Across ranks a
     hit is a row already in a slot, and the rows fetched include
     the other ranks' rows a step reads, which come from their owners whether cached or not.
     Each figure covers the steps since it was last logged: it is logged on the
@@ -130,7 +131,8 @@ class CacheMetrics(Callback):
             figures = {"cache/staging_waits": moved["staging_waits"] / steps, "cache/staging_wait_ms": 1e3 * moved["staging_wait_s"] / steps}
             if moved["staged_batches"]:
                 staged = moved["staged_batches"]
-                figures |= {"cache/staging_ms": 1e3 * moved["staging_s"] / staged, "cache/staging_cpu_ms": 1e3 * moved["staging_cpu_s"] / staged}
+                figures |= {"cache/staging_ms": 1e3 * moved["staging_s"] / staged, "cache/staging_cpu_ms": 1e3 * moved["staging_cpu_s"] / staged,
+                            "cache/announcing_ms": 1e3 * moved["announcing_s"] / staged}  # fmt: skip
             pl_module.log_dict(figures, on_step=True, on_epoch=False)
         if not lookups:
             return
@@ -151,12 +153,13 @@ def staging_totals(trainer: pl.Trainer) -> dict[str, float]:
     """Running totals of the hotcache strategy's waits for its prefetch thread (zeros under
     other strategies and inline staging): batches the loop waited for, and seconds; and the
     thread's own time (`StagingWork`): batches staged, seconds waiting for the reader thread
-    to read them, seconds staging them, and the thread's CPU seconds in staging.
-    `CacheMetrics` logs them; the benchmarks read them too."""
+    to read them, seconds staging them, the thread's CPU seconds in staging, and seconds
+    announcing them. `CacheMetrics` logs them; the benchmarks read them too."""
     waits = getattr(trainer.strategy, "staging_waits", None)
     work = getattr(trainer.strategy, "staging_work", None)
     return {
         "staging_waits": 0 if waits is None else waits.batches, "staging_wait_s": 0.0 if waits is None else waits.seconds,
         "staged_batches": 0 if work is None else work.batches, "reading_s": 0.0 if work is None else work.reading_seconds,
         "staging_s": 0.0 if work is None else work.staging_seconds, "staging_cpu_s": 0.0 if work is None else work.staging_cpu_seconds,
+        "announcing_s": 0.0 if work is None else work.announcing_seconds,
     }  # fmt: skip

@@ -128,12 +128,16 @@ class _PrefetchingLoader:
         and deduplicated there, `Staging.announce`); under the lookahead policy handed on
         ``window_batches`` batches later, so that the caches evict by the batches to come."""
         ahead = self.strategy.window_batches if self.strategy.cache_policy == "lookahead" else 0
+        timed = self.strategy.uses_prefetch_thread
         window: deque[Any] = deque()
         for batch in self.loader:
+            started = time.perf_counter()
             for features in _features_of(batch):
                 for module in modules:
                     if module.reads(features):
                         module.announce(features)
+            if timed:
+                self.strategy.staging_work.announcing_seconds += time.perf_counter() - started
             window.append(batch)
             if len(window) > ahead:
                 yield window.popleft()
@@ -258,7 +262,8 @@ class StagingWaits:
 class StagingWork:
     """What the prefetch thread spent per batch: waiting for the reader thread (the loader,
     and announcing the batch: checking, ordering and deduplicating its ids), and staging,
-    in wall time and in the thread's own CPU time. Staging whose wall time far exceeds its CPU time waited (for the GIL, the module's lock,
+    in wall time and in the thread's own CPU time; and the time announcing took, wall (on the
+    reader thread where there is one, else on the prefetch thread). Staging whose wall time far exceeds its CPU time waited (for the GIL, the module's lock,
     a copy's event) rather than worked (the thread works its share of a parallel op, so that
     counts)."""
 
@@ -266,6 +271,7 @@ class StagingWork:
     reading_seconds: float = 0.0
     staging_seconds: float = 0.0
     staging_cpu_seconds: float = 0.0
+    announcing_seconds: float = 0.0
 
     def add(self, reading: float, staging: float, staging_cpu: float) -> None:
         self.batches += 1

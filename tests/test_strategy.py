@@ -390,6 +390,7 @@ def test_cache_metrics_log_staging_waits_where_a_prefetch_thread_stages(thread, 
         assert 4 <= work.batches <= 4 + strategy.prefetch_depth + 1
         # (the two clocks are read a moment apart: a thread that never waits may show a hair more CPU)
         assert work.reading_seconds > 0 and 0 < work.staging_cpu_seconds <= work.staging_seconds + 1e-3
+        assert work.announcing_seconds > 0 and float(trainer.callback_metrics["cache/announcing_ms"]) > 0
         # The reader and prefetch threads end with the epoch (max_steps cut it short).
         assert not [t.name for t in threading.enumerate() if t.name.startswith("hotcache-")]
     else:
