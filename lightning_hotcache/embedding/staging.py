@@ -135,7 +135,7 @@ class Staging:
         policy the caches' windows learn its ids."""
         prepared = self._ids(features)
         found = [None if self.caches[key].identity else unique(ids, return_counts=True) for key, ids in zip(self._acquired, prepared[4])]
-        if not self._windowed:
+        if not self._windowed:  # no lock: one thread appends, staging pops (a deque's ends are thread-safe)
             self._announced.append((features, prepared, found))
             return
         with self.locked():
