@@ -128,7 +128,6 @@ class _PrefetchingLoader:
         and deduplicated there, `Staging.announce`); under the lookahead policy handed on
         ``window_batches`` batches later, so that the caches evict by the batches to come."""
         ahead = self.strategy.window_batches if self.strategy.cache_policy == "lookahead" else 0
-        timed = self.strategy.uses_prefetch_thread
         window: deque[Any] = deque()
         for batch in self.loader:
             started = time.perf_counter()
@@ -136,8 +135,7 @@ class _PrefetchingLoader:
                 for module in modules:
                     if module.reads(features):
                         module.announce(features)
-            if timed:
-                self.strategy.staging_work.announcing_seconds += time.perf_counter() - started
+            self.strategy.staging_work.announcing_seconds += time.perf_counter() - started
             window.append(batch)
             if len(window) > ahead:
                 yield window.popleft()
@@ -263,7 +261,7 @@ class StagingWork:
     """What the prefetch thread spent per batch: waiting for the reader thread (the loader,
     and announcing the batch: checking, ordering and deduplicating its ids), and staging,
     in wall time and in the thread's own CPU time; and the time announcing took, wall (on the
-    reader thread where there is one, else on the prefetch thread). Staging whose wall time far exceeds its CPU time waited (for the GIL, the module's lock,
+    reader thread where there is one; inline staging counts it too). Staging whose wall time far exceeds its CPU time waited (for the GIL, the module's lock,
     a copy's event) rather than worked (the thread works its share of a parallel op, so that
     counts)."""
 
