@@ -150,12 +150,12 @@ class CacheMetrics(Callback):
 
 
 def staging_totals(trainer: pl.Trainer) -> dict[str, float]:
-    """Running totals of the hotcache strategy's waits for its prefetch thread (zeros under
-    other strategies, and but for the announcing under inline staging): batches the loop
-    waited for, and seconds; and the
-    thread's own time (`StagingWork`): batches staged, seconds waiting for the reader thread
-    to read them, seconds staging them, the thread's CPU seconds in staging, and seconds
-    announcing them. `CacheMetrics` logs them; the benchmarks read them too."""
+    """Running totals of the hotcache strategy's waits for its prefetch thread: batches the
+    loop waited for, and seconds; and the thread's own time (`StagingWork`): batches staged,
+    seconds waiting for the reader thread to read them, seconds staging them, the thread's CPU
+    seconds in staging, and seconds announcing them. Zeros under other strategies; under
+    inline staging all but the announcing. `CacheMetrics` logs them; the benchmarks read them
+    too."""
     waits = getattr(trainer.strategy, "staging_waits", None)
     work = getattr(trainer.strategy, "staging_work", None)
     return {

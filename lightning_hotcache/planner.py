@@ -534,9 +534,10 @@ class HotColdPlanner:
         the distinct ids, their counts and their ring entries (up to twice as many: its
         length is a power of two); per row of a split table, the place of its latest announced
         read (4 bytes), and per slot its next read (8). The batches announced are the window's,
-        the one read before the oldest is handed on, and with a prefetch thread the two its
-        reader thread holds ahead of it. The batches' dense features and labels, which the
-        loader holds too, are not counted."""
+        the one read before the oldest is handed on, and with a prefetch thread two more, the
+        most a reader thread holds ahead of it (counted wherever the prefetch thread runs: the
+        planner is not told whether a reader thread does). The batches' dense features and
+        labels, which the loader holds too, are not counted."""
         if not self.lookahead_batches or stats is None:
             return 0
         per_batch = fixed = 0.0

@@ -90,8 +90,8 @@ class _PrefetchingLoader:
     so the rows a step reads are resident before the step starts. A model whose
     ``on_before_batch_transfer`` rewrites the sparse features would not match what was
     staged; forward then says so. With ``prefetch_thread`` the staging runs on a background
-    thread, overlapping the model's dense compute (torch ops release the GIL), and reading
-    and announcing the batches on another; staging runs
+    thread, overlapping the model's dense compute (torch ops release the GIL), and with a
+    reader thread (CUDA's default) the batches are read and announced on another; staging runs
     no collective (across processes it reads only the rank's own rows; other ranks' rows
     come in forward), so this holds across processes too. Outside
     training mode (sanity checks, validation) batches pass through untouched.
@@ -261,9 +261,9 @@ class StagingWork:
     """What the prefetch thread spent per batch: waiting for the reader thread (the loader,
     and announcing the batch: checking, ordering and deduplicating its ids), and staging,
     in wall time and in the thread's own CPU time; and the time announcing took, wall (on the
-    reader thread where there is one; inline staging counts it too). Staging whose wall time far exceeds its CPU time waited (for the GIL, the module's lock,
-    a copy's event) rather than worked (the thread works its share of a parallel op, so that
-    counts)."""
+    reader thread where there is one; inline staging counts it too). Staging whose wall time
+    far exceeds its CPU time waited (for the GIL, the module's lock, a copy's event) rather
+    than worked (the thread works its share of a parallel op, so that counts)."""
 
     batches: int = 0
     reading_seconds: float = 0.0
