@@ -246,3 +246,35 @@ def test_staging_benchmark_stages_as_a_cuda_module_would(tmp_path, monkeypatch) 
                   "--out", str(out)])  # fmt: skip
     split = [cache for module in built for cache in module._staging.caches.values() if not cache.identity]
     assert split and all(cache.window is not None and len(cache.window) == 3 for cache in split)  # each batch announced 3 ahead
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_drawn_ahead_are_the_loaders_own(workers) -> None:
+    # `--data memory` must train on exactly what the loader draws live, drawn here or by forked processes.
+    data = {"scale": 0.001, "batch_size": 32, "num_train_samples": 100, "shuffle": False}
+    live = gpu.SyntheticCTRDataModule(num_workers=0, **data)
+    drawn = gpu.DrawnAheadDataModule(workers, **data)
+    assert drawn.num_workers == 0  # the loader runs no workers: nothing left to draw
+    live_batches, drawn_batches = list(live.train_dataloader()), list(drawn.train_dataloader())
+    assert len(drawn_batches) == len(live_batches) == 4  # the last one short (4 samples)
+    for ours, theirs in zip(drawn_batches, live_batches):
+        assert torch.equal(ours.dense_features, theirs.dense_features) and torch.equal(ours.labels, theirs.labels)
+        assert ours.sparse_features.keys() == theirs.sparse_features.keys()
+        assert torch.equal(ours.sparse_features.values(), theirs.sparse_features.values())
+        assert torch.equal(ours.sparse_features.lengths(), theirs.sparse_features.lengths())
+    assert torch.equal(drawn.source("val").batch(0, 8).labels, live.source("val").batch(0, 8).labels)  # other splits live
+    with pytest.raises(KeyError, match=r"samples \[0, 16\) are not a drawn batch"):
+        drawn.source("train").batch(0, 16)
+
+
+def test_batches_in_memory_or_drawn_live_stage_alike(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(report, "job_in_process", lambda script, settings, name, wrapper=(): gpu.main([*settings, "--job", name]))
+    runs = {}
+    for data in ("memory", "live"):
+        out = tmp_path / f"{data}.json"
+        gpu.main([*SMOKE, "--batch-size", "64", "--data", data, "--strategies", "hotcache@0.01", "--out", str(out)])
+        written = json.loads(out.read_text())
+        assert written["settings"]["data"] == data
+        runs[data] = written["results"]["hotcache@0.01"]
+    for key in ("hit_rate", "fetched_rows_per_step", "h2d_bytes_per_step", "d2h_bytes_per_step"):
+        assert runs["memory"][key] == runs["live"][key], key
