@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -361,20 +360,16 @@ def test_batches_with_other_features_or_order_read_the_same_rows(kernel, weighte
     torch.testing.assert_close(got, expected)
 
 
-def _row_3_updated_and_evicted(defers: bool) -> tuple[DeviceCache, HostStore, threading.Event]:
+def _row_3_updated_and_evicted(defers: bool) -> tuple[DeviceCache, HostStore]:
     """A one-slot cache whose row 3 was updated to 7.0 and then evicted by row 5. With
-    ``defers`` (CUDA's write-backs, landed by a thread of their own once their copy is done)
-    the write-back is in flight: its host write waits until the returned gate is set, and the
-    host store still holds the old row; without (a CPU cache's own), it landed when evicted."""
+    ``defers`` (CUDA's write-backs, which land once their copy is done) the write-back is in
+    flight, landing at the acquire after next on the CPU, and the host store still holds the
+    old row; without (a CPU cache's own), it landed when evicted."""
     from lightning_hotcache import RowWiseOptimizerConfig
 
     sgd = RowWiseOptimizerConfig(name="sgd")
     host = HostStore("t", 10, 2, sgd.state_widths(2))
     host.load("weight", torch.zeros(10, 2))
-    gate, write = threading.Event(), host.write
-    host.write = lambda ids, rows: (gate.wait(30), write(ids, rows))  # the landing waits for the gate
-    if not defers:
-        gate.set()
     cache = DeviceCache("t", 10, 2, sgd, torch.empty(0, dtype=torch.int64), 1, "lru", host, torch.device("cpu"))
     assert not cache.defers_write_backs
     cache.defers_write_backs = defers
@@ -385,51 +380,28 @@ def _row_3_updated_and_evicted(defers: bool) -> tuple[DeviceCache, HostStore, th
     cache.release(cache.acquire(torch.tensor([5]))[1])
     assert cache.counters.written_back_rows == 1
     assert torch.equal(host.weight[3], torch.zeros(2) if defers else torch.full((2,), 7.0))
-    return cache, host, gate
+    return cache, host
 
 
 @pytest.mark.parametrize("defers", [True, False], ids=["deferred", "at-once"])
 def test_a_row_fetched_again_before_its_write_back_lands_comes_from_the_evicted_copy(defers: bool) -> None:
     # The directory decides on the host; a row evicted and fetched again before its write-back
     # landed must come back with its update, not as the host's stale row.
-    cache, host, gate = _row_3_updated_and_evicted(defers)
+    cache, host = _row_3_updated_and_evicted(defers)
     slots, ticket = cache.acquire(torch.tensor([3]))
     assert torch.equal(cache.weight[slots], torch.full((1, 2), 7.0))
-    assert torch.equal(host.weight[3], torch.zeros(2) if defers else torch.full((2,), 7.0))  # not landed yet
-    gate.set()
+    assert torch.equal(host.weight[3], torch.full((2,), 7.0))  # landed after this acquire's fetch
     cache.release(ticket)
     assert torch.equal(cache.full()[3], torch.full((2,), 7.0))
-    assert torch.equal(host.weight[3], torch.full((2,), 7.0))
-    assert not [t for t in threading.enumerate() if t.name == "hotcache-lander"]  # the whole-table read waited for them
 
 
 @pytest.mark.parametrize("defers", [True, False], ids=["deferred", "at-once"])
 def test_whole_table_reads_land_every_write_back_first(defers: bool) -> None:
-    cache, _, gate = _row_3_updated_and_evicted(defers)
-    threading.Timer(0.2, gate.set).start()  # the read below must wait for the landing
+    cache, _ = _row_3_updated_and_evicted(defers)
     assert torch.equal(cache.host_weights(torch.tensor([3])), torch.full((1, 2), 7.0))
     cache.load_rows("weight", 0, torch.ones(10, 2))  # a load after the write-back: nothing lands over it later
     cache.release(cache.acquire(torch.tensor([6]))[1])
     assert torch.equal(cache.full(), torch.ones(10, 2))
-
-
-def test_a_write_back_that_fails_to_land_is_raised_not_lost() -> None:
-    # The landing thread's error (a full disk under a memory-mapped store, say) surfaces where
-    # the cache is next used, not in a thread nobody reads.
-    cache, host, gate = _row_3_updated_and_evicted(defers=True)
-
-    def failing(ids, rows):
-        raise OSError("No space left on device")
-
-    host.write = failing  # the landing already waiting at the gate keeps the working write
-    gate.set()
-    cache.release(cache.acquire(torch.tensor([6]))[1])  # evicts row 5 (unchanged: nothing to write)
-    slots, ticket = cache.acquire(torch.tensor([7]))
-    cache.mark_updated(slots)
-    cache.release(ticket)
-    cache.release(cache.acquire(torch.tensor([8]))[1])  # evicts the changed row 7: its landing fails
-    with pytest.raises(OSError, match="No space left on device"):
-        cache.write_back()
 
 
 @pytest.mark.parametrize("policy", ["lfu", "lookahead"])

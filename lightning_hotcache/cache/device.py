@@ -17,11 +17,10 @@ host (`books`) whatever the device: a batch's ids are there already while it is 
 of its step, and every decision (hits, victims, what to write back) is made there without
 reading the device. Only rows and slot indices cross: the misses go up through pinned buffers
 on a side stream (`RowUpload`), the evicted dirty rows come down into pinned memory whose host
-write waits for the copy's event, on a thread of its own (`_WriteBack`). A row fetched again
-before its write-back has landed is taken from the evicted copy on the device instead of the
-host row, stale or half written. So staging, on a prefetch thread, makes the training thread
-wait for nothing. On the CPU the same code runs, the copies being plain ones and landing at
-once.
+write waits for the copy's event (`_WriteBack`). A row fetched again before its write-back has
+landed is taken from the evicted copy on the device instead of the stale host row. So
+staging, on a prefetch thread, makes the training thread wait for nothing. On the CPU the
+same code runs, the copies being plain ones.
 
 Across data-parallel ranks (`RowSharding`), each rank's host store holds its round-robin
 shard of the rows, and only a row's owner updates it and writes it back (owner-computes, as
@@ -42,7 +41,6 @@ static region chosen from measured frequencies.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Sequence
@@ -70,7 +68,7 @@ def check_cache_policy(policy: str) -> None:
 
 # A victim scan reserves slots for this many batches' misses (see `DeviceCache._choose_victims`).
 RESERVE_BATCHES = 8
-# Write-backs not landed in the host store yet; beyond this the oldest is waited for.
+# Write-backs whose copy to the host may still be running; beyond this the oldest is waited for.
 MAX_PENDING_WRITE_BACKS = 4
 
 # Reads since a row came in, as the lookahead policy's tie-break among rows read next by one
@@ -172,10 +170,9 @@ class DeviceCache:
         self._released_upto = 0
         self._released_early: set[int] = set()
         self._write_backs: deque[_WriteBack] = deque()  # oldest first
-        # Whether evicted rows reach the host store later, on a thread of their own once their
-        # copy off the device is done (CUDA), or when evicted (a CPU device: the copy is done
-        # when made, and landing it at once spares every later fetch the search of the rows
-        # still in flight, and a 2-core host a third busy thread).
+        # Whether evicted rows reach the host store later, once their copy off the device is
+        # done (CUDA), or when evicted (a CPU device: the copy is done when made, and landing
+        # it at once spares every later fetch the search of the rows still in flight).
         self.defers_write_backs = self._upload.asynchronous
 
         widths = {"weight": embedding_dim, **optimizer.state_widths(embedding_dim)}
@@ -495,8 +492,7 @@ class DeviceCache:
 
     def _write_back(self, slots: Tensor) -> None:
         """Start writing ``slots``' rows back: copied off the device now (behind every update
-        queued), written to the host store by a thread of their own once the copy is done,
-        after every earlier write-back (`_WriteBack`)."""
+        queued), written to the host store once the copy is done (`_land_write_backs`)."""
         if len(slots) == 0:
             return
         # In id order: the host store's writes then go through memory in one direction, and a
@@ -508,9 +504,7 @@ class DeviceCache:
         evicted = {key: tensor.index_select(0, at) for key, tensor in self.slots.items()}
         if self.defers_write_backs:
             rows, copied = self._upload.download(evicted)
-            assert self.host is not None
-            after = self._write_backs[-1] if self._write_backs else None
-            self._write_backs.append(_WriteBack(ids, evicted, rows, copied, self.host, self.sharding, after))
+            self._write_backs.append(_WriteBack(ids, evicted, rows, copied, self._issued))
         else:
             assert self.host is not None
             self._land_write_backs(everything=True)  # any deferred before: older copies land first
@@ -520,16 +514,16 @@ class DeviceCache:
         self._tally(_WRITTEN_BACK, ids, ascending=True)
 
     def _land_write_backs(self, everything: bool) -> None:
-        """Forget the write-backs that have landed in the host store, oldest first, raising a
-        failed landing's error. ``everything``: wait for every one; otherwise only for the
-        oldest beyond `MAX_PENDING_WRITE_BACKS`. Only this thread forgets them, so a row of a
-        write-back still listed may be half written in the host store (`_read_own` takes such
-        rows from the evicted copies), and a row of one no longer listed is there whole."""
+        """Write the rows of finished copies to the host store, oldest first. Unless
+        ``everything`` (which waits for every copy), the latest acquire's stay in flight, and
+        a copy still running is waited for only beyond `MAX_PENDING_WRITE_BACKS`."""
         while self._write_backs:
             oldest = self._write_backs[0]
-            if not (everything or len(self._write_backs) > MAX_PENDING_WRITE_BACKS or oldest.landed_yet()):
+            wait = everything or len(self._write_backs) > MAX_PENDING_WRITE_BACKS
+            if not wait and (oldest.issued >= self._issued or not oldest.copied_yet()):
                 return
-            oldest.wait_landed()
+            assert self.host is not None
+            oldest.land(self.host, self.sharding)
             self._write_backs.popleft()
 
     # -------------------------------------------------------------- updates
@@ -662,46 +656,17 @@ class _Acquire:
 
 class _WriteBack:
     """Evicted rows on their way to the host store: ``evicted`` on the device (serving a
-    re-fetch until they land), ``rows`` their host copies, complete once ``copied`` fires.
+    re-fetch until they land), ``rows`` their host copies, complete once ``copied`` fires."""
 
-    A thread of its own (a "lander") waits for the copy and writes the rows into ``host``,
-    once the write-back before it (``after``) has: the latest copy of a row lands last. At 1%
-    of the Kaggle tables the host writes of a batch's ~15k evicted rows were a quarter of the
-    prefetch thread's work; on a lander they overlap the next batch's staging (torch's copies
-    release the GIL). A thread per write-back rather than a pool: it ends by itself, so none
-    outlives training, and it starts in ~0.1 ms against the milliseconds a landing takes. Not
-    a daemon: a landing under way finishes before the interpreter exits."""
-
-    def __init__(
-        self, ids: Tensor, evicted: dict[str, Tensor], rows: dict[str, Tensor], copied: torch.cuda.Event | None,
-        host: HostStore, sharding: RowSharding, after: "_WriteBack | None",
-    ) -> None:  # fmt: skip
+    def __init__(self, ids: Tensor, evicted: dict[str, Tensor], rows: dict[str, Tensor], copied: torch.cuda.Event | None, issued: int) -> None:
         self.ids = ids  # ascending global ids, on the host
         self.evicted = evicted
         self.rows = rows
         self.copied = copied
-        self._error: BaseException | None = None
-        self._lander = threading.Thread(target=self._land, args=(host, sharding, after), name="hotcache-lander")
-        self._lander.start()
+        self.issued = issued  # the acquire that evicted them
 
-    def _land(self, host: HostStore, sharding: RowSharding, after: "_WriteBack | None") -> None:
-        try:
-            if after is not None:
-                after._lander.join()
-            if self.copied is not None:
-                self.copied.synchronize()
-            host.write(sharding.local(self.ids), self.rows)
-        except BaseException as error:  # raised on the staging thread, by `wait_landed`
-            self._error = error
-
-    def landed_yet(self) -> bool:
-        return not self._lander.is_alive()
-
-    def wait_landed(self) -> None:
-        """Wait for the landing; raise its error, if it failed."""
-        self._lander.join()
-        if self._error is not None:
-            raise self._error
+    def copied_yet(self) -> bool:
+        return self.copied is None or self.copied.query()
 
     def serve_evicted(self, ids: Tensor, rows: dict[str, Tensor], upload: RowUpload) -> None:
         """Where ``ids`` (ascending, on the host) are among these rows, put their evicted
@@ -713,3 +678,8 @@ class _WriteBack:
         at, source = upload.to_device(here.nonzero().squeeze(1)), upload.to_device(position[here])
         for key, values in rows.items():
             values.index_copy_(0, at, self.evicted[key].index_select(0, source))
+
+    def land(self, host: HostStore, sharding: RowSharding) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+        host.write(sharding.local(self.ids), self.rows)
