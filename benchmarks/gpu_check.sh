@@ -8,7 +8,8 @@
 #      wandb; 21 s on an H100; limit 40 s);
 #   2. a chosen subset of the CUDA tests (62 s; limit 90 s);
 #   3. benchmarks/gpu.py at the Criteo Kaggle tables (scale 1.0): hotcache at 10% and 1% against
-#      all tables in GPU memory (auto), one process (limit 190 s);
+#      all tables in GPU memory (auto), one process, the batches drawn before fit and served
+#      from memory (gpu.py's --data; limit 190 s);
 #   4. tables larger than the GPU: the same tables with each run's GPU memory capped at 8 GiB,
 #      where auto cannot hold them and hotcache at 10% trains (86 s on an H100; limit 105 s);
 #   5. where a step's time goes: torch.profiler's key averages of auto and hotcache at 10% and
