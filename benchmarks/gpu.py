@@ -39,6 +39,12 @@ than host memory and disk for tables, so the tables cannot simply outgrow the ca
 does not fit (``auto`` holding every table) is reported as such (``does_not_fit``), not as a
 failure of the benchmark.
 
+``--switch-interval SECONDS`` sets Python's thread switch interval in each run: every torch
+call hotcache's staging threads make hands the GIL over, and taking it back from a thread
+that runs Python can wait up to that interval (5 ms by default; see benchmarks/README.md,
+"The GIL"), so an A/B of it measures how much the threads and the training loop wait for
+each other.
+
 ``--profile-steps N`` runs the chosen strategies once each, in this process, and prints
 torch.profiler's key averages of N steps after the warm-up (by device time, then host time)
 instead of timing them; it writes no results.
@@ -58,6 +64,7 @@ import dataclasses
 import json
 import multiprocessing
 import resource
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +233,8 @@ def train(strategy: Any, args: argparse.Namespace, host_lookup: bool = False) ->
 
 
 def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[str, Any]:
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     pl.seed_everything(0)
     data = {"scale": args.scale, "embedding_dim": args.dim, "batch_size": args.batch_size, "num_train_samples": args.batch_size * (args.steps + 1),
             "shuffle": False}  # fmt: skip
@@ -317,6 +326,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--strategies", nargs="+", help="a subset to run (default: all but the +lookahead ones; auto is the baseline)")
     parser.add_argument("--device-memory", type=float, help="cap each run's GPU memory at this many GiB (CUDA only)")
+    parser.add_argument("--switch-interval", type=float,
+                        help="Python's thread switch interval in seconds for each run (sys.setswitchinterval; default: Python's 0.005)")
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many steps after the warm-up instead")
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu.json")
     parser.add_argument("--job", help=argparse.SUPPRESS)  # one run in this process; prints its JSON
@@ -325,6 +336,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--device-memory caps CUDA memory: it needs --device cuda and a positive size; got {args.device_memory}")
     if args.profile_steps < 0:
         parser.error(f"--profile-steps must be >= 0, got {args.profile_steps}")
+    if args.switch_interval is not None and not args.switch_interval > 0:
+        parser.error(f"--switch-interval is seconds, > 0 (e.g. 0.0005), got {args.switch_interval}")
     if args.warmup is None:
         args.warmup = min(20, args.steps // 2)
     if args.num_workers is None:
@@ -360,6 +373,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--warmup", str(args.warmup), "--profile-batches", str(args.profile_batches), "--device", args.device,
         "--num-workers", str(args.num_workers), "--data", args.data,
         *(["--device-memory", str(args.device_memory)] if args.device_memory is not None else []),
+        *(["--switch-interval", str(args.switch_interval)] if args.switch_interval is not None else []),
     ]  # fmt: skip
     results = rounds_of_jobs(__file__, settings, chosen, args.rounds)
     add_ratios(results, ("auto", "cpu-lookup"))

@@ -6,6 +6,7 @@ import json
 import math
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,7 @@ def test_the_lookahead_policy_runs_when_named(tmp_path, monkeypatch) -> None:
         (["--device", "cpu", "--strategies", "torchrec"], "unknown strategies"),
         (["--device", "cpu", "--device-memory", "8"], "--device-memory caps CUDA memory: it needs --device cuda"),
         (["--device", "cpu", "--steps", "5", "--warmup", "2", "--profile-steps", "4"], "needs --steps >= 6"),
+        (["--device", "cpu", "--switch-interval", "0"], "--switch-interval is seconds, > 0"),
     ],
 )
 def test_bad_settings_are_clear_errors(argv, error, capsys) -> None:
@@ -278,3 +280,33 @@ def test_batches_in_memory_or_drawn_live_stage_alike(tmp_path, monkeypatch) -> N
         runs[data] = written["results"]["hotcache@0.01"]
     for key in ("hit_rate", "fetched_rows_per_step", "h2d_bytes_per_step", "d2h_bytes_per_step"):
         assert runs["memory"][key] == runs["live"][key], key
+
+
+def test_the_switch_interval_is_set_in_each_run_and_recorded(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(report, "job_in_process", lambda script, settings, name, wrapper=(): gpu.main([*settings, "--job", name]))
+    previous = sys.getswitchinterval()
+    try:
+        out = tmp_path / "gpu.json"
+        gpu.main([*SMOKE, "--batch-size", "64", "--switch-interval", "0.0005", "--strategies", "hotcache@0.1", "--out", str(out)])
+        assert json.loads(out.read_text())["settings"]["switch_interval"] == 0.0005
+        assert sys.getswitchinterval() == pytest.approx(0.0005, rel=0.02)  # set in the run (here in this process)
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def test_gil_handover_benchmark_reports_each_interval_and_restores_python_s(tmp_path) -> None:
+    import gil_handover
+
+    previous, threads = sys.getswitchinterval(), torch.get_num_threads()
+    out = tmp_path / "gil.json"
+    written = gil_handover.main(["--calls", "5", "--reps", "1", "--intervals", "0.001", "0.0002", "--out", str(out)])
+    results = written["results"]
+    assert [(r["interval_ms"], r["work"]) for r in results] == [
+        (1.0, "python calls"), (1.0, "one TorchScript call"), (0.2, "python calls"), (0.2, "one TorchScript call"),
+    ]  # fmt: skip
+    assert all(r["alone_ms"] > 0 and r["beside_python_ms"] > 0 for r in results)
+    assert json.loads(out.read_text())["results"] == results
+    assert sys.getswitchinterval() == previous and not [t for t in threading.enumerate() if t.name == "python-loop"]
+    assert torch.get_num_threads() == threads
+    with pytest.raises(SystemExit):
+        gil_handover.main(["--intervals", "0"])
