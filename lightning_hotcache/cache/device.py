@@ -75,7 +75,7 @@ MAX_PENDING_WRITE_BACKS = 4
 # batch: capped so that (next read, reads) is one int64 key.
 _USES_CAP = 2**22 - 1
 
-_LOOKUPS, _MISSES, _FETCHED, _EVICTED, _WRITTEN_BACK = range(5)  # rows of DeviceCache._segment_tally
+_LOOKUPS, _MISSES, _FETCHED, _EVICTED, _WRITTEN_BACK = range(5)  # DeviceCache._segment_tally's tallies
 
 
 class CacheCapacityError(RuntimeError):
@@ -154,11 +154,13 @@ class DeviceCache:
         self.num_dynamic = 0 if self.identity else num_dynamic
         num_slots = self.num_static + self.num_dynamic
         self.counters = CacheCounters()
-        # Per-segment tallies (lookups, misses, fetched, evicted, written back) in one tensor,
+        # Per-segment tallies (lookups, misses, fetched, evicted, written back), a tensor each,
         # so that counting costs a few ops per step and no host sync; see `segment_counters`.
-        self._segment_bounds = None if segment_starts is None else torch.tensor(list(segment_starts)[1:-1])
+        # The segments' ends (the last one the total): where ascending ids are cut, one search.
+        self._segment_ends = None if segment_starts is None else torch.tensor(list(segment_starts)[1:])
         num_segments = 0 if segment_starts is None else len(segment_starts) - 1
-        self._segment_tally = torch.zeros(5, num_segments, dtype=torch.int64)
+        self._segment_tally = [torch.zeros(num_segments, dtype=torch.int64) for _ in range(5)]
+        self._zero = torch.zeros(1, dtype=torch.int64)
         self._issued = 0
         # Dynamic slots never used yet are [num_static + _never_used_from, end): a cold cache
         # fills from there without scoring every slot.
@@ -208,23 +210,23 @@ class DeviceCache:
 
     def _tally(self, field: int, ids: Tensor, counts: Tensor | None = None, ascending: bool = False) -> None:
         """Add ``ids`` (each ``counts`` times, default once) to their segments' ``field``.
-        Ascending ids are cut at the segment starts instead: a binary search per segment,
-        not one per id."""
-        if self._segment_bounds is None:
+        Ascending ids are cut at the segment ends instead: a binary search per segment, not
+        one per id. Few torch calls: staging makes these five times a batch, and on a thread
+        beside training each call hands the GIL over (benchmarks/gil_handover.py)."""
+        if self._segment_ends is None:
             return
         if not ascending:
-            segments = torch.searchsorted(self._segment_bounds, ids, right=True)
+            segments = torch.searchsorted(self._segment_ends, ids, right=True)  # the last end is past every id
             self._segment_tally[field].index_add_(0, segments, torch.ones_like(segments) if counts is None else counts)
             return
-        cuts = torch.searchsorted(ids, self._segment_bounds)
-        ends = torch.cat([cuts, cuts.new_tensor([len(ids)])])
-        if counts is not None:  # lookups up to each cut
-            ends = torch.cat([counts.new_zeros(1), counts.cumsum(0)])[ends]
-        self._segment_tally[field] += torch.diff(ends, prepend=ends.new_zeros(1))
+        ends = torch.searchsorted(ids, self._segment_ends)  # positions: the last is len(ids)
+        if counts is not None:  # lookups up to each end
+            ends = torch.cat([self._zero, counts.cumsum(0)])[ends]
+        self._segment_tally[field] += torch.diff(ends, prepend=self._zero)
 
     def segment_counters(self, segment: int) -> CacheCounters:
         """Counters of one segment (see ``segment_starts``) since the cache was built."""
-        lookups, misses, fetched, evicted, written_back = self._segment_tally[:, segment].tolist()
+        lookups, misses, fetched, evicted, written_back = (int(tally[segment]) for tally in self._segment_tally)
         return CacheCounters(lookups, lookups - misses, fetched, evicted, written_back)
 
     def device_bytes(self) -> int:
