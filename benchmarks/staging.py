@@ -21,6 +21,14 @@ gives the host arrays back to them, for an A/B; see `lightning_hotcache.cache.ho
 ``--lookahead K`` stages under the lookahead cache policy, each batch announced K batches
 ahead of its staging, as the strategy's loader does (otherwise just before).
 
+``--beside-python`` stages every other timed batch while a thread stands in for the training
+loop on a GPU host: it runs Python, calling torch with a tiny op every ``--python-gap-us``
+microseconds (Lightning's loop, autograd and the model make ~1,000 calls in ~10 ms of Python
+a step). Both threads need the GIL: staging's torch calls each hand it over and take it back.
+The batches staged beside it are reported apart (``beside_python``) with their ratio to the
+ones staged alone: interleaved, so the machine's drift hits both alike. Give each thread a
+core: on 2 cores run it with ``OMP_NUM_THREADS=1``.
+
 ``--device cuda`` stages into a module on the GPU, as training does. On ``--device cpu`` the
 rows are in host memory, and the module is given the directory a CUDA module keeps: the dense
 id map (`make_slot_map` with ``budgeted=False``), write-backs that land once a later acquire
@@ -29,6 +37,7 @@ from the host (on CUDA the device finds them, `sorted_reads`). So any machine me
 share of GPU staging; compare budgets and commits within one run, or on one machine.
 
     python benchmarks/staging.py [--scale 1.0] [--dim 128] [--budgets 0.1 0.01] [--batches 30] [--forked-workers 4] [--lookahead 64]
+    OMP_NUM_THREADS=1 python benchmarks/staging.py --scale 0.3 --dim 64 --budgets 0.01 --batches 60 --beside-python
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import argparse
 import contextlib
 import multiprocessing
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -64,6 +74,43 @@ def as_on_cuda(module: HotColdEmbeddingBagCollection) -> None:
     module._staging.sums_gradients = False
 
 
+class PythonLoop:
+    """A thread standing in for a training loop's host side while switched `on`: Python
+    holding the GIL, with a tiny torch call (which hands the GIL over) every ``gap_us``."""
+
+    def __init__(self, gap_us: float) -> None:
+        self.gap = gap_us * 1e-6
+        self.calls = 0
+        self._running, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="python-loop", daemon=True)
+
+    def _loop(self) -> None:
+        x = torch.zeros(4)
+        while not self._stop.is_set():
+            if not self._running.wait(timeout=0.05):
+                continue
+            deadline = time.perf_counter() + self.gap
+            while time.perf_counter() < deadline:  # Python only: the GIL held
+                pass
+            x.add_(1)
+            self.calls += 1
+
+    def on(self) -> None:
+        self._running.set()
+
+    def off(self) -> None:
+        self._running.clear()
+
+    def __enter__(self) -> "PythonLoop":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._running.set()
+        self._thread.join()
+
+
 def stage_batches(
     args: argparse.Namespace, budget: float, dm: SyntheticCTRDataModule, stats: AccessStats, batches: list[KeyedJaggedTensor]
 ) -> dict[str, float]:
@@ -84,7 +131,8 @@ def stage_batches(
         return sum(c.lookups for c in counters), sum(c.hits for c in counters), sum(c.fetched_rows for c in counters)
 
     announcing, staging_seconds, fetched, lookups, hits = [], [], [], 0, 0
-    with idle_forked_processes(args.forked_workers):
+    loop = PythonLoop(args.python_gap_us) if args.beside_python else None
+    with idle_forked_processes(args.forked_workers), loop or contextlib.nullcontext():
         # The window, before the first batch is staged: announced once the workers are forked,
         # as the loader's batches are.
         for features in batches[: args.lookahead]:
@@ -94,6 +142,9 @@ def stage_batches(
             arriving = features.to(device)
             if args.device == "cuda":
                 torch.cuda.synchronize()
+            beside = loop is not None and k % 2 == 1
+            if beside:
+                loop.on()
             started = time.perf_counter()
             staging.announce(batches[k + args.lookahead])  # the reader thread's part
             announced = time.perf_counter()
@@ -101,18 +152,32 @@ def stage_batches(
             announcing.append(announced - started)
             staging_seconds.append(time.perf_counter() - announced)
             staging.finish(staged, changed=True)
+            if beside:
+                loop.off()
             if k >= args.warmup:
                 after = totals()
                 lookups, hits = lookups + after[0] - before[0], hits + after[1] - before[1]
                 fetched.append(after[2] - before[2])
-    both = [a + b for a, b in zip(announcing, staging_seconds)]
-    return {
-        "staging_ms_per_batch": 1e3 * statistics.median(both[args.warmup :]),
-        "reader_ms_per_batch": 1e3 * statistics.median(announcing[args.warmup :]),
-        "prefetch_ms_per_batch": 1e3 * statistics.median(staging_seconds[args.warmup :]),
+    timed = range(args.warmup, args.batches)
+    alone = [k for k in timed if loop is None or k % 2 == 0]
+    out = {
+        **_medians(announcing, staging_seconds, alone),
         "hit_rate": hits / lookups,
         "fetched_rows_per_batch": statistics.mean(fetched),
         "budget_bytes": plan.budget_bytes,
+    }
+    if loop is not None:
+        beside = _medians(announcing, staging_seconds, [k for k in timed if k % 2 == 1])
+        out["beside_python"] = beside | {"x_alone": beside["staging_ms_per_batch"] / out["staging_ms_per_batch"], "python_calls": loop.calls}
+    return out
+
+
+def _medians(announcing: list[float], staging_seconds: list[float], batches: list[int]) -> dict[str, float]:
+    """Median milliseconds of ``batches``' staging, and of its reader and prefetch parts."""
+    return {
+        "staging_ms_per_batch": 1e3 * statistics.median(announcing[k] + staging_seconds[k] for k in batches),
+        "reader_ms_per_batch": 1e3 * statistics.median(announcing[k] for k in batches),
+        "prefetch_ms_per_batch": 1e3 * statistics.median(staging_seconds[k] for k in batches),
     }
 
 
@@ -145,6 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--forked-workers", type=int, default=4, help="idle processes forked while staging, as DataLoader workers")
     parser.add_argument("--lookahead", type=int, default=0, help="stage under the lookahead policy with this window (batches); 0: LFU")
+    parser.add_argument("--beside-python", action="store_true",
+                        help="stage every other timed batch beside a thread running Python, as a training loop does (reported apart)")
+    parser.add_argument("--python-gap-us", type=float, default=10.0, help="--beside-python's Python between two of its torch calls, in microseconds")
     parser.add_argument("--out", type=Path, default=RESULTS / "staging.json")
     args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.batches:
@@ -153,6 +221,10 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--device cuda, but torch sees no CUDA device")
     if args.lookahead < 0:
         parser.error(f"--lookahead must be >= 0, got {args.lookahead}")
+    if args.beside_python and args.batches - args.warmup < 2:
+        parser.error("--beside-python alternates the timed batches: it needs --batches at least --warmup + 2")
+    if not args.python_gap_us > 0:
+        parser.error(f"--python-gap-us must be > 0, got {args.python_gap_us}")
     count = args.profile_batches + args.batches + args.lookahead
     dm = SyntheticCTRDataModule(scale=args.scale, embedding_dim=args.dim, batch_size=args.batch_size, num_train_samples=args.batch_size * count)
     source = dm.source("train")
@@ -164,6 +236,10 @@ def main(argv: list[str] | None = None) -> dict:
     for name, r in results.items():
         print(f"{name:<16}{r['staging_ms_per_batch']:>18.2f}{r['reader_ms_per_batch']:>11.2f}{r['prefetch_ms_per_batch']:>13.2f}"
               f"{r['hit_rate']:>10.3f}{r['fetched_rows_per_batch']:>20,.0f}")  # fmt: skip
+        if "beside_python" in r:
+            b = r["beside_python"]
+            print(f"{'  beside Python':<16}{b['staging_ms_per_batch']:>18.2f}{b['reader_ms_per_batch']:>11.2f}{b['prefetch_ms_per_batch']:>13.2f}"
+                  f"   x{b['x_alone']:.2f} of alone")  # fmt: skip
     return write_report("staging", args, results)
 
 

@@ -7,6 +7,7 @@ import math
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -248,6 +249,43 @@ def test_staging_benchmark_stages_as_a_cuda_module_would(tmp_path, monkeypatch) 
                   "--out", str(out)])  # fmt: skip
     split = [cache for module in built for cache in module._staging.caches.values() if not cache.identity]
     assert split and all(cache.window is not None and len(cache.window) == 3 for cache in split)  # each batch announced 3 ahead
+
+
+def test_staging_benchmark_beside_python_reports_alternate_batches_apart(tmp_path, capsys) -> None:
+    # --beside-python: every other timed batch staged while a thread runs Python (the training
+    # loop's stand-in), reported apart with its ratio; what is staged does not change.
+    import staging
+
+    args = ["--scale", "0.001", "--batch-size", "64", "--batches", "10", "--warmup", "2", "--budgets", "0.01", "--forked-workers", "0"]
+    plain, beside = tmp_path / "plain.json", tmp_path / "beside.json"
+    staging.main([*args, "--out", str(plain)])
+    staging.main([*args, "--beside-python", "--python-gap-us", "5", "--out", str(beside)])
+    alone, both = json.loads(plain.read_text())["results"]["hotcache@0.01"], json.loads(beside.read_text())["results"]["hotcache@0.01"]
+    assert "beside_python" not in alone
+    assert (both["hit_rate"], both["fetched_rows_per_batch"]) == (alone["hit_rate"], alone["fetched_rows_per_batch"])
+    apart = both["beside_python"]
+    assert apart["python_calls"] > 0 and apart["staging_ms_per_batch"] > 0
+    assert apart["x_alone"] == pytest.approx(apart["staging_ms_per_batch"] / both["staging_ms_per_batch"])
+    with pytest.raises(SystemExit):  # one timed batch cannot alternate
+        staging.main(["--scale", "0.001", "--batches", "3", "--warmup", "2", "--beside-python"])
+    assert "needs --batches at least --warmup + 2" in capsys.readouterr().err
+
+
+def test_python_loop_runs_only_while_on() -> None:
+    import staging
+
+    with staging.PythonLoop(gap_us=1) as loop:
+        time.sleep(0.05)
+        assert loop.calls == 0  # built off
+        loop.on()
+        time.sleep(0.05)
+        loop.off()
+        time.sleep(0.01)  # a call under way when switched off may still finish
+        calls = loop.calls
+        assert calls > 0
+        time.sleep(0.05)
+        assert loop.calls == calls
+    assert not loop._thread.is_alive()
 
 
 @pytest.mark.parametrize("workers", [0, 2])
