@@ -1,7 +1,7 @@
 """The GPU check's dry run as the GPU machine's image sees it: what that image lacks cannot be imported.
 
-The GPU machine (no network) has Python with torch, lightning, torchmetrics, numpy, triton and
-pytest (`IMAGE`, with what they require), plus the wheels of benchmarks/requirements-gpu.txt that
+The GPU machine (no network) has Python with torch, lightning, torchmetrics, numpy, numba, triton
+and pytest (`IMAGE`, with what they require), plus the wheels of benchmarks/requirements-gpu.txt that
 travel with the repository. The project's .venv has more (wandb, recbole, matplotlib, ...): a
 stage that imports one of them passes the dry run here and fails there (the first GPU run lost
 its stage 1 to the demo config's WandbLogger). `benchmarks/gpu_check.sh` puts this folder on
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-IMAGE = ("torch", "lightning", "torchmetrics", "numpy", "triton", "pytest")
+IMAGE = ("torch", "lightning", "torchmetrics", "numpy", "numba", "triton", "pytest")
 BENCHMARKS = Path(__file__).resolve().parents[1]
 
 

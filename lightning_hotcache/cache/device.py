@@ -19,8 +19,10 @@ reading the device. Only rows and slot indices cross: the misses go up through p
 on a side stream (`RowUpload`), the evicted dirty rows come down into pinned memory whose host
 write waits for the copy's event (`_WriteBack`). A row fetched again before its write-back has
 landed is taken from the evicted copy on the device instead of the stale host row. So
-staging, on a prefetch thread, makes the training thread wait for nothing. On the CPU the
-same code runs, the copies being plain ones.
+staging, on a prefetch thread, makes the training thread wait for nothing. The directory's
+steps over a batch's ids are compiled loops that run without the GIL (`directory`), so that
+staging does not wait for a training loop's Python either. On the CPU the same code runs,
+the copies being plain ones.
 
 Across data-parallel ranks (`RowSharding`), each rank's host store holds its round-robin
 shard of the rows, and only a row's owner updates it and writes it back (owner-computes, as
@@ -48,6 +50,7 @@ from typing import Literal, Sequence
 import torch
 from torch import Tensor
 
+from lightning_hotcache.cache import directory
 from lightning_hotcache.cache.exchange import RowSharding, gather_table
 from lightning_hotcache.cache.host import HostStore, RowsAt
 from lightning_hotcache.cache.host_arrays import new_array, new_host_array
@@ -160,7 +163,6 @@ class DeviceCache:
         self._segment_ends = None if segment_starts is None else torch.tensor(list(segment_starts)[1:])
         num_segments = 0 if segment_starts is None else len(segment_starts) - 1
         self._segment_tally = [torch.zeros(num_segments, dtype=torch.int64) for _ in range(5)]
-        self._zero = torch.zeros(1, dtype=torch.int64)
         self._issued = 0
         # Dynamic slots never used yet are [num_static + _never_used_from, end): a cold cache
         # fills from there without scoring every slot.
@@ -209,20 +211,10 @@ class DeviceCache:
         return self.slots["weight"]
 
     def _tally(self, field: int, ids: Tensor, counts: Tensor | None = None, ascending: bool = False) -> None:
-        """Add ``ids`` (each ``counts`` times, default once) to their segments' ``field``.
-        Ascending ids are cut at the segment ends instead: a binary search per segment, not
-        one per id. Few torch calls: staging makes these five times a batch, and on a thread
-        beside training each call hands the GIL over (benchmarks/gil_handover.py)."""
-        if self._segment_ends is None:
-            return
-        if not ascending:
-            segments = torch.searchsorted(self._segment_ends, ids, right=True)  # the last end is past every id
-            self._segment_tally[field].index_add_(0, segments, torch.ones_like(segments) if counts is None else counts)
-            return
-        ends = torch.searchsorted(ids, self._segment_ends)  # positions: the last is len(ids)
-        if counts is not None:  # lookups up to each end
-            ends = torch.cat([self._zero, counts.cumsum(0)])[ends]
-        self._segment_tally[field] += torch.diff(ends, prepend=self._zero)
+        """Add ``ids`` (each ``counts`` times, default once) to their segments' ``field``
+        (ascending ids are walked, not searched): one compiled call (see `directory`)."""
+        if self._segment_ends is not None:
+            directory.tally(self._segment_tally[field], self._segment_ends, ids, counts, ascending)
 
     def segment_counters(self, segment: int) -> CacheCounters:
         """Counters of one segment (see ``segment_starts``) since the cache was built."""
@@ -300,23 +292,16 @@ class DeviceCache:
             distinct, inverse, counts = unique(ids, return_counts=True)
         self._tally(_LOOKUPS, distinct, counts, ascending=True)
         slots = self.slot_map.lookup(distinct)
-        missing = slots < 0
         acquire = _Acquire(distinct, slots, self._issued, inverse=inverse, counts=counts, next_reads=next_reads)
-        if not bool(missing.any()):
-            self.counters.hits += ids.numel()
-            self.last_used[slots] = self._issued
-            return acquire
-        # Positions, not the mask: each selection by them is a gather (a mask is a nonzero each time).
-        at_missing = missing.nonzero().squeeze(1)
-        num_missing = len(at_missing)
-        needed, missed_lookups = distinct.index_select(0, at_missing), counts.index_select(0, at_missing)
+        # The hits locked first, so that fetching the misses cannot evict them.
+        at_missing, needed, missed_lookups = directory.split_hits(distinct, slots, counts, self.last_used, self._issued)
         self.counters.hits += ids.numel() - int(missed_lookups.sum())
+        if not len(at_missing):
+            return acquire
         self._tally(_MISSES, needed, missed_lookups, ascending=True)
-        # Lock the hits first, so that fetching the misses cannot evict them.
-        self.last_used[slots[~missing]] = self._issued
         acquire.missing, acquire.needed = at_missing, needed
-        acquire.victims = self._choose_victims(num_missing)
-        self._evict(acquire.victims[self.id_of_slot[acquire.victims] >= 0])
+        acquire.victims = self._choose_victims(len(at_missing))
+        self._evict(directory.occupied(acquire.victims, self.id_of_slot))
         return acquire
 
     def _finish_acquire(self, acquire: _Acquire, rows: dict[str, Tensor] | None) -> Acquired:
@@ -329,13 +314,10 @@ class DeviceCache:
             for key, tensor in self.slots.items():
                 tensor.index_copy_(0, at, rows[key])
             self.slot_map.assign(needed, victims, ascending=True)  # distinct ids come sorted
-            self.id_of_slot[victims] = needed
-            self.frequency[victims] = 0
+            directory.install(slots, acquire.missing, victims, needed, self.id_of_slot, self.frequency, self.last_used, acquire.ticket)
             fetched = needed if self.sharding.world == 1 else needed[self.sharding.owned(needed)]
             self.counters.fetched_rows += len(fetched)
             self._tally(_FETCHED, fetched, ascending=True)
-            slots.index_copy_(0, acquire.missing, victims)
-            self.last_used[victims] = acquire.ticket
         if acquire.inverse is None:  # identity: slots are the ids
             return Acquired(slots, acquire.ticket, slots)
         if acquire.next_reads is not None:
@@ -343,7 +325,7 @@ class DeviceCache:
             self.window.installed(slots, acquire.next_reads)
         if self.policy in ("lfu", "lookahead"):
             assert acquire.counts is not None
-            self.frequency.index_add_(0, slots, acquire.counts)
+            directory.count_reads(self.frequency, slots, acquire.counts)
         return Acquired(slots[acquire.inverse], acquire.ticket, slots, acquire.inverse)
 
     def count_lookups(self, count: int) -> None:
@@ -422,9 +404,8 @@ class DeviceCache:
             return torch.arange(first, first + count)
         self._never_used_from = self.num_dynamic
         if self.policy != "static" and len(self._reserve) >= count:
-            unread = self._reserve[self.last_used[self._reserve] < self._reserve_ticket]
-            if self.window is not None:
-                unread = unread[~self.window.awaited(unread)]
+            window = None if self.window is None else self.window.next_read
+            unread = directory.unread(self._reserve, self.last_used, self._reserve_ticket, window, NEVER)
             if len(unread) >= count:
                 self._reserve = unread[count:]
                 return unread[:count]
@@ -483,10 +464,9 @@ class DeviceCache:
     def _evict(self, slots: Tensor) -> None:
         if len(slots) == 0:
             return
-        self._write_back(slots[self.dirty[slots]])
-        ids = self.id_of_slot[slots]
+        self._write_back(directory.dirty_among(slots, self.dirty))
+        ids = directory.vacate(slots, self.id_of_slot)
         self.slot_map.remove(ids)
-        self.id_of_slot[slots] = -1
         if self.window is not None:
             self.window.emptied(slots)
         self.counters.evicted_rows += len(slots)
@@ -673,11 +653,10 @@ class _WriteBack:
     def serve_evicted(self, ids: Tensor, rows: dict[str, Tensor], upload: RowUpload) -> None:
         """Where ``ids`` (ascending, on the host) are among these rows, put their evicted
         copies into ``rows`` (on the device): the host store does not hold them yet."""
-        position = torch.searchsorted(self.ids, ids).clamp_(max=len(self.ids) - 1)
-        here = self.ids[position] == ids
-        if not bool(here.any()):  # a host tensor: no device wait
+        at, source = directory.match_sorted(self.ids, ids)
+        if not len(at):
             return
-        at, source = upload.to_device(here.nonzero().squeeze(1)), upload.to_device(position[here])
+        at, source = upload.to_device(at), upload.to_device(source)
         for key, values in rows.items():
             values.index_copy_(0, at, self.evicted[key].index_select(0, source))
 

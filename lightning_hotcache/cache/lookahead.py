@@ -132,10 +132,6 @@ class LookaheadWindow:
     def emptied(self, slots: Tensor) -> None:
         self.next_read[slots] = NEVER
 
-    def awaited(self, slots: Tensor) -> Tensor:
-        """Whether an announced batch reads the row in each of ``slots``."""
-        return self.next_read[slots] != NEVER
-
     def clear(self) -> None:
         """Forget every announced batch."""
         self._batches.clear()

@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_hotcache.cache import directory
 from lightning_hotcache.cache.host_arrays import new_array
 
 SlotMapKind = Literal["dense", "hashed", "sorted"]
@@ -85,7 +86,7 @@ def fbgemm_hash_table_available() -> bool:
 
 
 class DenseSlotMap:
-    """``slot_of_id[id]``: one gather per lookup."""
+    """``slot_of_id[id]``: one compiled pass per lookup (see `directory`)."""
 
     def __init__(self, num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device) -> None:
         # Written at random every batch: on the CPU kept from forked workers (`host_arrays`).
@@ -96,13 +97,13 @@ class DenseSlotMap:
         return [self.slot_of_id]
 
     def lookup(self, ids: Tensor) -> Tensor:
-        return self.slot_of_id[ids].long()
+        return directory.slots_of(self.slot_of_id, ids)
 
     def assign(self, ids: Tensor, slots: Tensor, ascending: bool = False) -> None:  # any order will do
-        self.slot_of_id[ids] = slots.int()
+        directory.scatter(self.slot_of_id, ids, slots)
 
     def remove(self, ids: Tensor) -> None:
-        self.slot_of_id[ids] = -1
+        directory.scatter(self.slot_of_id, ids, -1)
 
 
 class SortedSlotMap:

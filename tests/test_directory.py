@@ -1,0 +1,103 @@
+"""The directory's compiled steps (lightning_hotcache/cache/directory.py) against the torch
+expressions they replace, on random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_hotcache.cache import directory
+from lightning_hotcache.cache.lookahead import NEVER
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def test_split_hits_locks_the_hits_and_returns_the_misses(gen) -> None:
+    distinct = torch.randperm(1000, generator=gen)[:300].sort().values
+    slots = torch.where(torch.rand(300, generator=gen) < 0.3, -1, torch.randperm(300, generator=gen))
+    counts = torch.randint(1, 9, (300,), generator=gen)
+    last_used = torch.zeros(300, dtype=torch.int64)
+    missing, needed, missed_reads = directory.split_hits(distinct, slots, counts, last_used, 7)
+    at = (slots < 0).nonzero().squeeze(1)
+    assert torch.equal(missing, at) and torch.equal(needed, distinct[at]) and torch.equal(missed_reads, counts[at])
+    expected = torch.zeros(300, dtype=torch.int64)
+    expected[slots[slots >= 0]] = 7
+    assert torch.equal(last_used, expected)
+
+
+def test_install_names_resets_and_locks_the_victims(gen) -> None:
+    slots = torch.where(torch.rand(50, generator=gen) < 0.4, -1, torch.arange(50))
+    missing = (slots < 0).nonzero().squeeze(1)
+    victims = torch.randperm(100, generator=gen)[: len(missing)] + 50
+    needed = torch.randint(0, 10**6, (len(missing),), generator=gen)
+    id_of_slot, frequency, last_used = torch.full((150,), -1), torch.ones(150, dtype=torch.int64), torch.zeros(150, dtype=torch.int64)
+    expected = slots.clone()
+    expected[missing] = victims
+    directory.install(slots, missing, victims, needed, id_of_slot, frequency, last_used, 3)
+    assert torch.equal(slots, expected)
+    assert torch.equal(id_of_slot[victims], needed) and not frequency[victims].any() and (last_used[victims] == 3).all()
+    untouched = torch.ones(150, dtype=torch.bool)
+    untouched[victims] = False
+    assert (id_of_slot[untouched] == -1).all() and (frequency[untouched] == 1).all() and not last_used[untouched].any()
+
+
+def test_reads_counted_and_slots_filtered(gen) -> None:
+    frequency = torch.zeros(20, dtype=torch.int64)
+    slots, counts = torch.randperm(20, generator=gen)[:12], torch.randint(1, 5, (12,), generator=gen)
+    directory.count_reads(frequency, slots, counts)
+    assert torch.equal(frequency, torch.zeros(20, dtype=torch.int64).index_add_(0, slots, counts))
+    id_of_slot = torch.where(torch.rand(20, generator=gen) < 0.5, -1, torch.arange(20) * 10)
+    dirty = torch.rand(20, generator=gen) < 0.5
+    assert torch.equal(directory.occupied(slots, id_of_slot), slots[id_of_slot[slots] >= 0])
+    assert torch.equal(directory.dirty_among(slots, dirty), slots[dirty[slots]])
+    held = id_of_slot[slots].clone()
+    assert torch.equal(directory.vacate(slots, id_of_slot), held) and (id_of_slot[slots] == -1).all()
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_unread_keeps_the_reserves_order(gen, windowed) -> None:
+    reserve = torch.randperm(40, generator=gen)[:25]
+    last_used = torch.randint(0, 10, (40,), generator=gen)
+    next_read = torch.where(torch.rand(40, generator=gen) < 0.5, NEVER, torch.randint(0, 9, (40,), generator=gen))
+    keep = last_used[reserve] < 5
+    if windowed:
+        keep &= next_read[reserve] == NEVER
+    assert torch.equal(directory.unread(reserve, last_used, 5, next_read if windowed else None, NEVER), reserve[keep])
+
+
+@pytest.mark.parametrize("ascending", [True, False])
+@pytest.mark.parametrize("counted", [True, False])
+def test_tally_counts_ids_per_segment(gen, ascending, counted) -> None:
+    ends = torch.tensor([3, 10, 11, 40])  # segments [0, 3), [3, 10), [10, 11), [11, 40)
+    ids = torch.randint(0, 40, (200,), generator=gen)
+    ids = ids.sort().values if ascending else ids
+    counts = torch.randint(1, 4, (200,), generator=gen) if counted else None
+    into = torch.full((4,), 5, dtype=torch.int64)
+    directory.tally(into, ends, ids, counts, ascending)
+    segments = torch.searchsorted(ends, ids, right=True)
+    expected = torch.full((4,), 5, dtype=torch.int64).index_add_(0, segments, torch.ones_like(ids) if counts is None else counts)
+    assert torch.equal(into, expected)
+
+
+def test_match_sorted_finds_common_ids(gen) -> None:
+    held = torch.randperm(500, generator=gen)[:120].sort().values
+    ids = torch.randperm(500, generator=gen)[:200].sort().values
+    at, source = directory.match_sorted(held, ids)
+    assert torch.equal(ids[at], held[source]) and torch.equal(at, torch.isin(ids, held).nonzero().squeeze(1))
+    assert len(directory.match_sorted(held, held[:0])[0]) == 0 and len(directory.match_sorted(held[:0], ids)[0]) == 0
+
+
+def test_dense_map_steps(gen) -> None:
+    slot_of_id = torch.full((100,), -1, dtype=torch.int32)
+    ids, slots = torch.randperm(100, generator=gen)[:30], torch.randperm(60, generator=gen)[:30]
+    directory.scatter(slot_of_id, ids, slots)
+    looked_up = directory.slots_of(slot_of_id, torch.arange(100))
+    expected = torch.full((100,), -1)
+    expected[ids] = slots
+    assert looked_up.dtype == torch.int64 and torch.equal(looked_up, expected)
+    directory.scatter(slot_of_id, ids[:10], -1)
+    expected[ids[:10]] = -1
+    assert torch.equal(slot_of_id.long(), expected)
