@@ -101,3 +101,23 @@ def test_dense_map_steps(gen) -> None:
     directory.scatter(slot_of_id, ids[:10], -1)
     expected[ids[:10]] = -1
     assert torch.equal(slot_of_id.long(), expected)
+
+
+def test_link_announced_matches_the_window_books_by_hand(gen) -> None:
+    # The torch expressions the lookahead window ran before: link each id's latest read in the
+    # window to this announcement, give its own ring entries no next read yet, move last_at.
+    rows, ring_length, start, first, number = 50, 64, 10, 30, 7
+    last_at = torch.where(torch.rand(rows, generator=gen) < 0.5, -1, torch.randint(0, first, (rows,), generator=gen)).to(torch.int32)
+    ring = torch.randint(0, 5, (ring_length,), generator=gen)
+    distinct = torch.randperm(rows, generator=gen)[:20].sort().values
+    expected_ring, expected_last_at = ring.clone(), last_at.clone()
+    latest = last_at[distinct].long()
+    linked = latest >= start
+    expected_ring[latest[linked] & (ring_length - 1)] = number
+    expected_ring[torch.arange(first, first + 20) & (ring_length - 1)] = NEVER
+    expected_last_at[distinct] = torch.arange(first, first + 20, dtype=torch.int32)
+    unlinked = directory.link_announced(last_at, ring, distinct, start, first, number, NEVER)
+    assert torch.equal(unlinked, distinct[~linked]) and torch.equal(ring, expected_ring) and torch.equal(last_at, expected_last_at)
+    next_read = torch.zeros(8, dtype=torch.int64)
+    directory.fill_where_resident(next_read, torch.tensor([3, -1, 5]), number)
+    assert next_read.tolist() == [0, 0, 0, 7, 0, 7, 0, 0]

@@ -195,6 +195,44 @@ def match_sorted(held: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @_compiled
+def _link_announced(last_at, ring, distinct, start, first, number, never):  # type: ignore[no-untyped-def]
+    mask = len(ring) - 1
+    unlinked = np.empty(len(distinct), np.int64)
+    n = 0
+    for i in range(len(distinct)):
+        row = distinct[i]
+        latest = last_at[row]
+        if latest >= start:  # read by a batch in the window: this batch is that read's next
+            ring[latest & mask] = number
+        else:
+            unlinked[n] = row
+            n += 1
+        ring[(first + i) & mask] = never  # the ring never wraps onto the live entries linked above
+        last_at[row] = first + i
+    return unlinked[:n]
+
+
+def link_announced(last_at: Tensor, ring: Tensor, distinct: Tensor, start: int, first: int, number: int, never: int) -> Tensor:
+    """Announcement ``number``'s ``distinct`` ids into the lookahead window's books (see
+    `LookaheadWindow`): each id's latest read in the window (``last_at`` its ring position,
+    live from ``start``) linked to it, its own entries at ring positions ``first`` on, read
+    by nothing yet; the ids no batch in the window read."""
+    return torch.from_numpy(_link_announced(_view(last_at), _view(ring), _view(distinct), start, first, number, never))
+
+
+@_compiled
+def _fill_where_resident(target, slots, value):  # type: ignore[no-untyped-def]
+    for slot in slots:
+        if slot >= 0:
+            target[slot] = value
+
+
+def fill_where_resident(target: Tensor, slots: Tensor, value: int) -> None:
+    """``target[slots[slots >= 0]] = value``."""
+    _fill_where_resident(_view(target), _view(slots), value)
+
+
+@_compiled
 def _slots_of(slot_of_id, ids):  # type: ignore[no-untyped-def]
     out = np.empty(len(ids), np.int64)
     for i in range(len(ids)):

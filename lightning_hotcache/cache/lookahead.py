@@ -16,8 +16,9 @@ What it keeps, all on the host:
   how an announcement finds the entry to link from;
 * per slot, the announcement number of its row's next read.
 
-So an announcement and a retirement cost a few index operations over the batch's distinct
-ids, whatever the window's length: no search through the window. Written by hand because no
+So an announcement is one compiled pass over the batch's distinct ids
+(`directory.link_announced`) and a retirement a slice of the ring, whatever the window's
+length: no search through the window. Written by hand because no
 cache in TorchRec or FBGEMM takes future accesses (theirs evict by LRU or LFU).
 """
 
@@ -30,6 +31,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from lightning_hotcache.cache import directory
 from lightning_hotcache.cache.host_arrays import new_host_array
 from lightning_hotcache.sorting import Distinct, unique
 
@@ -92,16 +94,9 @@ class LookaheadWindow:
         distinct, inverse, counts = found if found is not None else unique(ids, return_counts=True)
         self._make_room(len(distinct))
         number, first = self._announced, self._end
-        mask = len(self._next_of) - 1
-        latest = self._last_at[distinct].to(torch.int64)
-        linked = latest >= self._start  # the row's latest read is in the window: link it here
-        self._next_of[latest[linked] & mask] = number
-        for entries in self._ring_slices(first, len(distinct)):
-            entries.fill_(NEVER)
-        self._last_at[distinct] = torch.arange(first, first + len(distinct), dtype=torch.int32)
+        unlinked = directory.link_announced(self._last_at, self._next_of, distinct, self._start, first, number, NEVER)
         # A resident row no batch in the window read: this batch is its next read.
-        slots = slot_of(distinct[~linked])
-        self.next_read[slots[slots >= 0]] = number
+        directory.fill_where_resident(self.next_read, slot_of(unlinked), number)
         self._batches.append(Announced(distinct, inverse, counts, first))
         self._announced += 1
         self._end += len(distinct)
@@ -127,10 +122,10 @@ class LookaheadWindow:
 
     def installed(self, slots: Tensor, next_reads: Tensor) -> None:
         """A retired batch's rows are in ``slots``: their next reads are ``next_reads``."""
-        self.next_read[slots] = next_reads
+        directory.scatter(self.next_read, slots, next_reads)
 
     def emptied(self, slots: Tensor) -> None:
-        self.next_read[slots] = NEVER
+        directory.scatter(self.next_read, slots, NEVER)
 
     def clear(self) -> None:
         """Forget every announced batch."""
