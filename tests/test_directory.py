@@ -121,3 +121,37 @@ def test_link_announced_matches_the_window_books_by_hand(gen) -> None:
     next_read = torch.zeros(8, dtype=torch.int64)
     directory.fill_where_resident(next_read, torch.tensor([3, -1, 5]), number)
     assert next_read.tolist() == [0, 0, 0, 7, 0, 7, 0, 0]
+
+
+def test_compiles_where_nothing_can_be_cached(monkeypatch) -> None:
+    # A read-only install with no writable cache directory: numba refuses to cache, and the
+    # steps must still compile (each process for itself) rather than fail the import.
+    import importlib
+
+    from numba.core import caching
+
+    monkeypatch.setattr(caching.CacheImpl, "_locator_classes", [])  # numba finds nowhere to cache
+    uncached = importlib.reload(directory)
+    try:
+        assert uncached.slots_of(torch.tensor([4, -1, 2], dtype=torch.int32), torch.tensor([2, 0])).tolist() == [2, 4]
+    finally:
+        monkeypatch.undo()
+        importlib.reload(directory)
+
+
+def test_add_per_key_and_the_id_check_against_torch(gen) -> None:
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+    from lightning_hotcache.embedding.batch import add_per_key, check_ids, per_value
+
+    lengths = [3, 0, 5, 2]
+    values = torch.randint(0, 10, (sum(lengths),), generator=gen, dtype=torch.int32)
+    bases = torch.tensor([0, 100, 200, 300])
+    offsets = [0, 3, 3, 8, 10]
+    assert torch.equal(add_per_key(values, bases, offsets), values.long() + per_value(bases, lengths, len(values)))
+    tables = {f"f{k}": EmbeddingBagConfig(name=f"t{k}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{k}"]) for k in range(4)}
+    features = KeyedJaggedTensor.from_lengths_sync(list(tables), values, torch.tensor([1, 2, 0, 0, 3, 2, 1, 1]))  # 2 samples
+    check_ids(features, tables)  # all in range
+    values[9] = 10  # the last id of f3 (t3)
+    with pytest.raises(ValueError, match="Feature 'f3' of table 't3' has id 10, outside"):
+        check_ids(features, tables)

@@ -1,31 +1,27 @@
 """The cache directory's per-batch steps, each one compiled call that holds no GIL.
 
-Staging runs on a prefetch thread beside the training loop, and on a GPU host that loop runs
-Python for most of a step. Every torch call hands the GIL over and must take it back, and
-beside a thread running Python taking it back costs ~0.1 ms a call (a 2-core AMD EPYC:
-`benchmarks/staging.py --beside-python` staged 1.8-2.5x slower beside such a thread; 40k row
-gathers split over 100 calls took 14 ms there against 3 ms alone). Staging made ~130 such
-calls a batch, most of them the directory's small steps over a batch's distinct ids. Here each
-step is one numba function compiled with ``nogil=True``: a loop in machine code, called once,
-that never takes the GIL while it runs (and is 5-10x faster than the torch ops it replaces at
-these sizes, which each pass over the ids).
-
-They read and write numpy views of the directory's host tensors (`Tensor.numpy()` shares the
-memory), so the directory stays torch tensors everywhere else. The rows themselves (device
-slots, host store, pinned buffers) still move with torch: a few large calls a batch.
-Written by hand: TorchRec and FBGEMM keep their cache directories in CUDA kernels of their own
-(FBGEMM's UVM cache), with no host-side equivalent.
+Staging made ~130 torch calls a batch, most of them the directory's small steps over a
+batch's distinct ids (hits and misses, installs, evictions, tallies, the reserve, the dense
+map, the lookahead window's books), and on a GPU host each hands the GIL over to a training
+loop running Python and waits to take it back (see `lightning_hotcache.compiled`: ~0.1 ms a
+call on a 2-core CPU; 40k row gathers split over 100 calls took 14 ms beside such a loop
+against 3 ms alone). Here each step is a loop compiled with ``without_gil``: called once, and
+5-10x faster than the torch ops it replaces at these sizes, which each pass over the ids.
+They read and write numpy views of the directory's host tensors, so the directory stays torch
+tensors everywhere else; the rows themselves (device slots, host store, pinned buffers) still
+move with torch, a few large calls a batch. Written by hand: TorchRec and FBGEMM keep their
+cache directories in CUDA kernels of their own (FBGEMM's UVM cache), with no host-side
+equivalent.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
 from torch import Tensor
 
-# cache=True: compiled once per machine (into __pycache__), not once per process.
-_compiled = numba.njit(nogil=True, cache=True)
+from lightning_hotcache.compiled import without_gil
+
 _NO_COUNTS = np.empty(0, dtype=np.int64)
 
 
@@ -33,7 +29,7 @@ def _view(tensor: Tensor) -> np.ndarray:
     return tensor.numpy()  # host tensors only: the directory lives on the host
 
 
-@_compiled
+@without_gil
 def _split_hits(distinct, slots, counts, last_used, issued):  # type: ignore[no-untyped-def]
     missing = np.empty(len(slots), np.int64)
     needed = np.empty(len(slots), np.int64)
@@ -56,7 +52,7 @@ def split_hits(distinct: Tensor, slots: Tensor, counts: Tensor, last_used: Tenso
     return torch.from_numpy(missing), torch.from_numpy(needed), torch.from_numpy(missed_reads)
 
 
-@_compiled
+@without_gil
 def _install(slots, missing, victims, needed, id_of_slot, frequency, last_used, ticket):  # type: ignore[no-untyped-def]
     for k in range(len(victims)):
         victim = victims[k]
@@ -74,7 +70,7 @@ def install(
     _install(_view(slots), _view(missing), _view(victims), _view(needed), _view(id_of_slot), _view(frequency), _view(last_used), ticket)
 
 
-@_compiled
+@without_gil
 def _count_reads(frequency, slots, counts):  # type: ignore[no-untyped-def]
     for i in range(len(slots)):
         frequency[slots[i]] += counts[i]
@@ -85,7 +81,7 @@ def count_reads(frequency: Tensor, slots: Tensor, counts: Tensor) -> None:
     _count_reads(_view(frequency), _view(slots), _view(counts))
 
 
-@_compiled
+@without_gil
 def _occupied(slots, id_of_slot):  # type: ignore[no-untyped-def]
     out = np.empty(len(slots), np.int64)
     n = 0
@@ -101,7 +97,7 @@ def occupied(slots: Tensor, id_of_slot: Tensor) -> Tensor:
     return torch.from_numpy(_occupied(_view(slots), _view(id_of_slot)))
 
 
-@_compiled
+@without_gil
 def _dirty_among(slots, dirty):  # type: ignore[no-untyped-def]
     out = np.empty(len(slots), np.int64)
     n = 0
@@ -117,7 +113,7 @@ def dirty_among(slots: Tensor, dirty: Tensor) -> Tensor:
     return torch.from_numpy(_dirty_among(_view(slots), _view(dirty)))
 
 
-@_compiled
+@without_gil
 def _vacate(slots, id_of_slot):  # type: ignore[no-untyped-def]
     ids = np.empty(len(slots), np.int64)
     for k in range(len(slots)):
@@ -131,7 +127,7 @@ def vacate(slots: Tensor, id_of_slot: Tensor) -> Tensor:
     return torch.from_numpy(_vacate(_view(slots), _view(id_of_slot)))
 
 
-@_compiled
+@without_gil
 def _unread(reserve, last_used, ticket, next_read, never):  # type: ignore[no-untyped-def]
     out = np.empty(len(reserve), np.int64)
     n = 0
@@ -149,7 +145,7 @@ def unread(reserve: Tensor, last_used: Tensor, ticket: int, next_read: Tensor | 
     return torch.from_numpy(_unread(_view(reserve), _view(last_used), ticket, window, never))
 
 
-@_compiled
+@without_gil
 def _tally_ascending(tally, ends, ids, counts):  # type: ignore[no-untyped-def]
     segment = 0
     for i in range(len(ids)):
@@ -158,7 +154,7 @@ def _tally_ascending(tally, ends, ids, counts):  # type: ignore[no-untyped-def]
         tally[segment] += counts[i] if len(counts) else 1
 
 
-@_compiled
+@without_gil
 def _tally_any(tally, ends, ids, counts):  # type: ignore[no-untyped-def]
     for i in range(len(ids)):
         tally[np.searchsorted(ends, ids[i], side="right")] += counts[i] if len(counts) else 1
@@ -171,7 +167,7 @@ def tally(into: Tensor, ends: Tensor, ids: Tensor, counts: Tensor | None, ascend
     add(_view(into), _view(ends), _view(ids), _NO_COUNTS if counts is None else _view(counts))
 
 
-@_compiled
+@without_gil
 def _match_sorted(held, ids):  # type: ignore[no-untyped-def]
     at = np.empty(min(len(held), len(ids)), np.int64)
     source = np.empty(min(len(held), len(ids)), np.int64)
@@ -194,7 +190,7 @@ def match_sorted(held: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
     return torch.from_numpy(at), torch.from_numpy(source)
 
 
-@_compiled
+@without_gil
 def _link_announced(last_at, ring, distinct, start, first, number, never):  # type: ignore[no-untyped-def]
     mask = len(ring) - 1
     unlinked = np.empty(len(distinct), np.int64)
@@ -220,7 +216,7 @@ def link_announced(last_at: Tensor, ring: Tensor, distinct: Tensor, start: int, 
     return torch.from_numpy(_link_announced(_view(last_at), _view(ring), _view(distinct), start, first, number, never))
 
 
-@_compiled
+@without_gil
 def _fill_where_resident(target, slots, value):  # type: ignore[no-untyped-def]
     for slot in slots:
         if slot >= 0:
@@ -232,7 +228,7 @@ def fill_where_resident(target: Tensor, slots: Tensor, value: int) -> None:
     _fill_where_resident(_view(target), _view(slots), value)
 
 
-@_compiled
+@without_gil
 def _slots_of(slot_of_id, ids):  # type: ignore[no-untyped-def]
     out = np.empty(len(ids), np.int64)
     for i in range(len(ids)):
@@ -245,13 +241,13 @@ def slots_of(slot_of_id: Tensor, ids: Tensor) -> Tensor:
     return torch.from_numpy(_slots_of(_view(slot_of_id), _view(ids)))
 
 
-@_compiled
+@without_gil
 def _scatter(target, at, values):  # type: ignore[no-untyped-def]
     for i in range(len(at)):
         target[at[i]] = values[i]
 
 
-@_compiled
+@without_gil
 def _fill_at(target, at, value):  # type: ignore[no-untyped-def]
     for i in range(len(at)):
         target[at[i]] = value

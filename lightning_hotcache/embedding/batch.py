@@ -12,9 +12,12 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+from lightning_hotcache.compiled import without_gil
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,21 @@ def concat_spans(values: Tensor, spans: list[tuple[int, int]]) -> Tensor:
     return values[spans[0][0] : spans[0][1]] if len(spans) == 1 else torch.cat([values[a:b] for a, b in spans])
 
 
+@without_gil
+def _add_per_key(values, per_key, offsets):  # type: ignore[no-untyped-def]
+    out = np.empty(len(values), np.int64)
+    for key in range(len(per_key)):
+        for i in range(offsets[key], offsets[key + 1]):
+            out[i] = values[i] + per_key[key]
+    return out
+
+
+def add_per_key(values: Tensor, per_key: Tensor, offsets: list[int]) -> Tensor:
+    """``values`` (on the host) as int64, plus ``per_key[k]`` for every value of key ``k``, key
+    ``k``'s values being ``[offsets[k], offsets[k + 1])``: one compiled pass."""
+    return torch.from_numpy(_add_per_key(values.numpy(), per_key.numpy(), np.asarray(offsets, dtype=np.int64)))
+
+
 def per_value(per_key: Tensor, lengths: list[int], num_values: int) -> Tensor:
     """``per_key[k]`` for every value of key ``k``, keys having ``lengths`` values each: a
     broadcast where every key has as many (one-hot batches; 5x faster than
@@ -90,26 +108,29 @@ def per_value(per_key: Tensor, lengths: list[int], num_values: int) -> Tensor:
     return torch.repeat_interleave(per_key, torch.tensor(lengths, device=per_key.device), output_size=num_values)
 
 
+@without_gil
+def _first_out_of_range(values, limits, offsets):  # type: ignore[no-untyped-def]
+    for key in range(len(limits)):
+        for i in range(offsets[key], offsets[key + 1]):
+            if values[i] < 0 or values[i] >= limits[key]:
+                return i
+    return -1
+
+
 def check_ids(features: KeyedJaggedTensor, tables: dict[str, EmbeddingBagConfig]) -> None:
-    """Every id of every feature (each a key of ``tables``, feature -> table) within its
-    table, checked in one pass over the batch's values (a check per feature costs a few small
-    ops each, which add up across 26 features on every step); the first bad id is named."""
+    """Every id of every feature (each a key of ``tables``, feature -> table; on the host)
+    within its table, checked in one compiled pass over the batch's values (staging does this
+    on a thread, where torch's few ops per check each waited for the GIL); the first bad id is
+    named."""
     values = features.values()
     if values.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"Features {features.keys()} have ids of dtype {values.dtype}; expected int32/int64.")
-    if values.numel() == 0:
+    keys, offsets = features.keys(), np.asarray(features.offset_per_key(), dtype=np.int64)
+    limits = np.array([tables[k].num_embeddings for k in keys], dtype=np.int64)
+    position = int(_first_out_of_range(values.numpy(), limits, offsets))
+    if position < 0:
         return
-    keys, lengths = features.keys(), features.length_per_key()
-    limits = torch.tensor([tables[k].num_embeddings for k in keys], device=values.device)
-    if len(set(lengths)) == 1:  # as many ids in every feature (one-hot data): each feature's min and max
-        low, high = torch.aminmax(values.view(len(keys), -1), dim=1)
-        if not bool(((low < 0) | (high >= limits)).any()):
-            return
-    bad = (values < 0) | (values >= per_value(limits, lengths, len(values)))
-    if not bool(bad.any()):
-        return
-    position = int(bad.nonzero()[0])
-    feature = keys[int((position >= torch.tensor(features.offset_per_key()[1:])).sum())]
+    feature = keys[int(np.searchsorted(offsets, position, side="right")) - 1]
     table = tables[feature]
     raise ValueError(
         f"Feature {feature!r} of table {table.name!r} has id {int(values[position])}, outside [0, "

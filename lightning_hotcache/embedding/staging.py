@@ -35,6 +35,7 @@ from lightning_hotcache.cache.upload import to_device
 from lightning_hotcache.embedding.batch import (
     StagedBatch,
     TableReads,
+    add_per_key,
     check_ids,
     concat_spans,
     in_feature_order,
@@ -118,11 +119,11 @@ class Staging:
         ours = in_feature_order(features, self.layout.features, self.layout.input_of, self.layout.table_of)
         check_ids(ours, self.layout.table_of)  # everything validated before any row is touched
         values = ours.values().to(torch.int64)
-        bounds, per_key = ours.offset_per_key(), ours.length_per_key()
+        bounds = ours.offset_per_key()
         if self._value_base is None:
             indices = values.clone()  # the caches' slots are written into it
         else:
-            indices = values + per_value(self._value_base, per_key, len(values))
+            indices = add_per_key(values, self._value_base, bounds)
         spans = {key: [(bounds[a], bounds[b]) for a, b in self._runs[key]] for key in self._acquired}
         # A stack reads global ids (in `indices`); a table of its own reads its ids.
         ids = [concat_spans(indices if key in self.layout.stacks else values, spans[key]) for key in self._acquired]
