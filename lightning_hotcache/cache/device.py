@@ -336,7 +336,7 @@ class DeviceCache:
     def count_fetched(self, ids: Tensor) -> None:
         """Rows ``ids`` were fetched into this cache from elsewhere (another rank's owner)."""
         self.counters.fetched_rows += len(ids)
-        self._tally(_FETCHED, ids)
+        self._tally(_FETCHED, ids.to(self.books))  # the owners' rows come where the device reads them
 
     def num_locked(self) -> int:
         return 0 if self.identity else int((self.last_used > self._released_upto).sum())

@@ -82,35 +82,24 @@ def count_reads(frequency: Tensor, slots: Tensor, counts: Tensor) -> None:
 
 
 @without_gil
-def _occupied(slots, id_of_slot):  # type: ignore[no-untyped-def]
+def _slots_at_least(slots, values, least):  # type: ignore[no-untyped-def]
     out = np.empty(len(slots), np.int64)
     n = 0
     for slot in slots:
-        if id_of_slot[slot] >= 0:
+        if values[slot] >= least:
             out[n] = slot
             n += 1
     return out[:n]
 
 
 def occupied(slots: Tensor, id_of_slot: Tensor) -> Tensor:
-    """The ``slots`` that hold a row."""
-    return torch.from_numpy(_occupied(_view(slots), _view(id_of_slot)))
-
-
-@without_gil
-def _dirty_among(slots, dirty):  # type: ignore[no-untyped-def]
-    out = np.empty(len(slots), np.int64)
-    n = 0
-    for slot in slots:
-        if dirty[slot]:
-            out[n] = slot
-            n += 1
-    return out[:n]
+    """The ``slots`` that hold a row (an id, not -1)."""
+    return torch.from_numpy(_slots_at_least(_view(slots), _view(id_of_slot), 0))
 
 
 def dirty_among(slots: Tensor, dirty: Tensor) -> Tensor:
     """The ``slots`` whose rows changed since they came in."""
-    return torch.from_numpy(_dirty_among(_view(slots), _view(dirty)))
+    return torch.from_numpy(_slots_at_least(_view(slots), _view(dirty), True))
 
 
 @without_gil
