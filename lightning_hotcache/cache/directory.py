@@ -6,7 +6,8 @@ map, the lookahead window's books), and on a GPU host each hands the GIL over to
 loop running Python and waits to take it back (see `lightning_hotcache.compiled`: ~0.1 ms a
 call on a 2-core CPU; 40k row gathers split over 100 calls took 14 ms beside such a loop
 against 3 ms alone). Here each step is a loop compiled with ``without_gil``: called once, and
-5-10x faster than the torch ops it replaces at these sizes, which each pass over the ids.
+one pass over the ids where torch's ops made one each (a prototype of the hit path took 0.51
+ms for 100k distinct ids of a 10M-row dense map, torch's ops 6.2 ms, one thread).
 They read and write numpy views of the directory's host tensors, so the directory stays torch
 tensors everywhere else; the rows themselves (device slots, host store, pinned buffers) still
 move with torch, a few large calls a batch. Written by hand: TorchRec and FBGEMM keep their
