@@ -1,8 +1,8 @@
 """The cache directory's per-batch steps, each one compiled call that holds no GIL.
 
 Staging made ~130 torch calls a batch, most of them the directory's small steps over a
-batch's distinct ids (hits and misses, installs, evictions, tallies, the reserve, the dense
-map, the lookahead window's books), and on a GPU host each hands the GIL over to a training
+batch's distinct ids (hits and misses, installs, evictions, tallies, the reserve, the id ->
+slot maps, the lookahead window's books), and on a GPU host each hands the GIL over to a training
 loop running Python and waits to take it back (see `lightning_hotcache.compiled`: ~0.1 ms a
 call on a 2-core CPU; 40k row gathers split over 100 calls took 14 ms beside such a loop
 against 3 ms alone). Here each step is a loop compiled with ``without_gil``: called once, and
@@ -216,6 +216,19 @@ def _fill_where_resident(target, slots, value):  # type: ignore[no-untyped-def]
 def fill_where_resident(target: Tensor, slots: Tensor, value: int) -> None:
     """``target[slots[slots >= 0]] = value``."""
     _fill_where_resident(_view(target), _view(slots), value)
+
+
+@without_gil
+def _drop_stale(slots, id_of_slot, ids):  # type: ignore[no-untyped-def]
+    for i in range(len(slots)):
+        if slots[i] >= 0 and id_of_slot[slots[i]] != ids[i]:
+            slots[i] = -1
+
+
+def drop_stale(slots: Tensor, id_of_slot: Tensor, ids: Tensor) -> None:
+    """Set to -1 each of ``slots`` (found for ``ids`` in a map that keeps evicted ids' entries)
+    whose slot no longer holds its id."""
+    _drop_stale(_view(slots), _view(id_of_slot), _view(ids))
 
 
 @without_gil

@@ -215,8 +215,8 @@ class HashedSlotMap:
     def lookup(self, ids: Tensor) -> Tensor:
         narrow, bag = self._one_bag(ids)
         slots = torch.ops.fbgemm.pruned_hashmap_lookup(narrow, bag, self.table, self._table_offsets).long()
-        holds = (slots >= 0) & (self.id_of_slot[slots.clamp(min=0)] == ids)  # a stale entry hides nothing
-        return torch.where(holds, slots, -1)
+        directory.drop_stale(slots, self.id_of_slot, ids)  # a stale entry hides nothing
+        return slots
 
     def assign(self, ids: Tensor, slots: Tensor, ascending: bool = False) -> None:  # any order will do
         """Add ``ids`` (none resident) at ``slots``, before the cache names them in ``id_of_slot``."""
