@@ -158,8 +158,8 @@ class DeviceCache:
         num_slots = self.num_static + self.num_dynamic
         self.counters = CacheCounters()
         # Per-segment tallies (lookups, misses, fetched, evicted, written back), a tensor each,
-        # so that counting costs a few ops per step and no host sync; see `segment_counters`.
-        # The segments' ends (the last one the total): where ascending ids are cut, one search.
+        # so that counting costs one compiled call per tally and no host sync; see `segment_counters`.
+        # The segments' ends, exclusive (the last one the total, past every id): `directory.tally` cuts there.
         self._segment_ends = None if segment_starts is None else torch.tensor(list(segment_starts)[1:])
         num_segments = 0 if segment_starts is None else len(segment_starts) - 1
         self._segment_tally = [torch.zeros(num_segments, dtype=torch.int64) for _ in range(5)]

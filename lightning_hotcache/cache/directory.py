@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_hotcache.compiled import without_gil
 
-_NO_COUNTS = np.empty(0, dtype=np.int64)
+_EMPTY = np.empty(0, dtype=np.int64)  # an argument left out (no counts: once each; no window)
 
 
 def _view(tensor: Tensor) -> np.ndarray:
@@ -131,7 +131,7 @@ def _unread(reserve, last_used, ticket, next_read, never):  # type: ignore[no-un
 def unread(reserve: Tensor, last_used: Tensor, ticket: int, next_read: Tensor | None, never: int) -> Tensor:
     """The ``reserve``'s slots not read since ticket ``ticket`` was issued and (``next_read``
     given: the lookahead window's next read of each slot) read by no announced batch, in order."""
-    window = _NO_COUNTS if next_read is None else _view(next_read)
+    window = _EMPTY if next_read is None else _view(next_read)
     return torch.from_numpy(_unread(_view(reserve), _view(last_used), ticket, window, never))
 
 
@@ -154,7 +154,7 @@ def tally(into: Tensor, ends: Tensor, ids: Tensor, counts: Tensor | None, ascend
     """Add ``ids`` (each ``counts`` times, default once) to ``into``, a count per segment of
     ids, the segments ending (exclusive) at ``ends``; ``ascending`` ids are walked, not searched."""
     add = _tally_ascending if ascending else _tally_any
-    add(_view(into), _view(ends), _view(ids), _NO_COUNTS if counts is None else _view(counts))
+    add(_view(into), _view(ends), _view(ids), _EMPTY if counts is None else _view(counts))
 
 
 @without_gil
