@@ -326,8 +326,10 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             memory.
         prefetch_thread: stage on a background thread. Default: on CUDA devices, where the host
             bookkeeping then overlaps GPU compute; not on CPU, where the thread competes with
-            the model for the same cores (measured slower on 2 cores: 32.1 s vs 26.7 s for the
-            demo epoch).
+            the model for the same cores and the GIL: on 2 cores the demo took 6% longer with
+            it. On CPU it pays with large tables, whose fetches and write-backs are memory
+            work that leaves the GIL free: 33.8M rows, batch 2048, 1.06-1.13x inline at 1%
+            and 10% of the rows (benchmarks/README.md, "The prefetch thread on the CPU").
         reader_thread: with the prefetch thread, read and announce batches (check, order and
             deduplicate their ids, move them to the device) on a thread of their own, so that
             this overlaps the staging of the batch before. Default: on CUDA devices; not on

@@ -20,9 +20,10 @@ def test_split_hits_locks_the_hits_and_returns_the_misses(gen) -> None:
     slots = torch.where(torch.rand(300, generator=gen) < 0.3, -1, torch.randperm(300, generator=gen))
     counts = torch.randint(1, 9, (300,), generator=gen)
     last_used = torch.zeros(300, dtype=torch.int64)
-    missing, needed, missed_reads = directory.split_hits(distinct, slots, counts, last_used, 7)
+    missing, needed, missed_reads, missed = directory.split_hits(distinct, slots, counts, last_used, 7)
     at = (slots < 0).nonzero().squeeze(1)
     assert torch.equal(missing, at) and torch.equal(needed, distinct[at]) and torch.equal(missed_reads, counts[at])
+    assert missed == int(counts[at].sum()) and 0 < missed < int(counts.sum())
     expected = torch.zeros(300, dtype=torch.int64)
     expected[slots[slots >= 0]] = 7
     assert torch.equal(last_used, expected)
@@ -52,9 +53,22 @@ def test_reads_counted_and_slots_filtered(gen) -> None:
     id_of_slot = torch.where(torch.rand(20, generator=gen) < 0.5, -1, torch.arange(20) * 10)
     dirty = torch.rand(20, generator=gen) < 0.5
     assert torch.equal(directory.occupied(slots, id_of_slot), slots[id_of_slot[slots] >= 0])
-    assert torch.equal(directory.dirty_among(slots, dirty), slots[dirty[slots]])
     held = id_of_slot[slots].clone()
     assert torch.equal(directory.vacate(slots, id_of_slot), held) and (id_of_slot[slots] == -1).all()
+
+
+def test_dirty_by_id_orders_the_changed_slots_by_id(gen) -> None:
+    id_of_slot = torch.randperm(10**6, generator=gen)[:200]  # distinct ids, in no order
+    dirty = torch.rand(200, generator=gen) < 0.5
+    slots = torch.randperm(200, generator=gen)[:120]
+    changed = slots[dirty[slots]]
+    expected_ids, order = id_of_slot[changed].sort()
+    before = dirty.clone()
+    ids, taken = directory.dirty_by_id(slots, dirty, id_of_slot)
+    assert len(changed) > 0 and torch.equal(ids, expected_ids) and torch.equal(taken, changed[order])
+    assert torch.equal(dirty, before)  # the marks stay until the write-back is made
+    clean = torch.zeros(200, dtype=torch.bool)
+    assert [len(t) for t in directory.dirty_by_id(slots, clean, id_of_slot)] == [0, 0]
 
 
 @pytest.mark.parametrize("windowed", [False, True])

@@ -395,6 +395,31 @@ def test_a_row_fetched_again_before_its_write_back_lands_comes_from_the_evicted_
     assert torch.equal(cache.full()[3], torch.full((2,), 7.0))
 
 
+def test_a_write_back_that_fails_keeps_the_row_marked_changed(monkeypatch) -> None:
+    # A host write that raises (say, a full disk under a memory-mapped store) must not lose the
+    # update: the row stays marked changed, and the next write-back writes it.
+    from lightning_hotcache import RowWiseOptimizerConfig
+
+    sgd = RowWiseOptimizerConfig(name="sgd")
+    host = HostStore("t", 10, 2, sgd.state_widths(2))
+    host.load("weight", torch.zeros(10, 2))
+    cache = DeviceCache("t", 10, 2, sgd, torch.empty(0, dtype=torch.int64), 1, "lru", host, torch.device("cpu"))
+    slots, ticket = cache.acquire(torch.tensor([3]))
+    cache.weight[slots] = 7.0
+    cache.mark_updated(slots)
+    cache.release(ticket)
+
+    def full_disk(*args: object) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(host, "write", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        cache.acquire(torch.tensor([5]))  # evicts row 3 from the only slot
+    monkeypatch.undo()
+    cache.write_back()
+    assert torch.equal(host.weight[3], torch.full((2,), 7.0))
+
+
 @pytest.mark.parametrize("defers", [True, False], ids=["deferred", "at-once"])
 def test_whole_table_reads_land_every_write_back_first(defers: bool) -> None:
     cache, _ = _row_3_updated_and_evicted(defers)

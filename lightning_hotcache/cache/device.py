@@ -294,8 +294,8 @@ class DeviceCache:
         slots = self.slot_map.lookup(distinct)
         acquire = _Acquire(distinct, slots, self._issued, inverse=inverse, counts=counts, next_reads=next_reads)
         # The hits locked first, so that fetching the misses cannot evict them.
-        at_missing, needed, missed_lookups = directory.split_hits(distinct, slots, counts, self.last_used, self._issued)
-        self.counters.hits += ids.numel() - int(missed_lookups.sum())
+        at_missing, needed, missed_lookups, missed = directory.split_hits(distinct, slots, counts, self.last_used, self._issued)
+        self.counters.hits += ids.numel() - missed
         if not len(at_missing):
             return acquire
         self._tally(_MISSES, needed, missed_lookups, ascending=True)
@@ -464,7 +464,7 @@ class DeviceCache:
     def _evict(self, slots: Tensor) -> None:
         if len(slots) == 0:
             return
-        self._write_back(directory.dirty_among(slots, self.dirty))
+        self._write_back(*directory.dirty_by_id(slots, self.dirty, self.id_of_slot))
         ids = directory.vacate(slots, self.id_of_slot)
         self.slot_map.remove(ids)
         if self.window is not None:
@@ -472,16 +472,15 @@ class DeviceCache:
         self.counters.evicted_rows += len(slots)
         self._tally(_EVICTED, ids)
 
-    def _write_back(self, slots: Tensor) -> None:
-        """Start writing ``slots``' rows back: copied off the device now (behind every update
-        queued), written to the host store once the copy is done (`_land_write_backs`)."""
+    def _write_back(self, ids: Tensor, slots: Tensor) -> None:
+        """Start writing back the rows of ``slots``, which hold ``ids`` (ascending,
+        `directory.dirty_by_id`): copied off the device now (behind every update queued),
+        written to the host store once the copy is done (`_land_write_backs`)."""
         if len(slots) == 0:
             return
         # In id order: the host store's writes then go through memory in one direction, and a
         # stack of stores takes each table's rows as one slice. `index_select`, not
         # ``tensor[slots]``: 3x faster for rows on CPU.
-        ids, order = self.id_of_slot[slots].sort()
-        slots = slots[order]
         at = self._upload.to_device(slots)
         evicted = {key: tensor.index_select(0, at) for key, tensor in self.slots.items()}
         if self.defers_write_backs:
@@ -544,7 +543,7 @@ class DeviceCache:
     def write_back(self) -> None:
         """Write every changed row (and its state) back to the host store."""
         if not self.identity:
-            self._write_back(self.dirty.nonzero().squeeze(1))
+            self._write_back(*directory.dirty_by_id(self.dirty.nonzero().squeeze(1), self.dirty, self.id_of_slot))
             self._land_write_backs(everything=True)
 
     @torch.no_grad()

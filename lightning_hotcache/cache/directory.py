@@ -1,11 +1,11 @@
 """The cache directory's per-batch steps, each one compiled call that holds no GIL.
 
 Staging made ~130 torch calls a batch, most of them the directory's small steps over a
-batch's distinct ids (hits and misses, installs, evictions, tallies, the reserve, the id ->
-slot maps, the lookahead window's books), and on a GPU host each hands the GIL over to a training
-loop running Python and waits to take it back (see `lightning_hotcache.compiled`: ~0.1 ms a
-call on a 2-core CPU; 40k row gathers split over 100 calls took 14 ms beside such a loop
-against 3 ms alone). Here each step is a loop compiled with ``without_gil``: called once, and
+batch's distinct ids (hits and misses, installs, evictions and their write-backs' order, tallies,
+the reserve, the id -> slot maps, the lookahead window's books), and on a GPU host each hands
+the GIL over to a training loop running Python and waits to take it back (see
+`lightning_hotcache.compiled`: ~0.1 ms a call on a 2-core CPU; 40k row gathers split over 100
+calls took 14 ms beside such a loop against 3 ms alone). Here each step is a loop compiled with ``without_gil``: called once, and
 one pass over the ids where torch's ops made one each (a prototype of the hit path took 0.51
 ms for 100k distinct ids of a 10M-row dense map, torch's ops 6.2 ms, one thread).
 They read and write numpy views of the directory's host tensors, so the directory stays torch
@@ -35,22 +35,25 @@ def _split_hits(distinct, slots, counts, last_used, issued):  # type: ignore[no-
     missing = np.empty(len(slots), np.int64)
     needed = np.empty(len(slots), np.int64)
     missed_reads = np.empty(len(slots), np.int64)
-    n = 0
+    n = total = 0
     for i in range(len(slots)):
         slot = slots[i]
         if slot < 0:
             missing[n], needed[n], missed_reads[n] = i, distinct[i], counts[i]
+            total += counts[i]
             n += 1
         else:
             last_used[slot] = issued
-    return missing[:n], needed[:n], missed_reads[:n]
+    return missing[:n], needed[:n], missed_reads[:n], total
 
 
-def split_hits(distinct: Tensor, slots: Tensor, counts: Tensor, last_used: Tensor, issued: int) -> tuple[Tensor, Tensor, Tensor]:
+def split_hits(
+    distinct: Tensor, slots: Tensor, counts: Tensor, last_used: Tensor, issued: int
+) -> tuple[Tensor, Tensor, Tensor, int]:
     """Lock the hits among ``distinct`` ids (``slots``: each one's slot, -1 for a miss; ``counts``:
-    its reads) with ticket ``issued``; the misses' positions, ids and reads."""
-    missing, needed, missed_reads = _split_hits(_view(distinct), _view(slots), _view(counts), _view(last_used), issued)
-    return torch.from_numpy(missing), torch.from_numpy(needed), torch.from_numpy(missed_reads)
+    its reads) with ticket ``issued``; the misses' positions, ids and reads, and their reads in all."""
+    missing, needed, missed_reads, total = _split_hits(_view(distinct), _view(slots), _view(counts), _view(last_used), issued)
+    return torch.from_numpy(missing), torch.from_numpy(needed), torch.from_numpy(missed_reads), int(total)
 
 
 @without_gil
@@ -98,9 +101,27 @@ def occupied(slots: Tensor, id_of_slot: Tensor) -> Tensor:
     return torch.from_numpy(_slots_at_least(_view(slots), _view(id_of_slot), 0))
 
 
-def dirty_among(slots: Tensor, dirty: Tensor) -> Tensor:
-    """The ``slots`` whose rows changed since they came in."""
-    return torch.from_numpy(_slots_at_least(_view(slots), _view(dirty), True))
+@without_gil
+def _dirty_by_id(slots, dirty, id_of_slot):  # type: ignore[no-untyped-def]
+    changed = np.empty(len(slots), np.int64)
+    n = 0
+    for slot in slots:
+        if dirty[slot]:
+            changed[n] = slot
+            n += 1
+    ids = np.empty(n, np.int64)
+    for k in range(n):
+        ids[k] = id_of_slot[changed[k]]
+    order = np.argsort(ids)  # the ids are distinct: any sort orders them alike
+    return ids[order], changed[:n][order]
+
+
+def dirty_by_id(slots: Tensor, dirty: Tensor, id_of_slot: Tensor) -> tuple[Tensor, Tensor]:
+    """The ``slots`` whose rows changed since they came in, as the ids they hold (ascending)
+    and those ids' slots: a write-back's rows, in the host store's order. The marks stay
+    until the write-back clears them, so a write that fails loses no update."""
+    ids, changed = _dirty_by_id(_view(slots), _view(dirty), _view(id_of_slot))
+    return torch.from_numpy(ids), torch.from_numpy(changed)
 
 
 @without_gil
