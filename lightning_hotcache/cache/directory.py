@@ -104,17 +104,12 @@ def occupied(slots: Tensor, id_of_slot: Tensor) -> Tensor:
 
 @without_gil
 def _dirty_by_id(slots, dirty, id_of_slot):  # type: ignore[no-untyped-def]
-    changed = np.empty(len(slots), np.int64)
-    n = 0
-    for slot in slots:
-        if dirty[slot]:
-            changed[n] = slot
-            n += 1
-    ids = np.empty(n, np.int64)
-    for k in range(n):
+    changed = _slots_at_least(slots, dirty, True)
+    ids = np.empty(len(changed), np.int64)
+    for k in range(len(changed)):
         ids[k] = id_of_slot[changed[k]]
     order = np.argsort(ids)  # the ids are distinct: any sort orders them alike
-    return ids[order], changed[:n][order]
+    return ids[order], changed[order]
 
 
 def dirty_by_id(slots: Tensor, dirty: Tensor, id_of_slot: Tensor) -> tuple[Tensor, Tensor]:
