@@ -1,7 +1,7 @@
-"""DLRM training throughput on this CPU at full Criteo Kaggle cardinality: auto vs torchrec vs hotcache.
+"""DLRM training throughput on this CPU at Criteo Kaggle cardinality: auto vs torchrec vs hotcache.
 
 Each strategy trains the same DLRM (row-wise Adagrad on the tables, Adam on the dense
-layers) on SyntheticCTRDataModule at scale 1.0 (33.8M rows) for ``--steps`` steps, one
+layers) on SyntheticCTRDataModule at ``--scale`` (default 1.0: 33.8M rows) for ``--steps`` steps, one
 process, ``--rounds`` times over (each round in another rotation of the order); samples/s is measured between the end of
 the warm-up steps and the last step (set-up, table init and profiling excluded), and the
 median round is reported, with ratios to ``auto`` and to ``torchrec`` (the fused FBGEMM
@@ -9,7 +9,7 @@ baseline). Every run is a process of its own: its peak RSS is then that strategy
 (and memory one fit leaves behind, as TorchRec's CPU sharding does, cannot starve the next).
 Prints a table and writes benchmarks/results/cpu_throughput.json.
 
-    python benchmarks/cpu_throughput.py [--dim 16] [--batch-size 2048] [--steps 300] [--rounds 3] [--strategies auto hotcache@1]
+    python benchmarks/cpu_throughput.py [--scale 1.0] [--dim 16] [--batch-size 2048] [--steps 300] [--rounds 3] [--strategies auto hotcache@1]
     python benchmarks/cpu_throughput.py --optimizer adam   # lazy Adam: auto vs hotcache's PyTorch path
     python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.01 hotcache@0.01+lookahead
 
@@ -39,7 +39,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
     pl.seed_everything(0)
-    dm = SyntheticCTRDataModule(scale=1.0, embedding_dim=args.dim, batch_size=args.batch_size,
+    dm = SyntheticCTRDataModule(scale=args.scale, embedding_dim=args.dim, batch_size=args.batch_size,
                                 num_train_samples=args.batch_size * (args.steps + 200), shuffle=False)  # fmt: skip
     model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer, "lr": 0.05})
     clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer))
@@ -67,6 +67,7 @@ def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=1.0, help="the Criteo Kaggle cardinalities times this (1.0: 33.8M rows)")
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=300)
@@ -106,8 +107,8 @@ def main() -> None:
         print(json.dumps(train(runs[args.job](), args)))
         return
     chosen = [name for name in runs if name in args.strategies] if args.strategies else [name for name in runs if "+" not in name]
-    settings = ["--dim", str(args.dim), "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                "--optimizer", args.optimizer]  # fmt: skip
+    settings = ["--scale", str(args.scale), "--dim", str(args.dim), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+                "--warmup", str(args.warmup), "--optimizer", args.optimizer]  # fmt: skip
     results = rounds_of_jobs(__file__, settings, chosen, args.rounds)
     add_ratios(results, ("auto", "torchrec"))
     # "paired": the median over rounds of the ratio within a round (see report.add_ratios).
@@ -121,7 +122,8 @@ def main() -> None:
             f"{r['staging_waits_per_step']:>12.2f}{r['staging_wait_ms_per_step']:>14.2f}{r['peak_rss_mib']:>14.0f}"
             f"  {' '.join(f'{x:.0f}' for x in r['rounds'])}"
         )
-    write_report("cpu_throughput", args, results, rows=33_762_577)
+    rows = sum(t.num_embeddings for t in SyntheticCTRDataModule(scale=args.scale).tables)
+    write_report("cpu_throughput", args, results, rows=rows)
 
 if __name__ == "__main__":
     main()

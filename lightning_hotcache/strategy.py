@@ -327,9 +327,10 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         prefetch_thread: stage on a background thread. Default: on CUDA devices, where the host
             bookkeeping then overlaps GPU compute; not on CPU, where the thread competes with
             the model for the same cores and the GIL: on 2 cores the demo took 6% longer with
-            it. On CPU it pays with large tables, whose fetches and write-backs are memory
-            work that leaves the GIL free: 33.8M rows, batch 2048, 1.06-1.13x inline at 1%
-            and 10% of the rows (benchmarks/README.md, "The prefetch thread on the CPU").
+            it. With large tables it has gone both ways on 2 cores (33.8M rows, batch 2048,
+            10% of the rows: 1.10x inline in one session, 0.91x in the next; 3.4M and 10M
+            rows: 0.89-1.01x), so on a CPU time both on your machine before setting it
+            (benchmarks/README.md, "The prefetch thread on the CPU" and the section after).
         reader_thread: with the prefetch thread, read and announce batches (check, order and
             deduplicate their ids, move them to the device) on a thread of their own, so that
             this overlaps the staging of the batch before. Default: on CUDA devices; not on
