@@ -65,7 +65,7 @@ def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="the Criteo Kaggle cardinalities times this (1.0: 33.8M rows)")
     parser.add_argument("--dim", type=int, default=16)
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", help="a subset to run (default: all; auto is the baseline)")
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_throughput.json")
     parser.add_argument("--job", help=argparse.SUPPRESS)  # one run in this process; prints its JSON
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     runs = {
         "auto": lambda: "auto",

@@ -1,0 +1,23 @@
+"""benchmarks/cpu_throughput.py: one job of it trains the tables of the ``--scale`` it is given."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from datamodules import SyntheticCTRDataModule
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # appended: shadows nothing
+import cpu_throughput  # noqa: E402
+
+
+def test_a_job_trains_the_tables_of_its_scale(capsys) -> None:
+    cpu_throughput.main(["--job", "hotcache@0.1", "--scale", "0.01", "--steps", "8", "--warmup", "2", "--batch-size", "256"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = sum(t.num_embeddings for t in SyntheticCTRDataModule(scale=0.01).tables)
+    # A tenth of those tables' bytes: each row's 16 floats and its row-wise Adagrad state (one float).
+    assert result["budget_mib"] * 2**20 == pytest.approx(0.1 * rows * (16 + 1) * 4, abs=1)
+    assert 0 < result["hit_rate"] < 1 and result["fetched_rows_per_step"] > 0 and result["samples_per_s"] > 0
