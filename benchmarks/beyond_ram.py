@@ -14,6 +14,10 @@ its peak memory is its own), one after the other:
 * ``hotcache``: ``HotCacheStrategy(host_storage=<dir>)`` with a device budget (here: memory
   for cached rows and their bookkeeping) of ``--cache-fraction`` of RAM; the model declares
   its tables deferred (``defer_table_init``), so no table is ever whole in memory.
+* ``hotcache_lookahead``: the same under ``cache_policy="lookahead"``, whose announced batches
+  also have their coming misses paged in from the files ahead of staging
+  (`lightning_hotcache.cache.read_ahead`); ``hotcache_lookahead_no_read_ahead`` the same with
+  that turned off (``LIGHTNING_HOTCACHE_READ_AHEAD=0``): the read-ahead's A/B.
 
 Both start from the same initial rows (`initial_rows`, one seed), written to files in
 ``--dir``; the files are made durable and dropped from the page cache before training, and
@@ -21,9 +25,11 @@ deleted after each run (the disk holds one copy at a time). Reported: samples/s 
 steps after ``--warmup``, peak resident memory split into anonymous (the process's own: the
 cache, the model, the batches) and file-backed pages (page cache mapped into the process,
 which the OS reclaims under pressure), and the bytes the process read from and wrote to disk
-in the timed steps. Writes benchmarks/results/beyond_ram.json.
+in the timed steps (and the rows read ahead). ``--variants`` runs some of them, ``--rounds``
+times over in turn. Writes benchmarks/results/beyond_ram.json.
 
     python benchmarks/beyond_ram.py [--scale 2.5] [--dim 128] [--batch-size 2048] [--steps 40] [--dir DIR]
+    python benchmarks/beyond_ram.py --variants hotcache_lookahead hotcache_lookahead_no_read_ahead --rounds 2 --steps 150 --warmup 70
 """
 
 from __future__ import annotations
@@ -32,8 +38,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -42,17 +46,18 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from clock import StepClock, cache_counters
-from report import write_report
+from report import add_ratios, rounds_of_jobs, write_report
 from torch import nn
 
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotCacheStrategy
 from lightning_hotcache.cache.host import map_rows
+from lightning_hotcache.cache.lookahead import MAX_DEFAULT_WINDOW_BATCHES
 from lightning_hotcache.table_init import initial_rows
 from models import DLRM
 
 RESULTS = Path(__file__).parent / "results"
-VARIANTS = ("mmap", "mmap_random", "hotcache")
+VARIANTS = ("mmap", "mmap_random", "hotcache", "hotcache_lookahead", "hotcache_lookahead_no_read_ahead")
 
 
 def ram_bytes() -> int:
@@ -130,19 +135,25 @@ def mmap_tables(model: DLRM, directory: Path, advise_random: bool) -> None:
 def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     pl.seed_everything(0)
     torch.set_num_threads(args.threads)
-    directory = args.dir / args.variant
+    directory = args.dir / args.job
+    lookahead = args.job.startswith("hotcache_lookahead")
+    if args.job.endswith("no_read_ahead"):
+        os.environ["LIGHTNING_HOTCACHE_READ_AHEAD"] = "0"  # read before the first announcement
     dm = SyntheticCTRDataModule(
         scale=args.scale, embedding_dim=args.dim, batch_size=args.batch_size, shuffle=False,
-        num_train_samples=args.batch_size * (args.steps + args.profile_batches), num_val_samples=args.batch_size,
+        # Under lookahead the loader reads a window of batches past the last step.
+        num_train_samples=args.batch_size * (args.steps + args.profile_batches + (MAX_DEFAULT_WINDOW_BATCHES if lookahead else 0)),
+        num_val_samples=args.batch_size,
     )  # fmt: skip
     model = DLRM(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "sgd", "lr": 0.05})
     rows = sum(t.num_embeddings for t in dm.tables)
-    if args.variant.startswith("mmap"):
-        mmap_tables(model, directory, advise_random=args.variant == "mmap_random")
+    if args.job.startswith("mmap"):
+        mmap_tables(model, directory, advise_random=args.job == "mmap_random")
         strategy: Any = "auto"
     else:
         budget = int(args.cache_fraction * ram_bytes())
-        strategy = HotCacheStrategy(device_budget=budget, host_storage=str(directory), profile_batches=args.profile_batches)
+        strategy = HotCacheStrategy(device_budget=budget, host_storage=str(directory), profile_batches=args.profile_batches,
+                                    cache_policy="lookahead" if lookahead else "lfu")  # fmt: skip
     clock = StepClock(args.warmup, probe=lambda: {**disk_io(), **cache_counters(model)})
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, limit_val_batches=0,
@@ -163,10 +174,11 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     }
     plan = getattr(trainer.strategy, "plan", None)
     if plan is not None:
-        delta = {key: end[key] - start[key] for key in ("lookups", "hits", "fetched_rows")}
+        delta = {key: end[key] - start[key] for key in ("lookups", "hits", "fetched_rows", "read_ahead_rows")}
         out["cache_gib"] = plan.device_bytes / 2**30
         out["hit_rate"] = delta["hits"] / delta["lookups"]
         out["fetched_rows_per_step"] = delta["fetched_rows"] / (args.steps - args.warmup)
+        out["read_ahead_rows_per_step"] = delta["read_ahead_rows"] / (args.steps - args.warmup)
     return out
 
 
@@ -181,35 +193,37 @@ def main() -> None:
     parser.add_argument("--cache-fraction", type=float, default=0.25, help="hotcache's memory cache, as a fraction of RAM")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--dir", type=Path, default=Path("/var/tmp/hotcache-beyond-ram"))
-    parser.add_argument("--variant", choices=VARIANTS, help="run one variant in this process (used by the driver)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="the variants to run (default: all)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every variant, in turn; the median is reported")
+    parser.add_argument("--job", choices=VARIANTS, help=argparse.SUPPRESS)  # one variant in this process; prints its JSON
     parser.add_argument("--out", type=Path, default=RESULTS / "beyond_ram.json")
     args = parser.parse_args()
 
-    if args.variant:
-        print("RESULT " + json.dumps(run_variant(args)), flush=True)
-        return
-    results = {}
-    for variant in reversed(VARIANTS):  # the slowest last
-        shutil.rmtree(args.dir / variant, ignore_errors=True)
-        command = [sys.executable, __file__, *sys.argv[1:], "--variant", variant]
+    if args.job:
+        directory = args.dir / args.job
+        shutil.rmtree(directory, ignore_errors=True)
         try:
-            lines = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout.splitlines()
+            result = run_variant(args)
         finally:
-            shutil.rmtree(args.dir / variant, ignore_errors=True)
-        results[variant] = json.loads(next(line for line in lines if line.startswith("RESULT "))[len("RESULT "):])
-        print(f"{variant}: {results[variant]}", flush=True)
-    results = {variant: results[variant] for variant in VARIANTS}
-    for r in results.values():
-        r["x_mmap"] = r["samples_per_s"] / results["mmap"]["samples_per_s"]
-        r["x_mmap_random"] = r["samples_per_s"] / results["mmap_random"]["samples_per_s"]
-    print(f"RAM {ram_bytes() / 2**30:.1f} GiB, tables {results['mmap']['table_gib']:.1f} GiB")
-    print(f"{'variant':<12}{'samples/s':>10}{'x mmap':>8}{'x random':>9}{'peak RSS':>10}{'anon':>8}{'file':>8}"
-          f"{'read MiB/step':>15}{'write MiB/step':>16}")  # fmt: skip
+            shutil.rmtree(directory, ignore_errors=True)  # the disk holds one variant's files at a time
+        print(json.dumps(result))
+        return
+    settings = [f"--{key.replace('_', '-')}={getattr(args, key)}" for key in
+                ("scale", "dim", "batch_size", "steps", "warmup", "profile_batches", "cache_fraction", "threads", "dir")]  # fmt: skip
+    names = [variant for variant in VARIANTS if variant in args.variants]
+    results = rounds_of_jobs(__file__, settings, names, args.rounds)
+    add_ratios(results, ("mmap", "mmap_random", "hotcache_lookahead_no_read_ahead"))
+    table_gib = next(iter(results.values()))["table_gib"]
+    print(f"RAM {ram_bytes() / 2**30:.1f} GiB, tables {table_gib:.1f} GiB")
+    print(f"{'variant':<34}{'samples/s':>10}{'x mmap':>8}{'x random':>9}{'x no RA':>9}{'peak RSS':>10}{'anon':>8}{'file':>8}"
+          f"{'read MiB/step':>15}{'write MiB/step':>16}{'hit rate':>10}{'RA rows/step':>14}")  # fmt: skip
     for name, r in results.items():
+        paired = r.get("x_hotcache_lookahead_no_read_ahead_paired", float("nan"))
         print(
-            f"{name:<12}{r['samples_per_s']:>10.0f}{r['x_mmap']:>8.2f}{r['x_mmap_random']:>9.2f}"
+            f"{name:<34}{r['samples_per_s']:>10.0f}{r['x_mmap']:>8.2f}{r['x_mmap_random']:>9.2f}{paired:>9.2f}"
             f"{r['peak_rss_gib']:>9.1f}G{r['peak_anon_gib']:>7.1f}G"
             f"{r['peak_file_gib']:>7.1f}G{r['disk_read_mib_per_step']:>15.1f}{r['disk_write_mib_per_step']:>16.1f}"
+            f"{r.get('hit_rate', float('nan')):>10.3f}{r.get('read_ahead_rows_per_step', 0):>14.0f}"
         )
     write_report("beyond_ram", args, results, ram_gib=ram_bytes() / 2**30)
 

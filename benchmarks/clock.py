@@ -72,11 +72,11 @@ def timed_trainer(strategy: Any, max_steps: int, clock: StepClock, accelerator: 
 
 def cache_counters(model: nn.Module) -> dict[str, int]:
     """Running totals summed over every hotcache table of ``model`` (zeros without one): lookups,
-    hits, rows fetched and written back, and the bytes those rows (with their optimizer state)
+    hits, rows fetched, written back and read ahead, and the bytes those rows (with their optimizer state)
     moved host -> device and device -> host."""
     from lightning_hotcache.embedding import hot_cold_modules
 
-    out = dict.fromkeys(("lookups", "hits", "fetched_rows", "written_back_rows", "h2d_bytes", "d2h_bytes"), 0)
+    out = dict.fromkeys(("lookups", "hits", "fetched_rows", "written_back_rows", "read_ahead_rows", "h2d_bytes", "d2h_bytes"), 0)
     for module in hot_cold_modules(model).values():
         for cache in module.caches.values():
             c = cache.counters
@@ -85,6 +85,7 @@ def cache_counters(model: nn.Module) -> dict[str, int]:
             out["hits"] += c.hits
             out["fetched_rows"] += c.fetched_rows
             out["written_back_rows"] += c.written_back_rows
+            out["read_ahead_rows"] += c.read_ahead_rows
             out["h2d_bytes"] += c.fetched_rows * row_bytes
             out["d2h_bytes"] += c.written_back_rows * row_bytes
     return out

@@ -143,8 +143,8 @@ def test_link_announced_matches_the_window_books_by_hand(gen) -> None:
     unlinked = directory.link_announced(last_at, ring, distinct, start, first, number, NEVER)
     assert torch.equal(unlinked, distinct[~linked]) and torch.equal(ring, expected_ring) and torch.equal(last_at, expected_last_at)
     next_read = torch.zeros(8, dtype=torch.int64)
-    directory.fill_where_resident(next_read, torch.tensor([3, -1, 5]), number)
-    assert next_read.tolist() == [0, 0, 0, 7, 0, 7, 0, 0]
+    absent = directory.fill_where_resident(next_read, torch.tensor([3, -1, 5, -1]), number, torch.tensor([10, 11, 12, 13]))
+    assert next_read.tolist() == [0, 0, 0, 7, 0, 7, 0, 0] and absent.tolist() == [11, 13]
 
 
 def test_compiles_where_nothing_can_be_cached(monkeypatch) -> None:

@@ -78,7 +78,7 @@ MAX_PENDING_WRITE_BACKS = 4
 # batch: capped so that (next read, reads) is one int64 key.
 _USES_CAP = 2**22 - 1
 
-_LOOKUPS, _MISSES, _FETCHED, _EVICTED, _WRITTEN_BACK = range(5)  # DeviceCache._segment_tally's tallies
+_LOOKUPS, _MISSES, _FETCHED, _EVICTED, _WRITTEN_BACK, _READ_AHEAD = range(6)  # DeviceCache._segment_tally's tallies
 
 
 class CacheCapacityError(RuntimeError):
@@ -94,6 +94,7 @@ class CacheCounters:
     fetched_rows: int = 0
     evicted_rows: int = 0
     written_back_rows: int = 0
+    read_ahead_rows: int = 0  # host rows paged in when their batch was announced (`DeviceCache.read_ahead`)
 
 
 class DeviceCache:
@@ -162,7 +163,7 @@ class DeviceCache:
         # The segments' ends, exclusive (the last one the total, past every id): `directory.tally` cuts there.
         self._segment_ends = None if segment_starts is None else torch.tensor(list(segment_starts)[1:])
         num_segments = 0 if segment_starts is None else len(segment_starts) - 1
-        self._segment_tally = [torch.zeros(num_segments, dtype=torch.int64) for _ in range(5)]
+        self._segment_tally = [torch.zeros(num_segments, dtype=torch.int64) for _ in range(_READ_AHEAD + 1)]
         self._issued = 0
         # Dynamic slots never used yet are [num_static + _never_used_from, end): a cold cache
         # fills from there without scoring every slot.
@@ -218,8 +219,8 @@ class DeviceCache:
 
     def segment_counters(self, segment: int) -> CacheCounters:
         """Counters of one segment (see ``segment_starts``) since the cache was built."""
-        lookups, misses, fetched, evicted, written_back = (int(tally[segment]) for tally in self._segment_tally)
-        return CacheCounters(lookups, lookups - misses, fetched, evicted, written_back)
+        lookups, misses, fetched, evicted, written_back, read_ahead = (int(tally[segment]) for tally in self._segment_tally)
+        return CacheCounters(lookups, lookups - misses, fetched, evicted, written_back, read_ahead)
 
     def device_bytes(self) -> int:
         """Bytes this cache holds on its device: slot rows and their optimizer state, and on
@@ -255,13 +256,27 @@ class DeviceCache:
             cache._land_write_backs(everything=False)
         return acquired
 
-    def announce(self, ids: Tensor, found: Distinct | None = None) -> None:
+    def announce(self, ids: Tensor, found: Distinct | None = None) -> Tensor | None:
         """A future batch will read ``ids`` (acquired with ``announced=True``, in announcing
         order; ``found``: their `unique`, where the caller has it): under ``lookahead`` its
-        rows are kept until then where anything else can go."""
+        rows are kept until then where anything else can go, and its coming misses are
+        returned (`LookaheadWindow.announce`), for `read_ahead`."""
         if self.window is None:
+            return None
+        return self.window.announce(ids.to(self.books, torch.int64), self.slot_map.lookup, found)
+
+    def read_ahead(self, ids: Tensor) -> None:
+        """Have the host rows of ``ids`` (ascending: an announced batch's coming misses) paged in
+        where the host store is memory-mapped, so that staging them waits for no disk (see
+        `lightning_hotcache.cache.read_ahead`); across ranks, of this rank's own rows. Reads
+        and changes no row: needs no lock."""
+        if self.host is None or not self.host.memory_mapped:
             return
-        self.window.announce(ids.to(self.books, torch.int64), self.slot_map.lookup, found)
+        if self.sharding.world > 1:
+            ids = ids[self.sharding.owned(ids)]
+        self._tally(_READ_AHEAD, ids, ascending=True)
+        self.counters.read_ahead_rows += len(ids)
+        self.host.read_ahead(ids if self.sharding.world == 1 else self.sharding.local(ids))
 
     def clear_window(self) -> None:
         """Forget the announced batches (an epoch cut short leaves some never acquired)."""

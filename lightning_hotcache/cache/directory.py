@@ -224,15 +224,21 @@ def link_announced(last_at: Tensor, ring: Tensor, distinct: Tensor, start: int, 
 
 
 @without_gil
-def _fill_where_resident(target, slots, value):  # type: ignore[no-untyped-def]
-    for slot in slots:
-        if slot >= 0:
-            target[slot] = value
+def _fill_where_resident(target, slots, value, ids):  # type: ignore[no-untyped-def]
+    absent = np.empty(len(slots), np.int64)
+    n = 0
+    for i in range(len(slots)):
+        if slots[i] >= 0:
+            target[slots[i]] = value
+        else:
+            absent[n] = ids[i]
+            n += 1
+    return absent[:n]
 
 
-def fill_where_resident(target: Tensor, slots: Tensor, value: int) -> None:
-    """``target[slots[slots >= 0]] = value``."""
-    _fill_where_resident(_view(target), _view(slots), value)
+def fill_where_resident(target: Tensor, slots: Tensor, value: int, ids: Tensor) -> Tensor:
+    """``target[slots[slots >= 0]] = value``; the ``ids`` (whose slots ``slots`` are) not resident."""
+    return torch.from_numpy(_fill_where_resident(_view(target), _view(slots), value, _view(ids)))
 
 
 @without_gil

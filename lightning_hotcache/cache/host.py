@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_hotcache.cache.host_arrays import new_host_array
+from lightning_hotcache.cache.read_ahead import read_ahead
 
 # Copy tables into the store in chunks of this many bytes, so initializing a table larger
 # than RAM never materializes it twice (deferred tables are also made in chunks this size).
@@ -243,6 +244,7 @@ class HostStore:
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.directory = directory
+        self.memory_mapped = directory is not None
         widths = {"weight": embedding_dim, **state_widths}
         self._maps: list[np.ndarray] = []
         self.arrays: dict[str, Tensor] = {key: self._allocate(key, width) for key, width in widths.items()}
@@ -264,6 +266,7 @@ class HostStore:
         `lightning_hotcache.embedding.layout`), which reads and writes all of them at once."""
         view = cls.__new__(cls)  # no arrays of its own to allocate
         view.name, view.num_embeddings, view.embedding_dim, view.directory = name, num_rows, store.embedding_dim, None
+        view.memory_mapped = store.memory_mapped
         view._maps = []  # the stack's store flushes the files
         view.arrays = {key: array[start : start + num_rows] for key, array in store.arrays.items()}
         return view
@@ -276,6 +279,13 @@ class HostStore:
         """Copies of rows ``ids`` of every array."""
         ids = ids.cpu()
         return {key: array.index_select(0, ids) for key, array in self.arrays.items()}
+
+    def read_ahead(self, ids: Tensor) -> None:
+        """Have the kernel page in rows ``ids`` (ascending) of memory-mapped arrays before they
+        are read (`lightning_hotcache.cache.read_ahead`); rows in RAM are there already."""
+        if self.memory_mapped:
+            for array in self.arrays.values():
+                read_ahead(array, ids)
 
     def write(self, ids: Tensor, rows: dict[str, Tensor]) -> None:
         """Overwrite rows ``ids`` of every array with ``rows`` (same keys as `read`)."""

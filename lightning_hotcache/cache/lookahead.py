@@ -88,18 +88,21 @@ class LookaheadWindow:
     def __len__(self) -> int:
         return len(self._batches)
 
-    def announce(self, ids: Tensor, slot_of: Callable[[Tensor], Tensor], found: Distinct | None = None) -> None:
+    def announce(self, ids: Tensor, slot_of: Callable[[Tensor], Tensor], found: Distinct | None = None) -> Tensor:
         """A future batch reads ``ids`` (on the host; ``found``: their `unique`, where the caller
-        has it); ``slot_of`` gives the slot of resident ids (-1 elsewhere)."""
+        has it); ``slot_of`` gives the slot of resident ids (-1 elsewhere). Returns the batch's
+        coming misses, ascending: its distinct ids that are not resident and that no batch
+        announced before it reads (those are coming already)."""
         distinct, inverse, counts = found if found is not None else unique(ids, return_counts=True)
         self._make_room(len(distinct))
         number, first = self._announced, self._end
         unlinked = directory.link_announced(self._last_at, self._next_of, distinct, self._start, first, number, NEVER)
         # A resident row no batch in the window read: this batch is its next read.
-        directory.fill_where_resident(self.next_read, slot_of(unlinked), number)
+        coming = directory.fill_where_resident(self.next_read, slot_of(unlinked), number, unlinked)
         self._batches.append(Announced(distinct, inverse, counts, first))
         self._announced += 1
         self._end += len(distinct)
+        return coming
 
     def retire(self, num_ids: int, table: str) -> tuple[Announced, Tensor]:
         """The oldest announced batch, being acquired with ``num_ids`` ids, out of the window;

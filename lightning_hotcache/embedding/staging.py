@@ -133,16 +133,19 @@ class Staging:
         """A future training batch (on the host), staged later with ``announced=True`` in this
         order: checked, ordered and deduplicated now, outside the module's lock (on a reader
         thread that work overlaps the staging of earlier batches), and under the lookahead
-        policy the caches' windows learn its ids."""
+        policy the caches' windows learn its ids, and the host rows it will miss are paged in
+        from memory-mapped host stores (after the lock: that waits for no one)."""
         prepared = self._ids(features)
         found = [None if self.caches[key].identity else unique(ids, return_counts=True) for key, ids in zip(self._acquired, prepared[4])]
         if not self._windowed:  # no lock: one thread appends, staging pops (a deque's ends are thread-safe)
             self._announced.append((features, prepared, found))
             return
         with self.locked():
-            for key, ids, distinct in zip(self._acquired, prepared[4], found):
-                self.caches[key].announce(ids, distinct)
+            coming = [self.caches[key].announce(ids, distinct) for key, ids, distinct in zip(self._acquired, prepared[4], found)]
             self._announced.append((features, prepared, found))
+        for key, misses in zip(self._acquired, coming):
+            if misses is not None:
+                self.caches[key].read_ahead(misses)
 
     def clear_window(self) -> None:
         with self.locked():
