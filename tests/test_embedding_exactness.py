@@ -147,6 +147,8 @@ def test_same_tables_and_state_as_torchrec(budget, policy, optimizer, storage, d
     module = train_hotcache(config, batches, UPSTREAM, plan, policy, storage_path, depth, tables, kernel="auto" if kernel == "fbgemm" else kernel)
     assert module.kernel_note.startswith("fbgemm" if kernel == "fbgemm" and optimizer in FUSED_OPTIMIZERS else "pytorch")
     assert_same(module, reference)
+    if policy == "lookahead" and depth and storage == "mmap" and budget != "100%":
+        assert sum(c.counters.read_ahead_rows for c in module.caches.values()) > 0  # its misses were read ahead
     if budget == "minimum":
         counters = module.caches["t_user"].counters
         assert counters.evicted_rows > 0 and counters.fetched_rows > 0  # the cache really cycled

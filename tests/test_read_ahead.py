@@ -18,7 +18,7 @@ from lightning_hotcache import RowWiseOptimizerConfig
 from lightning_hotcache.cache import DeviceCache, HostStore
 from lightning_hotcache.cache import read_ahead as read_ahead_module
 from lightning_hotcache.cache.host import HostDirectory, map_rows
-from lightning_hotcache.cache.read_ahead import read_ahead
+from lightning_hotcache.cache.read_ahead import read_ahead, read_ahead_later
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and mincore are Linux's")
 
@@ -59,13 +59,20 @@ def test_the_rows_asked_for_reach_the_page_cache(tmp_path) -> None:
     rows_per_page = PAGE // (DIM * 4)
     pages = [3, 4, 100, 200]
     ids = torch.tensor(sorted([p * rows_per_page + 5 for p in pages] + [4 * rows_per_page + 6]))
-    assert read_ahead(torch.from_numpy(array), ids) == 4  # the two rows on page 4: one run
+    assert read_ahead_later(torch.from_numpy(array), ids)  # on the read-ahead thread
     deadline = time.monotonic() + 10
     while not _resident_pages(array)[pages].all() and time.monotonic() < deadline:
         time.sleep(0.01)
     resident = _resident_pages(array)
     assert resident[pages].all(), "the advised pages were not read"
     assert resident.sum() < 64, "a row's advice reads its page (and at most the kernel's read-around), not the file"
+
+
+def test_rows_on_one_page_are_advised_once(tmp_path) -> None:
+    array = map_rows(tmp_path / "t.f32", 64 * 256, DIM)
+    rows_per_page = PAGE // (DIM * 4)
+    ids = torch.tensor([3 * rows_per_page + 5, 4 * rows_per_page + 5, 4 * rows_per_page + 6, 100 * rows_per_page])
+    assert read_ahead(torch.from_numpy(array), ids) == 3  # the two rows on page 4: one run
 
 
 def test_a_row_across_a_page_boundary_advises_both_pages(tmp_path) -> None:
@@ -81,6 +88,11 @@ def test_read_ahead_turned_off_advises_nothing(tmp_path, monkeypatch) -> None:
     try:
         array = map_rows(tmp_path / "t.f32", 100, DIM)
         assert read_ahead(torch.from_numpy(array), torch.tensor([1, 50])) == 0
+        assert not read_ahead_later(torch.from_numpy(array), torch.tensor([1, 50]))
+        host = HostStore("t", 100, DIM, {}, HostDirectory(tmp_path / "rows"))
+        cache = DeviceCache("t", 100, DIM, RowWiseOptimizerConfig(name="sgd"), torch.empty(0, dtype=torch.int64), 10, "lookahead", host, torch.device("cpu"))
+        cache.read_ahead(cache.announce(torch.tensor([4, 7])))
+        assert cache.counters.read_ahead_rows == 0  # counts only rows asked for
     finally:
         read_ahead_module._compiled_advise.cache_clear()
 
@@ -94,7 +106,7 @@ def test_an_announced_batch_reads_ahead_its_coming_misses(storage: str, tmp_path
     host = HostStore("t", 1000, DIM, sgd.state_widths(DIM), directory)
     cache = DeviceCache("t", 1000, DIM, sgd, torch.arange(10), 20, "lookahead", host, torch.device("cpu"), segment_starts=[0, 500, 1000])
     advised: list[list[int]] = []
-    host.read_ahead = lambda ids: advised.append(ids.tolist())  # type: ignore[method-assign]
+    host.read_ahead = lambda ids: advised.append(ids.tolist()) or True  # type: ignore[method-assign]
 
     def announce(ids: list[int]) -> None:
         cache.read_ahead(cache.announce(torch.tensor(ids)))
@@ -120,6 +132,6 @@ def test_across_ranks_a_rank_reads_ahead_only_the_rows_it_owns(tmp_path) -> None
     host = HostStore("t", sharding.num_local(100), DIM, {}, HostDirectory(tmp_path))
     cache = DeviceCache("t", 100, DIM, sgd, torch.empty(0, dtype=torch.int64), 10, "lookahead", host, torch.device("cpu"), sharding)
     advised: list[list[int]] = []
-    host.read_ahead = lambda ids: advised.append(ids.tolist())  # type: ignore[method-assign]
+    host.read_ahead = lambda ids: advised.append(ids.tolist()) or True  # type: ignore[method-assign]
     cache.read_ahead(cache.announce(torch.tensor([4, 7, 9, 10])))
     assert advised == [[3, 4]] and cache.counters.read_ahead_rows == 2

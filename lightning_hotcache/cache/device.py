@@ -274,9 +274,9 @@ class DeviceCache:
             return
         if self.sharding.world > 1:
             ids = ids[self.sharding.owned(ids)]
-        self._tally(_READ_AHEAD, ids, ascending=True)
-        self.counters.read_ahead_rows += len(ids)
-        self.host.read_ahead(ids if self.sharding.world == 1 else self.sharding.local(ids))
+        if self.host.read_ahead(ids if self.sharding.world == 1 else self.sharding.local(ids)):
+            self._tally(_READ_AHEAD, ids, ascending=True)
+            self.counters.read_ahead_rows += len(ids)
 
     def clear_window(self) -> None:
         """Forget the announced batches (an epoch cut short leaves some never acquired)."""

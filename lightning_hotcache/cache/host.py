@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_hotcache.cache.host_arrays import new_host_array
-from lightning_hotcache.cache.read_ahead import read_ahead
+from lightning_hotcache.cache.read_ahead import read_ahead_later
 
 # Copy tables into the store in chunks of this many bytes, so initializing a table larger
 # than RAM never materializes it twice (deferred tables are also made in chunks this size).
@@ -280,12 +280,11 @@ class HostStore:
         ids = ids.cpu()
         return {key: array.index_select(0, ids) for key, array in self.arrays.items()}
 
-    def read_ahead(self, ids: Tensor) -> None:
+    def read_ahead(self, ids: Tensor) -> bool:
         """Have the kernel page in rows ``ids`` (ascending) of memory-mapped arrays before they
-        are read (`lightning_hotcache.cache.read_ahead`); rows in RAM are there already."""
-        if self.memory_mapped:
-            for array in self.arrays.values():
-                read_ahead(array, ids)
+        are read, on the read-ahead thread (`lightning_hotcache.cache.read_ahead`); whether it
+        was asked to. Rows in RAM are there already."""
+        return self.memory_mapped and all([read_ahead_later(array, ids) for array in self.arrays.values()])
 
     def write(self, ids: Tensor, rows: dict[str, Tensor]) -> None:
         """Overwrite rows ``ids`` of every array with ``rows`` (same keys as `read`)."""
