@@ -59,7 +59,7 @@ def test_the_rows_asked_for_reach_the_page_cache(tmp_path) -> None:
     rows_per_page = PAGE // (DIM * 4)
     pages = [3, 4, 100, 200]
     ids = torch.tensor(sorted([p * rows_per_page + 5 for p in pages] + [4 * rows_per_page + 6]))
-    assert read_ahead_later(torch.from_numpy(array), ids)  # on the read-ahead thread
+    assert read_ahead_later([torch.from_numpy(array)], ids)  # on the read-ahead thread
     deadline = time.monotonic() + 10
     while not _resident_pages(array)[pages].all() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -88,7 +88,7 @@ def test_read_ahead_turned_off_advises_nothing(tmp_path, monkeypatch) -> None:
     try:
         array = map_rows(tmp_path / "t.f32", 100, DIM)
         assert read_ahead(torch.from_numpy(array), torch.tensor([1, 50])) == 0
-        assert not read_ahead_later(torch.from_numpy(array), torch.tensor([1, 50]))
+        assert not read_ahead_later([torch.from_numpy(array)], torch.tensor([1, 50]))
         host = HostStore("t", 100, DIM, {}, HostDirectory(tmp_path / "rows"))
         cache = DeviceCache("t", 100, DIM, RowWiseOptimizerConfig(name="sgd"), torch.empty(0, dtype=torch.int64), 10, "lookahead", host, torch.device("cpu"))
         cache.read_ahead(cache.announce(torch.tensor([4, 7])))
@@ -135,3 +135,17 @@ def test_across_ranks_a_rank_reads_ahead_only_the_rows_it_owns(tmp_path) -> None
     host.read_ahead = lambda ids: advised.append(ids.tolist()) or True  # type: ignore[method-assign]
     cache.read_ahead(cache.announce(torch.tensor([4, 7, 9, 10])))
     assert advised == [[3, 4]] and cache.counters.read_ahead_rows == 2
+
+
+def _read_ahead_thread_alive() -> bool:
+    return read_ahead_module._thread().thread.is_alive()
+
+
+def test_a_forked_process_reads_ahead_on_a_thread_of_its_own() -> None:
+    # Threads do not survive a fork: a child given the parent's (dead there) would queue
+    # requests that nothing reads.
+    import multiprocessing
+
+    assert _read_ahead_thread_alive()
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply(_read_ahead_thread_alive)

@@ -284,7 +284,7 @@ class HostStore:
         """Have the kernel page in rows ``ids`` (ascending) of memory-mapped arrays before they
         are read, on the read-ahead thread (`lightning_hotcache.cache.read_ahead`); whether it
         was asked to. Rows in RAM are there already."""
-        return self.memory_mapped and all([read_ahead_later(array, ids) for array in self.arrays.values()])
+        return self.memory_mapped and read_ahead_later(list(self.arrays.values()), ids)
 
     def write(self, ids: Tensor, rows: dict[str, Tensor]) -> None:
         """Overwrite rows ``ids`` of every array with ``rows`` (same keys as `read`)."""

@@ -31,15 +31,16 @@ import os
 import queue
 import sys
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import numba
 import torch
 from torch import Tensor
 
 _MADV_WILLNEED = 3  # <asm-generic/mman-common.h>
-# Requests the read-ahead thread may hold before new ones are dropped (it is a hint: a dropped
-# batch's rows are read when it is staged, as without read-ahead).
+# Requests (a cache's coming misses of one announced batch) the read-ahead thread may hold
+# before new ones are dropped: a hint, so a dropped batch's rows are read when it is staged, as
+# without read-ahead. As many as the longest default window holds batches.
 MAX_PENDING = 256
 
 
@@ -96,13 +97,15 @@ class _ReadAheadThread:
     for a page the kernel must read costs it ~6 us (2,400 rows a batch: ~15 ms)."""
 
     def __init__(self) -> None:
-        self.pending: queue.Queue[tuple[Tensor, Tensor]] = queue.Queue(maxsize=MAX_PENDING)
-        threading.Thread(target=self._run, name="hotcache-read-ahead", daemon=True).start()
+        self.pending: queue.Queue[tuple[Sequence[Tensor], Tensor]] = queue.Queue(maxsize=MAX_PENDING)
+        self.thread = threading.Thread(target=self._run, name="hotcache-read-ahead", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         while True:
-            array, ids = self.pending.get()  # the request holds the array: its mapping outlives the call
-            read_ahead(array, ids)
+            arrays, ids = self.pending.get()  # the request holds the arrays: their mappings outlive the calls
+            for array in arrays:
+                read_ahead(array, ids)
 
 
 @functools.cache
@@ -110,13 +113,17 @@ def _thread() -> _ReadAheadThread:
     return _ReadAheadThread()
 
 
-def read_ahead_later(array: Tensor, ids: Tensor) -> bool:
-    """`read_ahead` on a thread of its own; whether it was queued (not where read-ahead is off,
-    nor when the thread is `MAX_PENDING` requests behind)."""
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_thread.cache_clear)  # a forked child has no thread: it starts its own
+
+
+def read_ahead_later(arrays: Sequence[Tensor], ids: Tensor) -> bool:
+    """`read_ahead` of rows ``ids`` of each of ``arrays``, on a thread of its own; whether it was
+    queued (not where read-ahead is off, nor when the thread is `MAX_PENDING` requests behind)."""
     if _compiled_advise() is None or not len(ids):
         return False
     try:
-        _thread().pending.put_nowait((array, ids))
+        _thread().pending.put_nowait((arrays, ids))
     except queue.Full:
         return False
     return True
