@@ -13,7 +13,6 @@ from conftest import mappings_at
 
 from lightning_hotcache import RowWiseOptimizerConfig
 from lightning_hotcache.cache import DeviceCache, HostStore
-from lightning_hotcache.cache import host_arrays
 from lightning_hotcache.cache.fused import FusedTables
 from lightning_hotcache.cache.host_arrays import HUGE_PAGE, move_to_huge_pages, new_array, new_host_array
 from lightning_hotcache.cache.lookahead import LookaheadWindow
@@ -68,13 +67,8 @@ def test_fbgemm_tables_and_host_stores_use_huge_pages() -> None:
 
 
 def test_switched_off_by_the_environment(monkeypatch) -> None:
-    monkeypatch.setenv("LIGHTNING_HOTCACHE_HUGE_PAGES", "0")
-    host_arrays._madvise.cache_clear()
-    try:
-        assert not move_to_huge_pages(torch.randn(ROWS, 16))
-    finally:
-        monkeypatch.undo()
-        host_arrays._madvise.cache_clear()
+    monkeypatch.setenv("LIGHTNING_HOTCACHE_HUGE_PAGES", "0")  # read at each call
+    assert not move_to_huge_pages(torch.randn(ROWS, 16))
 
 
 needs_smaps = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps (not Linux)")

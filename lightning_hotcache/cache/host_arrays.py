@@ -60,17 +60,23 @@ _MADV_COLLAPSE = 25
 
 
 @functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux") or os.environ.get("LIGHTNING_HOTCACHE_HUGE_PAGES", "1") == "0":
+def libc_madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise(address, length, advice)`` (addresses as integers, which numba's
+    compiled loops can pass too; see `read_ahead`), or None off Linux."""
+    if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     except OSError:
         return None
     madvise = libc.madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.argtypes = (ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int)
     madvise.restype = ctypes.c_int
     return madvise
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    return None if os.environ.get("LIGHTNING_HOTCACHE_HUGE_PAGES", "1") == "0" else libc_madvise()
 
 
 def _advise(tensor: Tensor, advice: int) -> bool:

@@ -23,19 +23,18 @@ measurements).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import mmap
 import os
 import queue
-import sys
 import threading
 from typing import Any, Sequence
 
 import numba
 import torch
 from torch import Tensor
+
+from lightning_hotcache.cache.host_arrays import libc_madvise
 
 _MADV_WILLNEED = 3  # <asm-generic/mman-common.h>
 # Requests (a cache's coming misses of one announced batch) the read-ahead thread may hold
@@ -47,15 +46,9 @@ MAX_PENDING = 256
 @functools.cache
 def _compiled_advise() -> Any | None:
     """The compiled loop (None where there is no ``madvise`` or read-ahead is off)."""
-    if not sys.platform.startswith("linux") or os.environ.get("LIGHTNING_HOTCACHE_READ_AHEAD", "1") == "0":
+    madvise = libc_madvise()
+    if madvise is None or os.environ.get("LIGHTNING_HOTCACHE_READ_AHEAD", "1") == "0":
         return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    except OSError:
-        return None
-    madvise = libc.madvise
-    madvise.argtypes = (ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int)  # addresses as integers: numba passes them so
-    madvise.restype = ctypes.c_int
 
     @numba.njit(nogil=True)  # not cached: it calls C through ctypes (see the module)
     def advise(base, row_bytes, ids, page, advice):  # type: ignore[no-untyped-def]
