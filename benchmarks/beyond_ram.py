@@ -182,7 +182,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=2.5)
     parser.add_argument("--dim", type=int, default=128)
@@ -197,7 +197,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="runs of every variant, in turn; the median is reported")
     parser.add_argument("--job", choices=VARIANTS, help=argparse.SUPPRESS)  # one variant in this process; prints its JSON
     parser.add_argument("--out", type=Path, default=RESULTS / "beyond_ram.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.job:
         directory = args.dir / args.job

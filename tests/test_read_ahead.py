@@ -8,7 +8,9 @@ import ctypes
 import mmap
 import os
 import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,12 +62,8 @@ def test_the_rows_asked_for_reach_the_page_cache(tmp_path) -> None:
     pages = [3, 4, 100, 200]
     ids = torch.tensor(sorted([p * rows_per_page + 5 for p in pages] + [4 * rows_per_page + 6]))
     assert read_ahead_later([torch.from_numpy(array)], ids)  # on the read-ahead thread
-    deadline = time.monotonic() + 10
-    while not _resident_pages(array)[pages].all() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    resident = _resident_pages(array)
-    assert resident[pages].all(), "the advised pages were not read"
-    assert resident.sum() < 64, "a row's advice reads its page (and at most the kernel's read-around), not the file"
+    assert _became_resident(array, pages), "the advised pages were not read"
+    assert _resident_pages(array).sum() < 64, "a row's advice reads its page (and at most the kernel's read-around), not the file"
 
 
 def test_rows_on_one_page_are_advised_once(tmp_path) -> None:
@@ -137,15 +135,54 @@ def test_across_ranks_a_rank_reads_ahead_only_the_rows_it_owns(tmp_path) -> None
     assert advised == [[3, 4]] and cache.counters.read_ahead_rows == 2
 
 
-def _read_ahead_thread_alive() -> bool:
-    return read_ahead_module._thread().thread.is_alive()
+class _Blocking:
+    """An "array" whose read-ahead waits for ``event``: it keeps the read-ahead thread busy."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def numel(self) -> int:
+        self.event.wait()
+        return 0
 
 
-def test_a_forked_process_reads_ahead_on_a_thread_of_its_own() -> None:
-    # Threads do not survive a fork: a child given the parent's (dead there) would queue
-    # requests that nothing reads.
+def _reads_ahead_in_child(path: str) -> bool:
+    array = map_rows(Path(path), 64 * 256, DIM)
+    assert read_ahead_later([torch.from_numpy(array)], torch.tensor([64 * 10]))
+    return _became_resident(array, [10])
+
+
+def _became_resident(array: np.ndarray, pages: list[int]) -> bool:
+    deadline = time.monotonic() + 10
+    while not _resident_pages(array)[pages].all() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(_resident_pages(array)[pages].all())
+
+
+def test_a_forked_process_reads_ahead_on_a_thread_of_its_own(tmp_path) -> None:
+    # Threads do not survive a fork: a child that took the parent's busy thread for its own
+    # would queue requests that nothing makes.
     import multiprocessing
 
-    assert _read_ahead_thread_alive()
-    with multiprocessing.get_context("fork").Pool(1) as pool:
-        assert pool.apply(_read_ahead_thread_alive)
+    _cold_rows(tmp_path / "t.f32", 64 * 256)
+    busy = threading.Event()
+    assert read_ahead_later([_Blocking(busy)], torch.tensor([0]))  # type: ignore[list-item]
+    try:
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            assert pool.apply(_reads_ahead_in_child, (str(tmp_path / "t.f32"),))
+    finally:
+        busy.set()
+        read_ahead_module.settle()
+
+
+def test_the_thread_ends_when_the_window_is_forgotten(tmp_path) -> None:
+    # At the end of a fit (`DeviceCache.clear_window`) no read-ahead thread is left behind.
+    busy = threading.Event()
+    assert read_ahead_later([_Blocking(busy)], torch.tensor([0]))  # type: ignore[list-item]
+    assert read_ahead_later([_Blocking(busy)], torch.tensor([0]))  # type: ignore[list-item]
+    assert [t.name for t in threading.enumerate()].count("hotcache-read-ahead") == 1
+    threading.Timer(0.2, busy.set).start()
+    host = HostStore("t", 100, DIM, {}, HostDirectory(tmp_path))
+    DeviceCache("t", 100, DIM, RowWiseOptimizerConfig(name="sgd"), torch.empty(0, dtype=torch.int64), 10, "lookahead", host,
+                torch.device("cpu")).clear_window()  # fmt: skip
+    assert "hotcache-read-ahead" not in [t.name for t in threading.enumerate()]

@@ -50,7 +50,7 @@ from typing import Literal, Sequence
 import torch
 from torch import Tensor
 
-from lightning_hotcache.cache import directory
+from lightning_hotcache.cache import directory, read_ahead
 from lightning_hotcache.cache.exchange import RowSharding, gather_table
 from lightning_hotcache.cache.host import HostStore, RowsAt
 from lightning_hotcache.cache.host_arrays import new_array, new_host_array
@@ -279,9 +279,11 @@ class DeviceCache:
             self.counters.read_ahead_rows += len(ids)
 
     def clear_window(self) -> None:
-        """Forget the announced batches (an epoch cut short leaves some never acquired)."""
+        """Forget the announced batches (an epoch cut short leaves some never acquired), and
+        the rows still to be read ahead for them."""
         if self.window is not None:
             self.window.clear()
+            read_ahead.settle()
 
     def _begin_acquire(self, ids: Tensor, announced: bool = False, found: Distinct | None = None) -> _Acquire:
         """Lock the hits and free slots for the misses (their rows come next).

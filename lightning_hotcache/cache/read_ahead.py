@@ -17,8 +17,8 @@ keeps rows in RocksDB, whose prefetch is its own). The advice is one compiled lo
 batch's ids that holds no GIL (`lightning_hotcache.compiled`), one system call per run of
 pages, made on a thread of its own so that the announcing thread (on the CPU, the training
 loop) does not wait for the calls; numba cannot cache a function that calls C through
-ctypes, so a process compiles it once, when it first reads ahead. ``LIGHTNING_HOTCACHE_READ_AHEAD=0`` turns it off (for A/B
-measurements).
+ctypes, so a process compiles it once, when it first reads ahead.
+``LIGHTNING_HOTCACHE_READ_AHEAD=0`` turns it off (for A/B measurements).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from __future__ import annotations
 import functools
 import mmap
 import os
-import queue
 import threading
+from collections import deque
 from typing import Any, Sequence
 
 import numba
@@ -52,7 +52,7 @@ def _compiled_advise() -> Any | None:
 
     @numba.njit(nogil=True)  # not cached: it calls C through ctypes (see the module)
     def advise(base, row_bytes, ids, page, advice):  # type: ignore[no-untyped-def]
-        # ``ids`` ascending: rows on one page, or on pages that touch, make one run and one call.
+        # ``ids`` ascending: a row whose first page the run reaches joins it (one call a run).
         runs = 0
         start = end = -1
         for i in range(len(ids)):
@@ -84,39 +84,69 @@ def read_ahead(array: Tensor, ids: Tensor) -> int:
     return int(advise(array.data_ptr(), row_bytes, ids.to(torch.int64).contiguous().numpy(), mmap.PAGESIZE, _MADV_WILLNEED))
 
 
-class _ReadAheadThread:
-    """One daemon thread per process that makes `read_ahead`'s system calls, so that the
-    announcing thread (on the CPU, the training loop itself) does not wait for them: asking
-    for a page the kernel must read costs it ~6 us (2,400 rows a batch: ~15 ms)."""
+class _Requests:
+    """The rows still to be read ahead, and the thread that makes their system calls, so that
+    the announcing thread (on the CPU, the training loop itself) does not wait for them
+    (asking for a page the kernel must read costs it ~6 us: 2,400 rows a batch, ~15 ms). The
+    thread runs while there are requests and ends when there are none: no thread outlives the
+    work, and `settle` leaves none behind at the end of a fit."""
 
     def __init__(self) -> None:
-        self.pending: queue.Queue[tuple[Sequence[Tensor], Tensor]] = queue.Queue(maxsize=MAX_PENDING)
-        self.thread = threading.Thread(target=self._run, name="hotcache-read-ahead", daemon=True)
-        self.thread.start()
+        self.lock = threading.Lock()
+        self.pending: deque[tuple[Sequence[Tensor], Tensor]] = deque()
+        self.worker: threading.Thread | None = None
 
-    def _run(self) -> None:
+    def submit(self, arrays: Sequence[Tensor], ids: Tensor) -> bool:
+        with self.lock:
+            if len(self.pending) >= MAX_PENDING:
+                return False
+            self.pending.append((arrays, ids))  # the request holds the arrays: their mappings outlive the calls
+            if self.worker is None:
+                self.worker = threading.Thread(target=self._work, name="hotcache-read-ahead", daemon=True)
+                self.worker.start()
+        return True
+
+    def _work(self) -> None:
         while True:
-            arrays, ids = self.pending.get()  # the request holds the arrays: their mappings outlive the calls
+            with self.lock:
+                if not self.pending:
+                    self.worker = None
+                    return
+                arrays, ids = self.pending.popleft()
             for array in arrays:
                 read_ahead(array, ids)
 
+    def settle(self) -> None:
+        with self.lock:
+            self.pending.clear()
+            worker = self.worker
+        if worker is not None:
+            worker.join()
 
-@functools.cache
-def _thread() -> _ReadAheadThread:
-    return _ReadAheadThread()
+
+_requests = _Requests()
+
+
+def _forget_in_child() -> None:
+    # A forked child has none of the parent's threads (its worker, maybe its lock's holder).
+    global _requests
+    _requests = _Requests()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_thread.cache_clear)  # a forked child has no thread: it starts its own
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def read_ahead_later(arrays: Sequence[Tensor], ids: Tensor) -> bool:
-    """`read_ahead` of rows ``ids`` of each of ``arrays``, on a thread of its own; whether it was
-    queued (not where read-ahead is off, nor when the thread is `MAX_PENDING` requests behind)."""
+    """`read_ahead` of rows ``ids`` of each of ``arrays``, on the read-ahead thread; whether it
+    was queued (not where read-ahead is off, nor when `MAX_PENDING` requests wait)."""
     if _compiled_advise() is None or not len(ids):
         return False
-    try:
-        _thread().pending.put_nowait((arrays, ids))
-    except queue.Full:
-        return False
-    return True
+    return _requests.submit(arrays, ids)
+
+
+def settle() -> None:
+    """Drop the requests not made yet and wait for the read-ahead thread to end (it ends once
+    idle; the calls it is making take microseconds a row): when the announced batches are
+    forgotten, as at the end of a fit."""
+    _requests.settle()
