@@ -78,7 +78,7 @@ from lightning_hotcache.planner import (
 )
 from lightning_hotcache.profiling import AccessStats, profile_batches, run_batch_size
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
-from lightning_hotcache.table_init import draw_seed, is_deferred
+from lightning_hotcache.table_init import deferred_tables_left_out_of_moves, draw_seed, is_deferred
 
 PLAN_KEY = "hotcache_plan"
 
@@ -492,10 +492,13 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         else:
             stats = AccessStats.load(self.stats_path, tables) if self.stats_path else None
             try:
-                self.plan = planner.plan(tables, stats, batch_size if stats is not None else None)
+                plan = planner.plan(tables, stats, batch_size if stats is not None else None)
             except StatsNeededError:
+                plan = None  # profiled below, outside the handler: a planner error then is not shown "during handling" of this
+            if plan is None:
                 with self._training_batches(trainer) as batches:
-                    self.plan = planner.plan(tables, profile_batches(batches, tables, self.profile_batches))
+                    plan = planner.plan(tables, profile_batches(batches, tables, self.profile_batches))
+            self.plan = plan
         if self.world_size > 1:
             # Ranks profiled different batches; they must share one plan (their row exchanges
             # must match), so rank 0's wins.
@@ -684,4 +687,5 @@ class HotCacheStrategy(LikeAutoInOneProcess):
                 module.flush()
             finally:
                 module.release_host_storage()
-        super().teardown()
+        with deferred_tables_left_out_of_moves(self.lightning_module):
+            super().teardown()

@@ -15,6 +15,7 @@ tier a row may live in, sees the same table.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
@@ -27,6 +28,26 @@ from lightning_hotcache.cache.host import CHUNK_BYTES, RowsAt, rows_in
 def is_deferred(collection: EmbeddingBagCollection) -> bool:
     """Whether the collection's tables are declared only (meta device), with no rows yet."""
     return any(p.is_meta for p in collection.parameters())
+
+
+@contextmanager
+def deferred_tables_left_out_of_moves(module: nn.Module | None) -> Iterator[None]:
+    """Within it, ``module.to(...)``/``.cpu()`` leave tables still on the meta device alone.
+
+    Lightning's teardown moves the model to the CPU after a failed fit too; when the fit failed
+    before the tables were made (a budget the planner refuses), copying a meta tensor raises,
+    "during handling of" the real error, which then is not the last thing the user reads. The
+    tables cannot be allocated to be moved: they may be larger than RAM.
+    """
+    deferred = [m for m in module.modules() if isinstance(m, EmbeddingBagCollection) and is_deferred(m)] if module else []
+    for collection in deferred:
+        # `nn.Module._apply` is what every move recurses through; an instance attribute shadows it.
+        collection._apply = lambda fn, recurse=True, collection=collection: collection  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for collection in deferred:
+            del collection._apply
 
 
 def draw_seed() -> int:

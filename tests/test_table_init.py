@@ -15,7 +15,7 @@ from lightning_hotcache import HotCacheStrategy, RowWiseOptimizerConfig
 from lightning_hotcache.cache import DeviceCache, HostStore
 from lightning_hotcache.cache.exchange import RowSharding
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
-from lightning_hotcache.table_init import initial_rows, is_deferred, materialize_tables
+from lightning_hotcache.table_init import deferred_tables_left_out_of_moves, initial_rows, is_deferred, materialize_tables
 from models import DLRM
 from test_embedding_exactness import TABLES, make_plan, zipf_batches
 
@@ -111,6 +111,28 @@ def test_declaring_tables_far_larger_than_ram_takes_no_memory() -> None:
     tracemalloc.stop()
     assert peak < 50 * 2**20
     assert all(p.is_meta for p in model.sparse_arch.parameters())
+
+
+def test_moves_leave_deferred_tables_alone_only_within_the_context() -> None:
+    model = _deferred_model(tiny_synthetic(scale=0.01, num_embeddings_cap=None, num_train_samples=64, batch_size=64))
+    with deferred_tables_left_out_of_moves(model):
+        model.cpu().double()
+    assert all(p.is_meta for p in model.sparse_arch.parameters())
+    assert all(p.dtype == torch.float64 for p in model.dense_arch.parameters())  # the rest did move
+    with pytest.raises(NotImplementedError, match="meta"):
+        model.cpu()  # restored: an ordinary move copies (and a meta tensor has nothing to copy)
+
+
+def test_deferred_model_with_a_budget_the_planner_refuses_fails_with_the_planners_error() -> None:
+    # Lightning's teardown after the failed setup moved the still-meta tables to the CPU, which
+    # raised "Cannot copy out of meta tensor" during handling of the planner's error.
+    dm = tiny_synthetic(scale=0.01, num_embeddings_cap=None, num_train_samples=256, batch_size=64)
+    model = _deferred_model(dm)
+    trainer = cpu_trainer(strategy=HotCacheStrategy(device_budget=1000, profile_batches=2), max_epochs=1, limit_val_batches=0)
+    with pytest.raises(ValueError, match="cannot train these tables") as raised:
+        trainer.fit(model, dm)
+    assert raised.value.__context__ is None  # not raised while handling another error (e.g. the stats the plan needed)
+    assert all(p.is_meta for p in model.sparse_arch.parameters())  # nothing allocated
 
 
 def _fit(strategy, tmp_path=None) -> tuple[DLRM, pl.Trainer]:
