@@ -20,7 +20,6 @@ import os
 import sys
 import warnings
 from importlib import import_module
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch

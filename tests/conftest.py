@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -50,7 +51,7 @@ def synthetic_factory():
     return tiny_synthetic
 
 
-def mappings_at(tensor: "torch.Tensor") -> tuple[dict[str, int], set[str]]:
+def mappings_at(tensor: torch.Tensor) -> tuple[dict[str, int], set[str]]:
     """Summed /proc/self/smaps fields (KiB) and the VmFlags of the mappings that overlap
     ``tensor``'s memory (advising a range splits a mapping at its 2 MiB boundaries, so the
     array spans several)."""

@@ -51,7 +51,6 @@ def test_reads_counted_and_slots_filtered(gen) -> None:
     directory.count_reads(frequency, slots, counts)
     assert torch.equal(frequency, torch.zeros(20, dtype=torch.int64).index_add_(0, slots, counts))
     id_of_slot = torch.where(torch.rand(20, generator=gen) < 0.5, -1, torch.arange(20) * 10)
-    dirty = torch.rand(20, generator=gen) < 0.5
     assert torch.equal(directory.occupied(slots, id_of_slot), slots[id_of_slot[slots] >= 0])
     held = id_of_slot[slots].clone()
     assert torch.equal(directory.vacate(slots, id_of_slot), held) and (id_of_slot[slots] == -1).all()
