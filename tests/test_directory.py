@@ -81,6 +81,27 @@ def test_unread_keeps_the_reserves_order(gen, windowed) -> None:
     assert torch.equal(directory.unread(reserve, last_used, 5, next_read if windowed else None, NEVER), reserve[keep])
 
 
+@pytest.mark.parametrize("count", [5, 40, 90, 200])
+def test_window_victims_are_the_torch_top_k(gen, count: int) -> None:
+    start, slots, cap = 10, 210, 7
+    last_used = torch.randint(0, 10, (slots,), generator=gen)  # locked above 6
+    next_read = torch.where(torch.rand(slots, generator=gen) < 0.2, NEVER, 100 + torch.randint(0, 12, (slots,), generator=gen))
+    frequency = torch.randint(0, 12, (slots,), generator=gen)  # ties, and some above the cap
+    spare, farthest, free = directory.window_victims(last_used, 6, next_read, frequency, start, count, cap, NEVER)
+    unlocked = last_used[start:] <= 6
+    assert free == int(unlocked.sum())
+    never = next_read[start:] == NEVER
+    assert torch.equal(spare, (unlocked & never).nonzero().squeeze(1) + start)
+    awaited = (unlocked & ~never).nonzero().squeeze(1) + start
+    key = next_read * (cap + 1) + (cap - frequency.clamp(max=cap))  # farthest, then fewest reads
+    need = min(max(count - len(spare), 0), len(awaited))
+    assert len(farthest) == need and len(set(farthest.tolist())) == need
+    assert set(farthest.tolist()) <= set(awaited.tolist())
+    # The same keys as a top-k (ties may pick other slots), the farthest next read first.
+    assert torch.equal(key[farthest].sort(descending=True).values, torch.topk(key[awaited], need).values)
+    assert torch.equal(next_read[farthest], next_read[farthest].sort(descending=True).values)
+
+
 @pytest.mark.parametrize("ascending", [True, False])
 @pytest.mark.parametrize("counted", [True, False])
 def test_tally_counts_ids_per_segment(gen, ascending, counted) -> None:

@@ -153,6 +153,78 @@ def unread(reserve: Tensor, last_used: Tensor, ticket: int, next_read: Tensor | 
 
 
 @without_gil
+def _window_victims(last_used, released_upto, next_read, frequency, start, count, uses_cap, never):  # type: ignore[no-untyped-def]
+    spare = np.empty(len(next_read) - start, np.int64)
+    awaited = np.empty(len(next_read) - start, np.int64)
+    n_spare = n_awaited = 0
+    for slot in range(start, len(next_read)):
+        if last_used[slot] > released_upto:
+            continue  # locked: a batch in flight reads it
+        if next_read[slot] == never:
+            spare[n_spare] = slot
+            n_spare += 1
+        else:
+            awaited[n_awaited] = slot
+            n_awaited += 1
+    free = n_spare + n_awaited
+    need = min(count - n_spare, n_awaited)
+    if need <= 0:
+        return spare[:n_spare], awaited[:0], free
+    awaited = awaited[:n_awaited]
+    # The farthest next reads first. They are announcement numbers of the batches in the
+    # window, a range as long as the window: counted by value rather than sorted.
+    lo = hi = next_read[awaited[0]]
+    for slot in awaited:
+        lo, hi = min(lo, next_read[slot]), max(hi, next_read[slot])
+    per_read = np.zeros(hi - lo + 1, np.int64)
+    for slot in awaited:
+        per_read[next_read[slot] - lo] += 1
+    taken = 0
+    cut = hi - lo  # the nearest next read taken: all of the farther ones, some of this one
+    while taken + per_read[cut] < need:
+        taken += per_read[cut]
+        cut -= 1
+    place = np.empty(hi - lo + 1, np.int64)  # where each farther next read's slots go in the answer
+    at = 0
+    for read in range(hi - lo, cut, -1):
+        place[read] = at
+        at += per_read[read]
+    chosen = np.empty(need, np.int64)
+    ties = np.empty(per_read[cut], np.int64)
+    n_ties = 0
+    for slot in awaited:
+        read = next_read[slot] - lo
+        if read > cut:
+            chosen[place[read]] = slot
+            place[read] += 1
+        elif read == cut:
+            ties[n_ties] = slot
+            n_ties += 1
+    # Among the nearest next read taken, the fewest reads since the row came in first.
+    uses = np.empty(n_ties, np.int64)
+    for i in range(n_ties):
+        uses[i] = min(frequency[ties[i]], uses_cap)
+    order = np.argsort(uses, kind="mergesort")
+    for i in range(need - taken):
+        chosen[taken + i] = ties[order[i]]
+    return spare[:n_spare], chosen, free
+
+
+def window_victims(
+    last_used: Tensor, released_upto: int, next_read: Tensor, frequency: Tensor, start: int, count: int, uses_cap: int, never: int
+) -> tuple[Tensor, Tensor, int]:
+    """Lookahead's candidates among slots ``start`` on that no batch in flight holds
+    (``last_used`` at most ``released_upto``): those that no announced batch reads
+    (``next_read`` is ``never``), in slot order; and, where they are fewer than ``count``, the
+    rest from the slots read farthest ahead, of those read next by one batch the fewest reads
+    (``frequency``, capped at ``uses_cap``) first; and how many slots are unlocked in all."""
+    spare, farthest, free = _window_victims(
+        _view(last_used), released_upto, _view(next_read), _view(frequency), start, count, uses_cap, never
+    )
+    return torch.from_numpy(spare), torch.from_numpy(farthest), int(free)
+
+
+@without_gil
 def _tally_ascending(tally, ends, ids, counts):  # type: ignore[no-untyped-def]
     segment = 0
     for i in range(len(ids)):
