@@ -39,7 +39,7 @@ def deferred_tables_left_out_of_moves(module: nn.Module | None) -> Iterator[None
     "during handling of" the real error, which then is not the last thing the user reads. The
     tables cannot be allocated to be moved: they may be larger than RAM.
     """
-    deferred = [m for m in module.modules() if isinstance(m, EmbeddingBagCollection) and is_deferred(m)] if module else []
+    deferred = [m for m in module.modules() if isinstance(m, EmbeddingBagCollection) and is_deferred(m)] if module is not None else []
     for collection in deferred:
         # `nn.Module._apply` is what every move recurses through; an instance attribute shadows it.
         collection._apply = lambda fn, recurse=True, collection=collection: collection  # type: ignore[method-assign]
