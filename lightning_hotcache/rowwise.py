@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Literal
 import torch
 from torch import Tensor
 
+from lightning_hotcache.host_rows import put_rows
 from lightning_hotcache.sorting import sum_by_index, sum_rows_by_index
 
 RowWiseOptimizerName = Literal["sgd", "rowwise_adagrad", "adam"]
@@ -156,9 +157,9 @@ def step_rows(config: RowWiseOptimizerConfig, table: Tensor, state: dict[str, Te
     weights = table.index_select(0, rows)
     row_state = {key: value.index_select(0, rows) for key, value in state.items()}
     config.update_rows(weights, row_state, grads.to(weights.dtype))
-    table.index_copy_(0, rows, weights)
+    put_rows(table, rows, weights)
     for key, value in row_state.items():
-        state[key].index_copy_(0, rows, value)
+        put_rows(state[key], rows, value)
 
 
 @torch.no_grad()
@@ -176,9 +177,9 @@ def step_rows_of_tables(config: RowWiseOptimizerConfig, steps: list[tuple[Tensor
     start = 0
     for table, state, rows, _ in steps:
         stop = start + len(rows)
-        table.index_copy_(0, rows, weights[start:stop])
+        put_rows(table, rows, weights[start:stop])
         for key, value in row_state.items():
-            state[key].index_copy_(0, rows, value[start:stop])
+            put_rows(state[key], rows, value[start:stop])
         start = stop
 
 

@@ -199,3 +199,13 @@ def test_add_per_key_and_the_id_check_against_torch(gen) -> None:
     values[9] = 10  # the last id of f3 (t3)
     with pytest.raises(ValueError, match="Feature 'f3' of table 't3' has id 10, outside"):
         check_ids(features, tables)
+
+
+@pytest.mark.parametrize("span", [1, 7, 2**11, 2**26, 2**45])
+@pytest.mark.parametrize("count", [0, 1, 5_000])
+def test_sort_by_key_is_torchs_stable_sort(gen, span: int, count: int) -> None:
+    keys = torch.randint(-span, span, (count,), generator=gen)
+    values = torch.randint(0, 3, (count,), generator=gen)  # repeats: only a stable sort keeps their order
+    ordered, carried = directory.sort_by_key(keys, values)
+    expected = torch.sort(keys, stable=True)
+    assert torch.equal(ordered, expected.values) and torch.equal(carried, values[expected.indices])

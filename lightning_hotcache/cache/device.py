@@ -56,9 +56,10 @@ from lightning_hotcache.cache.host import HostStore, RowsAt
 from lightning_hotcache.cache.host_arrays import new_array, new_host_array
 from lightning_hotcache.cache.lookahead import NEVER, LookaheadWindow
 from lightning_hotcache.cache.slot_map import make_slot_map
-from lightning_hotcache.sorting import Distinct, unique
 from lightning_hotcache.cache.upload import RowUpload
+from lightning_hotcache.host_rows import put_rows
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
+from lightning_hotcache.sorting import Distinct, unique
 
 CachePolicy = Literal["lfu", "lru", "static", "lookahead"]
 CACHE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static", "lookahead")
@@ -329,7 +330,7 @@ class DeviceCache:
             victims, needed = acquire.victims, acquire.needed
             at = self._upload.to_device(victims)
             for key, tensor in self.slots.items():
-                tensor.index_copy_(0, at, rows[key])
+                put_rows(tensor, at, rows[key])
             self.slot_map.assign(needed, victims, ascending=True)  # distinct ids come sorted
             directory.install(slots, acquire.missing, victims, needed, self.id_of_slot, self.frequency, self.last_used, acquire.ticket)
             fetched = needed if self.sharding.world == 1 else needed[self.sharding.owned(needed)]
@@ -675,7 +676,7 @@ class _WriteBack:
             return
         at, source = upload.to_device(at), upload.to_device(source)
         for key, values in rows.items():
-            values.index_copy_(0, at, self.evicted[key].index_select(0, source))
+            put_rows(values, at, self.evicted[key].index_select(0, source))
 
     def land(self, host: HostStore, sharding: RowSharding) -> None:
         if self.copied is not None:

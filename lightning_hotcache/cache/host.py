@@ -31,6 +31,7 @@ from torch import Tensor
 
 from lightning_hotcache.cache.host_arrays import new_host_array
 from lightning_hotcache.cache.read_ahead import read_ahead_later
+from lightning_hotcache.host_rows import put_rows
 
 # Copy tables into the store in chunks of this many bytes, so initializing a table larger
 # than RAM never materializes it twice (deferred tables are also made in chunks this size).
@@ -290,7 +291,7 @@ class HostStore:
         """Overwrite rows ``ids`` of every array with ``rows`` (same keys as `read`)."""
         ids = ids.cpu()
         for key, array in self.arrays.items():
-            array.index_copy_(0, ids, rows[key].to("cpu", torch.float32))
+            put_rows(array, ids, rows[key].to("cpu", torch.float32))
 
     def load(self, key: str, values: Tensor, start: int = 0) -> None:
         """Replace rows ``[start, start + len(values))`` of an array (``weight`` or a state
