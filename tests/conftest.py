@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,25 @@ def cpu_trainer(**overrides: Any) -> pl.Trainer:
     )
     settings.update(overrides)
     return pl.Trainer(**settings)
+
+
+@pytest.fixture(scope="session")
+def trained_alone(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
+    """``trained_alone(batch_size, optimizer, *options)``: one process's run of tests/ddp_train.py
+    under ``auto``, launched once a session. The multi-process tests compare with a handful of
+    such runs, and each launch spends ~10 s importing (the launched runs are what they compare
+    with: a fresh process, as their own ranks are). Read only: the dict is shared."""
+    from launch import train
+
+    runs: dict[tuple[str, ...], dict] = {}
+
+    def run(batch_size: int, optimizer: str, *options: str) -> dict:
+        key = (str(batch_size), optimizer, *options)
+        if key not in runs:
+            runs[key] = train(tmp_path_factory.mktemp("alone"), 1, batch_size, optimizer, "auto", *options)
+        return runs[key]
+
+    return run
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from conftest import cpu_trainer
 from torchrec import KeyedJaggedTensor
 from test_strategy import OPTIMIZER, assert_hotcache_matches_auto, data, fit, stats_paths  # noqa: F401 (stats_paths: a fixture)
 
-from test_ddp import _train
+from launch import train
 from test_step_ops import _batches, _module, _ops_per_step
 
 from lightning_hotcache import HotCacheStrategy
@@ -162,7 +162,7 @@ def test_gpu_path_stages_rows_through_pinned_buffers_not_pinned_tables() -> None
 
 def test_gpu_path_resumes_exactly(tmp_path) -> None:
     resume = ["--accelerator=cuda", "--train-samples=1024", "--shuffle", "--steps=10", "--resume-from", "2", "6"]
-    runs = _train(tmp_path, 1, 128, "rowwise_adagrad", "hotcache", "--big-tables", "--device-budget=0.05", *resume)
+    runs = train(tmp_path, 1, 128, "rowwise_adagrad", "hotcache", "--big-tables", "--device-budget=0.05", *resume)
     steps, weights = runs.pop(None)
     assert steps == 10 and set(runs) == {2, 6}
     for step, (resumed_steps, resumed_weights) in runs.items():
@@ -177,8 +177,8 @@ def test_gpu_path_two_gpus_match_one_with_their_batches_together(tmp_path, strat
     gathers on the GPU, an uneven epoch end and validation."""
     common = ["--accelerator=cuda", "--big-tables", "--device-budget=0.05", "--train-samples=2624", "--steps=11",
               "--val-samples=1100"]  # fmt: skip
-    two = _train(tmp_path, 2, 128, "rowwise_adagrad", strategy, *common)
-    one = _train(tmp_path, 1, 256, "rowwise_adagrad", "auto", *common)
+    two = train(tmp_path, 2, 128, "rowwise_adagrad", strategy, *common)
+    one = train(tmp_path, 1, 256, "rowwise_adagrad", "auto", *common)
     assert two["world_size"] == 2
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
     assert two["val"]["val/logloss"] == pytest.approx(one["val"]["val/logloss"], rel=1e-5)

@@ -6,54 +6,20 @@ DDP averages gradients over ranks, so with a mean loss 2 ranks x batch B == 1 ra
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launch import SCRIPT, assert_exited_cleanly, launch_env, train
 
 from lightning_hotcache.checkpoint import SHARDS_KEY, consolidate_checkpoint, shard_path
 
-SCRIPT = Path(__file__).with_name("ddp_train.py")
-REPO = SCRIPT.parents[1]
-
-
-def _launch_env() -> dict[str, str]:
-    """This process's environment for a fresh launch of ``SCRIPT``."""
-    # In-process tests of DDP-based strategies leave their rendezvous variables (and a live
-    # store on MASTER_PORT) behind; a fresh launch must pick its own.
-    stale = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED"}
-    env = {k: v for k, v in os.environ.items() if k not in stale}
-    # A rank that dies in native code says where (its Python stack) before the others time out.
-    # The repository first, and whatever the caller had after it (the GPU check's wheel folder).
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env.update(PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
-    return env
-
-
-def _assert_exited_cleanly(result: subprocess.CompletedProcess) -> None:
-    """Exit code 0, or the first error lines of any rank (the tail is usually another rank's
-    'connection reset' once one has died) and the tail."""
-    errors = [line for line in result.stderr.splitlines() if "Fatal Python error" in line or "Error:" in line]
-    assert result.returncode == 0, f"exit code {result.returncode}; first errors: {errors[:5]}\n{result.stderr[-4000:]}"
-
-
-def _train(tmp_path: Path, devices: int, batch_size: int, optimizer: str, strategy: str = "ddp", *extra: str) -> dict:
-    out = tmp_path / f"{strategy}{devices}_{optimizer}.pt"
-    env = _launch_env()
-    cmd = [sys.executable, str(SCRIPT), f"--devices={devices}", f"--batch-size={batch_size}",
-           f"--optimizer={optimizer}", f"--strategy={strategy}", f"--out={out}", *extra]  # fmt: skip
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    _assert_exited_cleanly(result)
-    return torch.load(out)
-
-
 @pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
-def test_two_processes_match_one_with_double_batch(tmp_path: Path, optimizer: str) -> None:
-    two = _train(tmp_path, devices=2, batch_size=128, optimizer=optimizer)
-    one = _train(tmp_path, devices=1, batch_size=256, optimizer=optimizer)
+def test_two_processes_match_one_with_double_batch(tmp_path: Path, trained_alone, optimizer: str) -> None:
+    two = train(tmp_path, devices=2, batch_size=128, optimizer=optimizer)
+    one = trained_alone(256, optimizer)
     assert two["world_size"] == 2
     # Float tolerance only: the all-reduce averages two half-batch means, the single process
     # takes one mean over the whole batch; Adam's normalization magnifies that rounding for
@@ -61,17 +27,17 @@ def test_two_processes_match_one_with_double_batch(tmp_path: Path, optimizer: st
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
-def test_torchrec_two_processes_match_one_with_double_batch(tmp_path: Path) -> None:
+def test_torchrec_two_processes_match_one_with_double_batch(tmp_path: Path, trained_alone) -> None:
     """TorchRec shards tables across the 2 ranks (table-wise) and averages like DDP."""
-    two = _train(tmp_path, devices=2, batch_size=128, optimizer="rowwise_adagrad", strategy="torchrec")
-    one = _train(tmp_path, devices=1, batch_size=256, optimizer="rowwise_adagrad")
+    two = train(tmp_path, devices=2, batch_size=128, optimizer="rowwise_adagrad", strategy="torchrec")
+    one = trained_alone(256, "rowwise_adagrad")
     assert two["world_size"] == 2
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
-def test_manual_optimization_on_two_processes_matches_one_with_double_batch(tmp_path: Path) -> None:
-    two = _train(tmp_path, 2, 128, "rowwise_adagrad", "ddp", "--manual-optimization")
-    one = _train(tmp_path, 1, 256, "rowwise_adagrad", "auto", "--manual-optimization")
+def test_manual_optimization_on_two_processes_matches_one_with_double_batch(tmp_path: Path, trained_alone) -> None:
+    two = train(tmp_path, 2, 128, "rowwise_adagrad", "ddp", "--manual-optimization")
+    one = trained_alone(256, "rowwise_adagrad", "--manual-optimization")
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
@@ -80,17 +46,17 @@ def test_torchrec_refuses_manual_optimization_on_two_processes(tmp_path: Path) -
     # DistributedModelParallel is out of Lightning's manual-optimization hooks).
     cmd = [sys.executable, str(SCRIPT), "--devices=2", "--batch-size=128", "--strategy=torchrec", "--manual-optimization",
            f"--out={tmp_path / 'out.pt'}"]  # fmt: skip
-    result = subprocess.run(cmd, cwd=tmp_path, env=_launch_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "torchrec strategy does not run manual optimization with several processes" in result.stderr
 
 
 @pytest.mark.parametrize("strategy", ["torchrec", "hotcache", "ddp"])
-def test_ranks_seeded_apart_start_from_rank_zeros_weights(tmp_path: Path, strategy: str) -> None:
+def test_ranks_seeded_apart_start_from_rank_zeros_weights(tmp_path: Path, trained_alone, strategy: str) -> None:
     # Lightning's DDP contract: every rank trains rank 0's model, however each rank was seeded.
     # TorchRec's DMP copied each rank's own pre-wrap state back in, dense layers included.
-    two = _train(tmp_path, 2, 128, "rowwise_adagrad", strategy, "--seed-per-rank")
-    one = _train(tmp_path, 1, 256, "rowwise_adagrad")
+    two = train(tmp_path, 2, 128, "rowwise_adagrad", strategy, "--seed-per-rank")
+    one = trained_alone(256, "rowwise_adagrad")
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
@@ -108,7 +74,7 @@ def test_ranks_seeded_apart_start_from_rank_zeros_weights(tmp_path: Path, strate
     ids=["2-sgd", "2-rowwise_adagrad-prefetch_thread", "2-rowwise_adagrad-lookahead", "2-rowwise_adagrad-pytorch", "2-adam", "4-sgd", "4-adam"],
 )  # 4 x row-wise Adagrad: the torchrun test
 def test_hotcache_processes_match_one_with_their_batches_together(
-    tmp_path: Path, procs: int, optimizer: str, thread: bool | str, kernel: str
+    tmp_path: Path, trained_alone, procs: int, optimizer: str, thread: bool | str, kernel: str
 ) -> None:
     """Host stores sharded across the ranks, each row updated by its owner from every rank's
     gradient, other ranks' rows fetched in the forward that reads them (with staging on a
@@ -118,8 +84,8 @@ def test_hotcache_processes_match_one_with_their_batches_together(
     if thread == "lookahead":
         split.append("--cache-policy=lookahead")
     sharded = tmp_path / "sharded.ckpt"
-    many = _train(tmp_path, procs, 256 // procs, optimizer, "hotcache", *split, f"--kernel={kernel}", f"--sharded-checkpoint={sharded}")
-    one = _train(tmp_path, 1, 256, optimizer, "auto", *split)
+    many = train(tmp_path, procs, 256 // procs, optimizer, "hotcache", *split, f"--kernel={kernel}", f"--sharded-checkpoint={sharded}")
+    one = trained_alone(256, optimizer, "--big-tables")  # the cache's options mean nothing to auto
     assert many["world_size"] == procs
     assert [note.split()[0] for note in many["kernels"]] == [kernel], many["kernels"]
     assert many["fetched_rows"] > 0  # the caches really fetched rows from the ranks' stores
@@ -141,11 +107,11 @@ def test_nan_loss_on_one_rank_stops_every_rank(tmp_path: Path, strategy: str) ->
     # Without agreeing across ranks, the rank with the NaN would stop and the others would
     # wait forever for it in backward's collectives.
     out = tmp_path / "nan"
-    env = _launch_env()
+    env = launch_env()
     cmd = [sys.executable, str(SCRIPT), "--devices=2", "--batch-size=128", f"--strategy={strategy}", "--big-tables", "--device-budget=0.05",
            "--nan-at-step=2", f"--out={out}"]  # fmt: skip
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    _assert_exited_cleanly(result)
+    assert_exited_cleanly(result)
     for rank in (0, 1):  # both name the rank whose loss went NaN (the last), not their own loss
         assert "not finite on rank 1 (nan) at global step 2 " in Path(f"{out}.rank{rank}").read_text()
 
@@ -158,13 +124,13 @@ def test_predict_with_uneven_user_batches_fails_on_every_rank_at_once(tmp_path: 
     budget = ["--device-budget=1.0"] if strategy == "hotcache" else []  # no stats needed: nothing to profile in predict
     cmd = [sys.executable, str(SCRIPT), "--devices=2", "--batch-size=64", f"--strategy={strategy}", *budget,
            "--predict-batches=5", f"--out={out}"]  # fmt: skip
-    result = subprocess.run(cmd, cwd=tmp_path, env=_launch_env(), capture_output=True, text=True, timeout=300)
-    _assert_exited_cleanly(result)
+    result = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert_exited_cleanly(result)
     for rank in (0, 1):
         assert "different numbers of batches (rank 0: 3, rank 1: 2)" in Path(f"{out}.rank{rank}").read_text()
 
 
-def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path) -> None:
+def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path, trained_alone) -> None:
     """Multi-node as a cluster runs it: one torchrun per "node" (here both on this machine),
     Lightning's num_nodes; 2 nodes x 2 processes x batch 64 learn what 1 process x 256 learns."""
     import socket
@@ -173,7 +139,7 @@ def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path) -
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "nodes.pt"
-    env = _launch_env()
+    env = launch_env()
     split = ["--big-tables", "--device-budget=0.05"]
     nodes = [
         subprocess.Popen(
@@ -187,7 +153,7 @@ def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path) -
     logs = [node.communicate(timeout=600)[0] for node in nodes]
     assert all(node.returncode == 0 for node in nodes), logs[0][-3000:] + logs[1][-3000:]
     four = torch.load(out)
-    one = _train(tmp_path, 1, 256, "rowwise_adagrad", "auto", *split)
+    one = trained_alone(256, "rowwise_adagrad", "--big-tables")
     assert four["world_size"] == 4
     assert four["fetched_rows"] > 0
     torch.testing.assert_close(four["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
@@ -199,7 +165,7 @@ def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path) -
     ids=["ddp-last-batch-64", "hotcache-last-batch-64-shuffled", "torchrec-last-batch-64", "hotcache-last-batch-1", "ddp-last-batch-1-shuffled"],
 )
 def test_uneven_epoch_end_and_validation_match_one_process(
-    tmp_path: Path, strategy: str, train_samples: int, shuffle: bool
+    tmp_path: Path, trained_alone, strategy: str, train_samples: int, shuffle: bool
 ) -> None:
     """An epoch that does not divide into global batches of 2 x 128: its last, smaller global
     batch is split across the ranks with no sample repeated, each rank's loss weighted so
@@ -208,10 +174,10 @@ def test_uneven_epoch_end_and_validation_match_one_process(
     validation split (1,100 samples: 4 global batches and one of 76) gives the metrics of
     one process: before global batches, rank 1 was given a repeated batch of 128 there."""
     steps = -(-train_samples // 256)  # one epoch, ending in the uneven global batch
-    common = [f"--train-samples={train_samples}", f"--steps={steps}", "--val-samples=1100",
-              *(["--shuffle"] if shuffle else []), "--big-tables", "--device-budget=0.05"]  # fmt: skip
-    two = _train(tmp_path, 2, 128, "rowwise_adagrad", strategy, *common)
-    one = _train(tmp_path, 1, 256, "rowwise_adagrad", "auto", *common)
+    data = [f"--train-samples={train_samples}", f"--steps={steps}", "--val-samples=1100",
+            *(["--shuffle"] if shuffle else []), "--big-tables"]  # fmt: skip
+    two = train(tmp_path, 2, 128, "rowwise_adagrad", strategy, *data, "--device-budget=0.05")
+    one = trained_alone(256, "rowwise_adagrad", *data)
     assert two["world_size"] == 2 and two["batches_trained"] == one["batches_trained"] == steps
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
     assert set(two["val"]) >= {"val/auc", "val/logloss"}

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hotcache import HotCacheStrategy
 from models import CTRModel, create_model
-from test_ddp import _train
+from launch import train
 
 # Checkpoint files the uninterrupted run writes (ModelCheckpoint's "{step}"/"end-{epoch}" names).
 POSITIONS = {"mid_epoch": "step=6.ckpt", "last_batch": "step=4.ckpt", "epoch_end": "end-epoch=0.ckpt"}
@@ -135,7 +135,7 @@ def test_two_processes_resume_exactly(tmp_path: Path, strategy: str, options: li
     the last batch of epoch 0 (step 4) and mid-epoch 1 (step 6), each rank's sampler serves
     the rest of the uninterrupted run's batches."""
     resume = ["--train-samples=1024", "--shuffle", "--steps=12", "--resume-from", "4", "6"]
-    runs = _train(tmp_path, 2, 128, "rowwise_adagrad", strategy, *options, *resume)
+    runs = train(tmp_path, 2, 128, "rowwise_adagrad", strategy, *options, *resume)
     steps, weights = runs.pop(None)
     assert steps == 12 and set(runs) == {4, 6}
     for step, (resumed_steps, resumed_weights) in runs.items():
