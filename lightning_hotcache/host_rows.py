@@ -33,10 +33,13 @@ def _put_rows(target, at, rows):  # type: ignore[no-untyped-def]
 
 def put_rows(target: Tensor, at: Tensor, rows: Tensor) -> None:
     """``target.index_copy_(0, at, rows)`` for distinct ``at``: row ``at[k]`` of ``target``
-    becomes ``rows[k]``. Compiled for 2-D host tensors of one dtype; elsewhere torch's op."""
+    becomes ``rows[k]``. Compiled for 2-D host tensors of one dtype, rows of 2 values or more;
+    elsewhere torch's op. Rows of one value (Adagrad's accumulator, Adam's step count) are
+    torch's: it copies a column as one scatter, 30 against 54 us for 4k rows (AMD EPYC)."""
     if not (
         target.device.type == rows.device.type == at.device.type == "cpu"
         and target.dim() == rows.dim() == 2
+        and target.shape[1] > 1
         and at.dim() == 1
         and at.dtype == torch.int64
         and target.dtype == rows.dtype

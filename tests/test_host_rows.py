@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_hotcache import host_rows
 from lightning_hotcache.host_rows import put_rows
 
 
@@ -38,9 +39,18 @@ def test_an_index_out_of_range_writes_nothing() -> None:
     assert target.sum() == 0
 
 
-def test_what_it_does_not_compile_goes_to_torch() -> None:
+def test_what_it_does_not_compile_goes_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    def compiled(*args: object) -> int:
+        raise AssertionError("went to the compiled loop")
+
+    monkeypatch.setattr(host_rows, "_put_rows", compiled)
     target = torch.zeros(10)  # 1-D
     put_rows(target, torch.tensor([1]), torch.ones(1))
     assert target[1] == 1
+    column = torch.zeros(10, 1)  # rows of one value: torch's column scatter is the faster
+    put_rows(column, torch.tensor([4, 2]), torch.ones(2, 1))
+    assert column.sum() == 2 and column[4, 0] == column[2, 0] == 1
+    with pytest.raises(AssertionError, match="compiled loop"):  # and rows of two are compiled
+        put_rows(torch.zeros(10, 2), torch.tensor([4]), torch.ones(1, 2))
     with pytest.raises(RuntimeError):  # torch's own error for mismatched dtypes
         put_rows(torch.zeros(10, 4, dtype=torch.float64), torch.tensor([2]), torch.ones(1, 4))
