@@ -98,3 +98,10 @@ def set_ddp_ignored_parameters(module: torch.nn.Module, names: list[str]) -> Non
     no public argument that Lightning's DDPStrategy passes through.
     """
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+
+
+def add_to_each(tensors: list[torch.Tensor], scalars: list[int | float]) -> list[torch.Tensor]:
+    """``[t + s for t, s in zip(tensors, scalars)]`` as one op, one kernel launch on CUDA where the
+    list comprehension launches one per tensor: torch's multi-tensor ``_foreach_add``, what
+    torch.optim's ``foreach`` implementations run on; it has no public name."""
+    return list(torch._foreach_add(tensors, scalars))

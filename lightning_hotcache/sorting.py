@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_hotcache._compat import add_to_each
+
 
 # A batch's ids as `unique` with counts finds them: the distinct ids ascending, each id's
 # position among them, and how often each is read.
@@ -79,10 +81,13 @@ def sum_rows_by_index(indices: Sequence[Tensor], rows: Sequence[Tensor], sizes: 
     for width in {r.shape[1] for r in rows}:
         group = [k for k, r in enumerate(rows) if r.shape[1] == width]
         base = list(itertools.accumulate((sizes[k] for k in group), initial=0))  # each table's first key
-        keys = torch.cat([indices[k] + base[j] for j, k in enumerate(group)])
+        # Offsets added and taken off in one op each, not one per table (26 kernels each on CUDA).
+        keys = torch.cat(add_to_each([indices[k] for k in group], base[:-1]))
         distinct, summed = sum_by_index(keys, torch.cat([rows[k] for k in group]))
         per_table = torch.searchsorted(distinct, torch.tensor(base, device=distinct.device)).tolist()
+        ranges = list(itertools.pairwise(per_table))
+        own_ids = add_to_each([distinct[a:b] for a, b in ranges], [-first for first in base[:-1]])
         for j, k in enumerate(group):
-            a, b = per_table[j], per_table[j + 1]
-            out[k] = (distinct[a:b] - base[j], summed[a:b])
+            a, b = ranges[j]
+            out[k] = (own_ids[j], summed[a:b])
     return out  # type: ignore[return-value]
