@@ -34,7 +34,8 @@ def assert_exited_cleanly(result: subprocess.CompletedProcess) -> None:
 
 
 def train(tmp_path: Path, devices: int, batch_size: int, optimizer: str, strategy: str = "ddp", *extra: str) -> dict:
-    """Train with ``devices`` processes (``strategy`` for more than one, ``auto`` for one); what rank 0 saved."""
+    """Train with ``devices`` processes under ``strategy`` (one process runs ``auto``, unless
+    ``strategy`` is ``hotcache``: see ddp_train.py); what rank 0 saved."""
     out = tmp_path / f"{strategy}{devices}_{optimizer}.pt"
     cmd = [sys.executable, str(SCRIPT), f"--devices={devices}", f"--batch-size={batch_size}",
            f"--optimizer={optimizer}", f"--strategy={strategy}", f"--out={out}", *extra]  # fmt: skip
