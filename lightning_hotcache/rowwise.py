@@ -15,12 +15,14 @@ inside the table-batched module (and have no CPU Adam).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal
 
 import torch
 from torch import Tensor
 
+from lightning_hotcache._compat import add_to_each
 from lightning_hotcache.host_rows import put_rows
 from lightning_hotcache.sorting import sum_by_index, sum_rows_by_index
 
@@ -162,25 +164,43 @@ def step_rows(config: RowWiseOptimizerConfig, table: Tensor, state: dict[str, Te
         put_rows(state[key], rows, value)
 
 
-@torch.no_grad()
-def step_rows_of_tables(config: RowWiseOptimizerConfig, steps: list[tuple[Tensor, dict[str, Tensor], Tensor, Tensor]]) -> None:
-    """`step_rows` for several tables of one width, each ``(table, state, rows, grads)``: their
-    rows gathered end to end and stepped by one `update_rows`, so that the rule's kernels are
-    launched once, not once per table (26 tables' row-wise Adagrad: 6 kernels, not 156). The
-    rule works row by row, so each row gets what `step_rows` gives it."""
-    if len(steps) == 1:
-        step_rows(config, *steps[0])
-        return
-    weights = torch.cat([table.index_select(0, rows) for table, _, rows, _ in steps])
-    row_state = {key: torch.cat([state[key].index_select(0, rows) for _, state, rows, _ in steps]) for key in steps[0][1]}
-    config.update_rows(weights, row_state, torch.cat([grads for *_, grads in steps]).to(weights.dtype))
-    start = 0
-    for table, state, rows, _ in steps:
-        stop = start + len(rows)
-        put_rows(table, rows, weights[start:stop])
-        for key, value in row_state.items():
-            put_rows(state[key], rows, value[start:stop])
-        start = stop
+class _StateStack:
+    """The per-row state of an optimizer's tables of one width (on one device), end to end:
+    each table's state (``optimizer.state[table]``) is a view of its rows here, so a step
+    gathers and writes each state array once for all the tables, not once per table (26
+    tables' lazy Adam: 6 ops, not 156). State put in the optimizer's dict from elsewhere
+    (a checkpoint, ``load_state_dict``) is copied in at the next step."""
+
+    def __init__(self, tables: list[Tensor], widths: dict[str, int], state: dict[Tensor, dict[str, Tensor]]) -> None:
+        self.first_row = dict(zip(tables, itertools.accumulate((len(t) for t in tables), initial=0)))
+        rows, device = sum(len(t) for t in tables), tables[0].device
+        self.arrays = {key: torch.zeros(rows, width, dtype=torch.float32, device=device) for key, width in widths.items()}
+        self._views = {table: self._rows_of(table) for table in tables}
+        self.adopt(state)
+
+    def _rows_of(self, table: Tensor) -> dict[str, Tensor]:
+        first = self.first_row[table]
+        return {key: array[first : first + len(table)] for key, array in self.arrays.items()}
+
+    def adopt(self, state: dict[Tensor, dict[str, Tensor]]) -> None:
+        """Make every table's state the view of its rows here, copying in any other tensor found there."""
+        for table, views in self._views.items():
+            found = state[table]
+            for key, view in views.items():
+                if found.get(key) is not view:
+                    if key in found:
+                        if found[key].shape != view.shape:
+                            raise ValueError(
+                                f"Row state {key!r} of an embedding table of shape {tuple(table.shape)} has shape "
+                                f"{tuple(found[key].shape)}, not {tuple(view.shape)}: the state restored (a checkpoint's "
+                                "embedding_row_state?) belongs to another table or another row-wise optimizer."
+                            )
+                        view.copy_(found[key])  # also from another device: a checkpoint may be restored anywhere
+                    found[key] = view
+
+    def keys(self, tables: list[Tensor], rows: list[Tensor]) -> Tensor:
+        """``rows`` of each of ``tables`` as rows of the stacked arrays."""
+        return torch.cat(add_to_each(rows, [self.first_row[t] for t in tables]))
 
 
 class RowWiseOptimizer(torch.optim.Optimizer):
@@ -195,17 +215,43 @@ class RowWiseOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Tensor], config: RowWiseOptimizerConfig | None = None) -> None:
         self.config = config or RowWiseOptimizerConfig()
         super().__init__(params, defaults={})
+        self._stacks: dict[tuple[int, torch.device], _StateStack] = {}  # by width and device
+
+    def _state_stack(self, param: Tensor) -> _StateStack:
+        """The stack holding ``param``'s row state, made on first use for every table of its
+        width and device (again if the tables moved), brought up to date with ``self.state``."""
+        found = self._stacks.get((param.shape[1], param.device))
+        if found is None or param not in found.first_row:
+            tables = [
+                p for group in self.param_groups for p in group["params"] if p.shape[1] == param.shape[1] and p.device == param.device
+            ]
+            found = _StateStack(tables, self.config.state_widths(param.shape[1]), self.state)
+            # A stack these tables left (moved to another device) holds nothing of theirs now.
+            self._stacks = {key: old for key, old in self._stacks.items() if not old.first_row.keys() & found.first_row.keys()}
+            self._stacks[(param.shape[1], param.device)] = found
+        else:
+            found.adopt(self.state)
+        return found
 
     def _row_state(self, param: Tensor) -> dict[str, Tensor]:
-        state = self.state[param]
-        if not state:
-            for key, width in self.config.state_widths(param.shape[1]).items():
-                state[key] = torch.zeros(param.shape[0], width, dtype=torch.float32, device=param.device)
-        for key, value in state.items():
-            # A checkpoint may restore state on another device than the table it belongs to.
-            if value.device != param.device:
-                state[key] = value.to(param.device)
-        return state
+        self._state_stack(param)
+        return self.state[param]
+
+    def _step_width(self, steps: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+        """One step for tables of one width, each ``(table, distinct rows, their summed
+        gradients)``: their rows gathered end to end and stepped by one `update_rows`, so that
+        the rule's kernels are launched once, not once per table; the rule works row by row, so
+        each row gets what `step_rows` gives it."""
+        tables, rows = [table for table, _, _ in steps], [r for _, r, _ in steps]
+        stack = self._state_stack(tables[0])
+        keys = stack.keys(tables, rows)
+        weights = torch.cat([table.index_select(0, r) for table, r in zip(tables, rows)])
+        row_state = {key: array.index_select(0, keys) for key, array in stack.arrays.items()}
+        self.config.update_rows(weights, row_state, torch.cat([grads for *_, grads in steps]).to(weights.dtype))
+        for table, r, stepped in zip(tables, rows, weights.split([len(r) for r in rows])):
+            put_rows(table, r, stepped)
+        for key, value in row_state.items():
+            put_rows(stack.arrays[key], keys, value)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -233,11 +279,11 @@ class RowWiseOptimizer(torch.optim.Optimizer):
             summed = sum_rows_by_index(
                 [g._indices()[0] for _, g in to_sum], [g._values() for _, g in to_sum], [len(p) for p, _ in to_sum]
             )
-            by_width: dict[int, list[tuple[Tensor, dict[str, Tensor], Tensor, Tensor]]] = {}
+            by_width: dict[tuple[int, torch.device], list[tuple[Tensor, Tensor, Tensor]]] = {}
             for (param, _), (rows, grads) in zip(to_sum, summed):
-                by_width.setdefault(param.shape[1], []).append((param, self._row_state(param), rows, grads))
+                by_width.setdefault((param.shape[1], param.device), []).append((param, rows, grads))
             for steps in by_width.values():
-                step_rows_of_tables(self.config, steps)
+                self._step_width(steps)
         for (param, grad), here in zip(taken, summed_here):
             if not here:
                 apply_sparse_update(self.config, param, self._row_state(param), grad)
