@@ -22,9 +22,8 @@ from typing import Any, Callable, Iterable, Literal
 import torch
 from torch import Tensor
 
-from lightning_hotcache._compat import add_to_each
 from lightning_hotcache.host_rows import put_rows
-from lightning_hotcache.sorting import sum_by_index, sum_rows_by_index
+from lightning_hotcache.sorting import sum_by_index, sum_stacked_rows
 
 RowWiseOptimizerName = Literal["sgd", "rowwise_adagrad", "adam"]
 # ``eps`` when none is given: the default of the optimizer each rule claims to be, so "the same
@@ -198,10 +197,6 @@ class _StateStack:
                         view.copy_(found[key])  # also from another device: a checkpoint may be restored anywhere
                     found[key] = view
 
-    def keys(self, tables: list[Tensor], rows: list[Tensor]) -> Tensor:
-        """``rows`` of each of ``tables`` as rows of the stacked arrays."""
-        return torch.cat(add_to_each(rows, [self.first_row[t] for t in tables]))
-
 
 class RowWiseOptimizer(torch.optim.Optimizer):
     """``torch.optim.Optimizer`` applying a `RowWiseOptimizerConfig` to embedding weights.
@@ -217,37 +212,36 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults={})
         self._stacks: dict[tuple[int, torch.device], _StateStack] = {}  # by width and device
 
-    def _state_stack(self, param: Tensor) -> _StateStack:
-        """The stack holding ``param``'s row state, made on first use for every table of its
-        width and device (again if the tables moved), brought up to date with ``self.state``."""
-        found = self._stacks.get((param.shape[1], param.device))
-        if found is None or param not in found.first_row:
-            tables = [
-                p for group in self.param_groups for p in group["params"] if p.shape[1] == param.shape[1] and p.device == param.device
-            ]
-            found = _StateStack(tables, self.config.state_widths(param.shape[1]), self.state)
-            # A stack these tables left (moved to another device) holds nothing of theirs now.
-            self._stacks = {key: old for key, old in self._stacks.items() if not old.first_row.keys() & found.first_row.keys()}
-            self._stacks[(param.shape[1], param.device)] = found
-        else:
-            found.adopt(self.state)
-        return found
+    def _state_stacks(self, params: Iterable[Tensor]) -> None:
+        """Make the stacks holding the row state of ``params``'s widths and devices (on first
+        use, for every table of the width and device; again if the tables moved), and bring each
+        up to date with ``self.state`` once."""
+        adopted: set[tuple[int, torch.device]] = set()
+        for param in params:
+            key = (param.shape[1], param.device)
+            found = self._stacks.get(key)
+            if found is None or param not in found.first_row:
+                tables = [p for group in self.param_groups for p in group["params"] if (p.shape[1], p.device) == key]
+                found = _StateStack(tables, self.config.state_widths(param.shape[1]), self.state)
+                # A stack these tables left (moved to another device) holds nothing of theirs now.
+                self._stacks = {k: old for k, old in self._stacks.items() if not old.first_row.keys() & found.first_row.keys()}
+                self._stacks[key] = found
+            elif key not in adopted:
+                found.adopt(self.state)
+            adopted.add(key)
 
-    def _row_state(self, param: Tensor) -> dict[str, Tensor]:
-        self._state_stack(param)
-        return self.state[param]
-
-    def _step_width(self, steps: list[tuple[Tensor, Tensor, Tensor]]) -> None:
-        """One step for tables of one width, each ``(table, distinct rows, their summed
-        gradients)``: their rows gathered end to end and stepped by one `update_rows`, so that
-        the rule's kernels are launched once, not once per table; the rule works row by row, so
-        each row gets what `step_rows` gives it."""
-        tables, rows = [table for table, _, _ in steps], [r for _, r, _ in steps]
-        stack = self._state_stack(tables[0])
-        keys = stack.keys(tables, rows)
+    def _step_width(self, tables: list[Tensor], grads: list[Tensor]) -> None:
+        """One step for tables of one width and device from their sparse gradients (not
+        coalesced): the gradient rows summed and the tables' rows stepped by one sort and one
+        `update_rows` over the stack, so that the rule's kernels are launched once, not once per
+        table; the rule works row by row, so each row gets what `step_rows` gives it."""
+        stack = self._stacks[(tables[0].shape[1], tables[0].device)]
+        keys, summed, rows = sum_stacked_rows(
+            [g._indices()[0] for g in grads], [g._values() for g in grads], [stack.first_row[t] for t in tables], [len(t) for t in tables]
+        )
         weights = torch.cat([table.index_select(0, r) for table, r in zip(tables, rows)])
         row_state = {key: array.index_select(0, keys) for key, array in stack.arrays.items()}
-        self.config.update_rows(weights, row_state, torch.cat([grads for *_, grads in steps]).to(weights.dtype))
+        self.config.update_rows(weights, row_state, summed.to(weights.dtype))
         for table, r, stepped in zip(tables, rows, weights.split([len(r) for r in rows])):
             put_rows(table, r, stepped)
         for key, value in row_state.items():
@@ -271,22 +265,18 @@ class RowWiseOptimizer(torch.optim.Optimizer):
                     )
                 taken.append((param, param.grad))
                 param.grad = None
+        self._state_stacks(param for param, _ in taken)
         # SGD scatter-adds repeats itself, and a coalesced gradient (sparse_ddp's) is summed already.
         summed_here = [self.config.name != "sgd" and not g.is_coalesced() for _, g in taken]
-        to_sum = [pair for pair, here in zip(taken, summed_here) if here]
-        if to_sum:
-            # The rows of all tables of one width summed with one sort (not one per table).
-            summed = sum_rows_by_index(
-                [g._indices()[0] for _, g in to_sum], [g._values() for _, g in to_sum], [len(p) for p, _ in to_sum]
-            )
-            by_width: dict[tuple[int, torch.device], list[tuple[Tensor, Tensor, Tensor]]] = {}
-            for (param, _), (rows, grads) in zip(to_sum, summed):
-                by_width.setdefault((param.shape[1], param.device), []).append((param, rows, grads))
-            for steps in by_width.values():
-                self._step_width(steps)
+        by_width: dict[tuple[int, torch.device], list[tuple[Tensor, Tensor]]] = {}
         for (param, grad), here in zip(taken, summed_here):
-            if not here:
-                apply_sparse_update(self.config, param, self._row_state(param), grad)
+            if here:
+                by_width.setdefault((param.shape[1], param.device), []).append((param, grad))
+            else:
+                apply_sparse_update(self.config, param, self.state[param], grad)
+        for pairs in by_width.values():
+            # In the param groups' order, which is the stack's: its keys come out grouped by table.
+            self._step_width([param for param, _ in pairs], [grad for _, grad in pairs])
         return loss
 
 

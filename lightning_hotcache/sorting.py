@@ -73,21 +73,31 @@ def sum_by_index(indices: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
     return distinct, summed.index_add_(0, inverse.to(rows.device), rows.to(torch.float32))
 
 
+def sum_stacked_rows(indices: Sequence[Tensor], rows: Sequence[Tensor], first_rows: Sequence[int], sizes: Sequence[int]) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """Tables of one width laid end to end, table ``k``'s row ``i`` being row ``first_rows[k] + i``
+    of the stack (``first_rows`` ascending): the distinct stack rows ``indices`` read (each
+    ``indices[k]`` below ``sizes[k]``), ascending; the sum of ``rows`` at each; and per table its
+    distinct own rows, in that order. One sort for all the tables, not one per table (26
+    tables' coalescing was a tenth of a step across ranks)."""
+    # Offsets added and taken off in one op each, not one per table (26 kernels each on CUDA).
+    keys = torch.cat(add_to_each(list(indices), list(first_rows)))
+    distinct, summed = sum_by_index(keys, torch.cat(list(rows)))
+    bounds = [*first_rows, first_rows[-1] + sizes[-1]]
+    per_table = torch.searchsorted(distinct, torch.tensor(bounds, device=distinct.device)).tolist()
+    own_rows = add_to_each([distinct[a:b] for a, b in itertools.pairwise(per_table)], [-first for first in first_rows])
+    return distinct, summed, own_rows
+
+
 def sum_rows_by_index(indices: Sequence[Tensor], rows: Sequence[Tensor], sizes: Sequence[int]) -> list[tuple[Tensor, Tensor]]:
     """Per table ``k``: its distinct ``indices[k]`` (ascending, each below ``sizes[k]``) and the
-    sum of ``rows[k]`` at each. Tables of one width are summed in one sort, not one per table
-    (26 tables' coalescing was a tenth of a step across ranks)."""
+    sum of ``rows[k]`` at each, the tables of one width summed together (`sum_stacked_rows`)."""
     out: list[tuple[Tensor, Tensor] | None] = [None] * len(indices)
     for width in {r.shape[1] for r in rows}:
         group = [k for k, r in enumerate(rows) if r.shape[1] == width]
-        base = list(itertools.accumulate((sizes[k] for k in group), initial=0))  # each table's first key
-        # Offsets added and taken off in one op each, not one per table (26 kernels each on CUDA).
-        keys = torch.cat(add_to_each([indices[k] for k in group], base[:-1]))
-        distinct, summed = sum_by_index(keys, torch.cat([rows[k] for k in group]))
-        per_table = torch.searchsorted(distinct, torch.tensor(base, device=distinct.device)).tolist()
-        ranges = list(itertools.pairwise(per_table))
-        own_ids = add_to_each([distinct[a:b] for a, b in ranges], [-first for first in base[:-1]])
-        for j, k in enumerate(group):
-            a, b = ranges[j]
-            out[k] = (own_ids[j], summed[a:b])
+        first_rows = list(itertools.accumulate((sizes[k] for k in group[:-1]), initial=0))
+        _, summed, own_rows = sum_stacked_rows(
+            [indices[k] for k in group], [rows[k] for k in group], first_rows, [sizes[k] for k in group]
+        )
+        for k, own, table_sums in zip(group, own_rows, summed.split([len(r) for r in own_rows])):
+            out[k] = (own, table_sums)
     return out  # type: ignore[return-value]

@@ -248,6 +248,33 @@ def test_a_step_grows_with_the_tables_only_by_their_weights_gathers(name: str) -
 
 
 @pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad", "adam"])
+def test_state_is_brought_up_to_date_once_a_step_per_width(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Bringing a stack up to date looks at every table of it: once per table (SGD's and
+    # sparse_ddp's coalesced gradients step table by table) would grow with the tables squared.
+    from lightning_hotcache import rowwise
+
+    adopted = Counter()
+    adopt = rowwise._StateStack.adopt
+
+    def counted(stack: rowwise._StateStack, state: dict) -> None:
+        adopted[id(stack)] += 1
+        adopt(stack, state)
+
+    monkeypatch.setattr(rowwise._StateStack, "adopt", counted)
+    bags = [torch.nn.EmbeddingBag(ROWS, dim, mode="sum", sparse=True) for dim in (DIM, DIM, 4, DIM, 4)]
+    optimizer = RowWiseOptimizer([bag.weight for bag in bags], RowWiseOptimizerConfig(name=name))
+    for ids, offsets, _ in _bags_with_duplicates(3):
+        for bag in bags:
+            bag(ids, offsets).sum().backward()
+        if name == "sgd":  # coalesced gradients, as sparse_ddp's come
+            for bag in bags:
+                bag.weight.grad = bag.weight.grad.coalesce()
+        adopted.clear()
+        optimizer.step()
+    assert sorted(adopted.values()) == [1, 1]
+
+
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad", "adam"])
 def test_a_step_from_sorted_reads_with_repeats_equals_one_from_distinct_rows(name: str) -> None:
     # `sorted_reads` (the PyTorch path's reads on CUDA) keeps every value's row, repeats
     # included; each repeat is stepped from its row's summed gradient and writes the same values.
