@@ -45,4 +45,4 @@ gpu-wheels:
 	$(PYTHON) benchmarks/gpu_wheels.py $(GPU_WHEELS)  # sizes and hashes -> benchmarks/gpu_wheels.json (commit it)
 
 gpu-check:
-	GPU_PYTHON="$(GPU_PYTHON)" GPU_BENCH_ARGS="$(GPU_BENCH_ARGS)" GPU_DRY_RUN="$(GPU_DRY_RUN)" GPU_CHECK_STAGES="$(GPU_CHECK_STAGES)" bash benchmarks/gpu_check.sh
+	GPU_PYTHON="$(GPU_PYTHON)" GPU_BENCH_ARGS="$(GPU_BENCH_ARGS)" GPU_DRY_RUN="$(GPU_DRY_RUN)" GPU_CHECK_STAGES="$(GPU_CHECK_STAGES)" GPU_CHECK_SECONDS="$(GPU_CHECK_SECONDS)" bash benchmarks/gpu_check.sh

@@ -26,9 +26,14 @@ class StepClock(pl.Callback):
         self.warmup = warmup
         self.probe = probe
         self.start = self.end = 0.0
+        self.first_batch_at = 0.0  # when the first batch began: what came before it is set-up
         self.samples = 0
         self.at_start: Any = None
         self.at_end: Any = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            self.first_batch_at = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx >= self.warmup:

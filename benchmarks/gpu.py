@@ -65,6 +65,7 @@ import json
 import multiprocessing
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +236,7 @@ def train(strategy: Any, args: argparse.Namespace, host_lookup: bool = False) ->
 def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[str, Any]:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
+    began = time.perf_counter()
     pl.seed_everything(0)
     data = {"scale": args.scale, "embedding_dim": args.dim, "batch_size": args.batch_size, "num_train_samples": args.batch_size * (args.steps + 1),
             "shuffle": False}  # fmt: skip
@@ -275,6 +277,11 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
         "table_rows": sum(t.num_embeddings for t in dm.tables),
         "table_bytes": sum(t.num_embeddings * t.embedding_dim * 4 for t in dm.tables),
+        # Where a run's time goes besides the timed steps (a GPU check's stages have limits):
+        # drawing the batches, building the model, tables into their tiers, profiling; then the
+        # warm-up steps.
+        "setup_s": clock.first_batch_at - began,
+        "warmup_s": clock.start - clock.first_batch_at,
     }
     plan = getattr(trainer.strategy, "plan", None)
     if plan is not None:

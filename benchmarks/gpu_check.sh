@@ -1,28 +1,34 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (no network, a short loan), from the repo root: `make gpu-check`.
-# Five stages, each under a time limit of its own (480 s in all), so that one call fits the loan
-# and a run cut off still returns what finished. A run at scale 1.0 spends ~45 s before its
-# first step (imports, 17 GB of tables initialized into their tiers, profiling), so stages 3
-# and 4 get most of the time (on an H100 at f229678 stage 3 needed 150 s, stage 4 more than 90):
+# Five stages under a time limit (480 s in all), so that one call fits the loan and a run cut
+# off still returns what finished. Each stage has a share of it (below); a stage may run until
+# the time left is what the later stages it runs are owed, so time an earlier stage left unused,
+# and the shares of stages not run, go to the stages that need them (on a slower H200 host the
+# fixed limits cut stage 3 off before its last run). A run at scale 1.0 spends ~45 s before its
+# first step (imports, 17 GB of tables initialized into their tiers, profiling; gpu.py records
+# each run's `setup_s`), so stages 3 and 4 get most of the time (on an H100 at f229678 stage 3
+# needed 150 s, stage 4 more than 90):
 #   1. imports and a 2-step CUDA fit of the demo config, without its W&B logger (the image has no
-#      wandb; 21 s on an H100; limit 40 s);
-#   2. a chosen subset of the CUDA tests (62 s; limit 90 s);
+#      wandb; 21 s on an H100; share 40 s);
+#   2. a chosen subset of the CUDA tests (62 s; share 90 s);
 #   3. benchmarks/gpu.py at the Criteo Kaggle tables (scale 1.0): hotcache at 10% and 1% against
 #      all tables in GPU memory (auto), one process, the batches drawn before fit and served
-#      from memory (gpu.py's --data; limit 190 s);
+#      from memory (gpu.py's --data; share 190 s);
 #   4. tables larger than the GPU: the same tables with each run's GPU memory capped at 8 GiB,
-#      where auto cannot hold them and hotcache at 10% trains (86 s on an H100; limit 105 s);
+#      where auto cannot hold them and hotcache at 10% trains (86 s on an H100; share 105 s);
 #   5. where a step's time goes: torch.profiler's key averages of auto and hotcache at 10% and
-#      1% at 0.1x the tables (26 s for the first two on an H100; limit 55 s): at 1% the H100's
+#      1% at 0.1x the tables (26 s for the first two on an H100; share 55 s): at 1% the H100's
 #      steps waited 55 ms each for staging, whose ops (the prefetch thread's too) this shows.
 # Each stage writes $OUT/stage<k>.log as it goes and appends "stage <k> <name>: rc <rc>,
-# <seconds> s" to $OUT/stages.txt when it ends; stages 3 and 4 write gpu.json and
+# <seconds> s (limit <seconds> s)" to $OUT/stages.txt when it ends; stages 3 and 4 write gpu.json and
 # beyond_gpu.json there: 8 files in all.
 # Without $OUT, benchmarks/results/gpu_check/ takes them.
 #
 # GPU_CHECK_STAGES picks stages (default "1 2 3 4 5"; the others are reported as skipped):
 # two full checks and a machine's start take more than a 15-minute loan, so a session's
-# closing check may run "1 2 3" (the CUDA tests and the figures at scale 1.0) alone.
+# closing check may run "1 2 3" (the CUDA tests and the figures at scale 1.0) alone; the
+# shares of the stages left out then go to those run. GPU_CHECK_SECONDS sets the whole check's
+# time (default 480: the shares' sum).
 #
 # GPU_DRY_RUN=1 runs every stage here, on the CPU, with the project's .venv and tiny sizes,
 # writing the same files (tests/test_gpu_benchmark.py runs it), so the script is known to
@@ -69,22 +75,34 @@ else
 fi
 export WANDB_MODE=offline
 
-# stage K NAME SECONDS COMMAND...: run COMMAND under a time limit, log it, note how it ended.
+# Each stage's share of the check's seconds; GPU_CHECK_SECONDS is their sum unless set.
+SHARE=(0 40 90 190 105 55)
+BUDGET=${GPU_CHECK_SECONDS:-$((SHARE[1] + SHARE[2] + SHARE[3] + SHARE[4] + SHARE[5]))}
+BEGAN=$SECONDS
+
+# stage K NAME COMMAND...: run COMMAND until the time left is what the later stages to run are
+# owed (their shares), log it, note how it ended.
 stage() {
-  local k=$1 name=$2 limit=$3
-  shift 3
+  local k=$1 name=$2
+  shift 2
   if [[ " $STAGES " != *" $k "* ]]; then
     echo "stage $k $name: skipped (GPU_CHECK_STAGES=\"$STAGES\")" | tee -a "$OUT/stages.txt"
     return 0
   fi
+  local owed=0 j
+  for j in $STAGES; do
+    if [ "$j" -gt "$k" ]; then owed=$((owed + SHARE[j])); fi
+  done
   local start=$SECONDS
+  local limit=$((BUDGET - (start - BEGAN) - owed))
+  if [ "$limit" -lt 1 ]; then limit=1; fi
   timeout "$limit" "$@" >> "$OUT/stage$k.log" 2>&1
   local rc=$?
-  echo "stage $k $name: rc $rc, $((SECONDS - start)) s" | tee -a "$OUT/stages.txt"
+  echo "stage $k $name: rc $rc, $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/stages.txt"
   return $rc
 }
 
-stage 1 imports-and-2-step-fit 40 "$PYTHON" -c "
+stage 1 imports-and-2-step-fit "$PYTHON" -c "
 import sys, torch, torchrec, lightning_hotcache
 print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'torchrec', torchrec.__version__, flush=True)
 from lightning_hotcache.cli import main
@@ -96,15 +114,15 @@ first=$?
 # resume, 2 GPUs where there are two; -rP keeps the sync count they print), then one model
 # at every budget against auto, a checkpoint written on the GPU loading on the CPU, and the
 # CPU-lookup baseline (skipped on a CPU: the dry run checks that they are found).
-stage 2 cuda-tests 90 "$PYTHON" -m pytest -q -rP -m cuda tests/test_cuda.py -k "gpu_path or dlrm- or checkpoint_written_on_cuda or cpu_lookup"
+stage 2 cuda-tests "$PYTHON" -m pytest -q -rP -m cuda tests/test_cuda.py -k "gpu_path or dlrm- or checkpoint_written_on_cuda or cpu_lookup"
 second=$?
 # shellcheck disable=SC2086  # the benchmarks' settings, split as on a command line
-stage 3 gpu-benchmark 190 "$PYTHON" benchmarks/gpu.py $BENCH_ARGS --out "$OUT/gpu.json"
+stage 3 gpu-benchmark "$PYTHON" benchmarks/gpu.py $BENCH_ARGS --out "$OUT/gpu.json"
 third=$?
 # shellcheck disable=SC2086
-stage 4 tables-larger-than-the-gpu 105 "$PYTHON" benchmarks/gpu.py $BEYOND_ARGS --out "$OUT/beyond_gpu.json"
+stage 4 tables-larger-than-the-gpu "$PYTHON" benchmarks/gpu.py $BEYOND_ARGS --out "$OUT/beyond_gpu.json"
 fourth=$?
 # shellcheck disable=SC2086
-stage 5 profile 55 "$PYTHON" benchmarks/gpu.py $PROFILE_ARGS
+stage 5 profile "$PYTHON" benchmarks/gpu.py $PROFILE_ARGS
 fifth=$?
 exit $((first || second || third || fourth || fifth))

@@ -36,6 +36,7 @@ def test_smoke_mode_reports_every_strategy(tmp_path, monkeypatch) -> None:
     results = written["results"]
     assert list(results) == ["auto", "cpu-lookup", "hotcache@1", "hotcache@0.1", "hotcache@0.01"]
     assert all(r["samples_per_s"] > 0 and r["device_peak_bytes"] is None for r in results.values())
+    assert all(r["setup_s"] > 0 and r["warmup_s"] > 0 for r in results.values())
     assert results["auto"]["hit_rate"] is None and results["auto"]["h2d_bytes_per_step"] == 0
     assert all(r["x_cpu-lookup"] > 0 for r in results.values())
     # FAE's baseline moves the pooled embeddings (64 samples x 26 features x 128 floats) each way.
@@ -96,6 +97,10 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
         "stage 4 tables-larger-than-the-gpu", "stage 5 profile",
     ]  # fmt: skip
     assert all(": rc 0," in line for line in stages), stages
+    # Each stage may take its share and what the stages before it left unused, never the later ones' shares.
+    limits = [int(line.split("(limit ")[1].split(" s)")[0]) for line in stages]
+    # (bash's clock counts whole seconds: a stage may start one second later than it began)
+    assert limits[0] in (39, 40) and all(limit >= share - 1 for limit, share in zip(limits, [40, 90, 190, 105, 55]))
     assert "torch" in (tmp_path / "stage1.log").read_text()
     assert "skipped" in (tmp_path / "stage2.log").read_text()  # found, and skipped without CUDA
     results = json.loads((tmp_path / "gpu.json").read_text())["results"]
@@ -111,6 +116,7 @@ def test_gpu_check_runs_the_stages_it_is_given_and_refuses_unknown_ones(tmp_path
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     stages = (tmp_path / "stages.txt").read_text().splitlines()
     assert stages[0].startswith("stage 1 imports-and-2-step-fit: rc 0,")
+    assert stages[0].endswith(("(limit 480 s)", "(limit 479 s)"))  # the shares of the stages left out go to the one run
     assert [line.split(":")[0] for line in stages[1:]] == [
         "stage 2 cuda-tests", "stage 3 gpu-benchmark", "stage 4 tables-larger-than-the-gpu", "stage 5 profile",
     ]  # fmt: skip
