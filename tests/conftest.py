@@ -48,22 +48,27 @@ def cpu_trainer(**overrides: Any) -> pl.Trainer:
 
 
 @pytest.fixture(scope="session")
-def trained_alone(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
-    """``trained_alone(batch_size, optimizer, *options)``: one process's run of tests/ddp_train.py
-    under ``auto``, launched once a session. The multi-process tests compare with a handful of
-    such runs, and each launch spends ~10 s importing (the launched runs are what they compare
-    with: a fresh process, as their own ranks are). Read only: the dict is shared."""
-    from launch import train
+def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
+    """``trained(run)``: what rank 0 of a planned run (tests/launch.py's `planned`) saved. The
+    first test asking for a run of N processes launches every planned run of N processes that a
+    selected test uses, together (one launch, ~10 s of imports per rank, for all of them). Read
+    only: the dicts are shared."""
+    from launch import PLANNED, Run, train_together
 
-    runs: dict[tuple[str, ...], dict] = {}
+    selected = {getattr(item, "originalname", item.name) for item in request.session.items}
+    results: dict[Run, dict | str] = {}
 
-    def run(batch_size: int, optimizer: str, *options: str) -> dict:
-        key = (str(batch_size), optimizer, *options)
-        if key not in runs:
-            runs[key] = train(tmp_path_factory.mktemp("alone"), 1, batch_size, optimizer, "auto", *options)
-        return runs[key]
+    def result(run: Run) -> dict:
+        if run not in results:
+            wanted = [r for r in PLANNED if r.devices == run.devices and r.used_by in selected and r not in results]
+            together = list(dict.fromkeys([run, *wanted]))  # equal runs planned by several tests train once
+            results.update(train_together(tmp_path_factory.mktemp(f"together{run.devices}"), together))
+        found = results[run]
+        if isinstance(found, str):
+            pytest.fail(f"the planned run {run.options} raised:\n{found}")
+        return found
 
-    return run
+    return result
 
 
 @pytest.fixture

@@ -1,14 +1,19 @@
 """Train a zoo model on tiny synthetic data with N processes (gloo on CPU, NCCL on GPUs) and save its weights.
 
-Run by tests/test_ddp.py as a script, because Lightning's DDP launcher starts the other
-ranks by re-running the command that started rank 0.
+Run by the multi-process tests as a script, because Lightning's DDP launcher starts the other
+ranks by re-running the command that started rank 0. ``ddp_train.py --runs PLAN.json`` runs
+several trainings of one number of processes one after another in the same processes (each
+in its own directory): a launch spends ~10 s importing before rank 0 starts the others, which
+import again, so the tests launch the runs they compare with together (tests/launch.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,7 +30,7 @@ from lightning_hotcache.global_batch import share_mean  # noqa: E402
 from models import MODEL_REGISTRY, CTRModel, create_model  # noqa: E402
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="dlrm")
     parser.add_argument("--accelerator", default="cpu", help="cpu (gloo) or cuda (NCCL)")
@@ -54,7 +59,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--manual-optimization", action="store_true", help="the model steps its optimizers itself")
     parser.add_argument("--predict-batches", type=int, help="predict this many batches of a plain DataLoader instead of fitting")
     parser.add_argument("--out", type=Path, required=True)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 class PoisonLastRank(pl.Callback):
@@ -181,8 +186,26 @@ def check_uneven_predict(args: argparse.Namespace) -> None:
     Path(f"{args.out}.rank{trainer.global_rank}").write_text(error)
 
 
+def run_all(plan: Path) -> None:
+    """Each run of ``plan`` (name -> its directory and options) in its directory, in order; a
+    run that raises leaves its traceback there (``error.rank<r>``) and the next one runs."""
+    for spec in json.loads(plan.read_text()).values():
+        os.chdir(spec["dir"])
+        try:
+            run(parse_args(spec["argv"]))
+        except Exception:  # one failed comparison must not take the others' results with it
+            rank = int(os.environ.get("LOCAL_RANK", 0))
+            Path(f"error.rank{rank}").write_text(traceback.format_exc())
+
+
 def main() -> None:
-    args = parse_args()
+    if sys.argv[1:2] == ["--runs"]:
+        run_all(Path(sys.argv[2]))
+    else:
+        run(parse_args())
+
+
+def run(args: argparse.Namespace) -> None:
     if args.predict_batches is not None:
         check_uneven_predict(args)
         return

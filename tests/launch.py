@@ -1,10 +1,18 @@
-"""Launch tests/ddp_train.py as a fresh process (which starts its other ranks itself) and load what it saved."""
+"""Launch tests/ddp_train.py as a fresh process (which starts its other ranks itself) and load what it saved.
+
+The runs the multi-process tests compare are planned when their modules load (`planned`) and
+launched together, all runs of one number of processes in one launch, by the first test that
+asks for one of them (conftest's ``trained``): each launch spends ~10 s importing before rank 0
+starts the other ranks, which import again, where a run of these tiny models trains in ~2 s.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,3 +50,44 @@ def train(tmp_path: Path, devices: int, batch_size: int, optimizer: str, strateg
     result = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert_exited_cleanly(result)
     return torch.load(out)
+
+
+@dataclass(frozen=True)
+class Run:
+    """A training run of ``SCRIPT`` with ``devices`` processes and ``options`` (paths in them
+    relative: each run has a directory of its own), planned for the test ``used_by``."""
+
+    devices: int
+    options: tuple[str, ...]
+    used_by: str = field(compare=False)
+
+
+PLANNED: list[Run] = []
+
+
+def planned(used_by: str, devices: int, batch_size: int, optimizer: str, strategy: str = "ddp", *extra: str) -> Run:
+    """A run the test function ``used_by`` compares (see `train`'s arguments), launched with
+    the other planned runs of ``devices`` processes when a test first asks for one of them."""
+    run = Run(devices, (f"--batch-size={batch_size}", f"--optimizer={optimizer}", f"--strategy={strategy}", *extra), used_by)
+    PLANNED.append(run)
+    return run
+
+
+def train_together(directory: Path, runs: list[Run]) -> dict[Run, dict | str]:
+    """Launch ``SCRIPT`` once for ``runs`` (of one number of processes): for each, what rank 0
+    saved (and ``"dir"``, the run's directory), or the traceback of the error it raised."""
+    (devices,) = {run.devices for run in runs}
+    plan = {}
+    for k, run in enumerate(runs):
+        (directory / f"run{k}").mkdir()
+        plan[f"run{k}"] = {"dir": str(directory / f"run{k}"), "argv": [f"--devices={devices}", *run.options, "--out=out.pt"]}
+    (directory / "plan.json").write_text(json.dumps(plan, indent=1))
+    cmd = [sys.executable, str(SCRIPT), "--runs", str(directory / "plan.json")]
+    result = subprocess.run(cmd, cwd=directory, env=launch_env(), capture_output=True, text=True, timeout=300 + 120 * len(runs))
+    assert_exited_cleanly(result)
+    out: dict[Run, dict | str] = {}
+    for k, run in enumerate(runs):
+        run_dir = directory / f"run{k}"
+        errors = sorted(run_dir.glob("error.rank*"))
+        out[run] = errors[0].read_text() if errors else torch.load(run_dir / "out.pt") | {"dir": run_dir}
+    return out

@@ -12,14 +12,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import SCRIPT, assert_exited_cleanly, launch_env, train
+from launch import SCRIPT, assert_exited_cleanly, launch_env, planned
 
 from lightning_hotcache.checkpoint import SHARDS_KEY, consolidate_checkpoint, shard_path
 
-@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
-def test_two_processes_match_one_with_double_batch(tmp_path: Path, trained_alone, optimizer: str) -> None:
-    two = train(tmp_path, devices=2, batch_size=128, optimizer=optimizer)
-    one = trained_alone(256, optimizer)
+# The runs these tests compare, launched together (tests/launch.py): `two`/`alone`/`many` of a test.
+OPTIMIZERS = ["rowwise_adagrad", "adam"]
+DOUBLE_BATCH = {
+    optimizer: (planned("test_two_processes_match_one_with_double_batch", 2, 128, optimizer),
+                planned("test_two_processes_match_one_with_double_batch", 1, 256, optimizer, "auto"))
+    for optimizer in OPTIMIZERS
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_two_processes_match_one_with_double_batch(trained, optimizer: str) -> None:
+    two, one = (trained(run) for run in DOUBLE_BATCH[optimizer])
     assert two["world_size"] == 2
     # Float tolerance only: the all-reduce averages two half-batch means, the single process
     # takes one mean over the whole batch; Adam's normalization magnifies that rounding for
@@ -27,17 +35,28 @@ def test_two_processes_match_one_with_double_batch(tmp_path: Path, trained_alone
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
-def test_torchrec_two_processes_match_one_with_double_batch(tmp_path: Path, trained_alone) -> None:
+TORCHREC_DOUBLE_BATCH = (
+    planned("test_torchrec_two_processes_match_one_with_double_batch", 2, 128, "rowwise_adagrad", "torchrec"),
+    planned("test_torchrec_two_processes_match_one_with_double_batch", 1, 256, "rowwise_adagrad", "auto"),
+)
+
+
+def test_torchrec_two_processes_match_one_with_double_batch(trained) -> None:
     """TorchRec shards tables across the 2 ranks (table-wise) and averages like DDP."""
-    two = train(tmp_path, devices=2, batch_size=128, optimizer="rowwise_adagrad", strategy="torchrec")
-    one = trained_alone(256, "rowwise_adagrad")
+    two, one = (trained(run) for run in TORCHREC_DOUBLE_BATCH)
     assert two["world_size"] == 2
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
-def test_manual_optimization_on_two_processes_matches_one_with_double_batch(tmp_path: Path, trained_alone) -> None:
-    two = train(tmp_path, 2, 128, "rowwise_adagrad", "ddp", "--manual-optimization")
-    one = trained_alone(256, "rowwise_adagrad", "--manual-optimization")
+MANUAL = tuple(
+    planned("test_manual_optimization_on_two_processes_matches_one_with_double_batch", procs, 256 // procs, "rowwise_adagrad",
+            "ddp" if procs > 1 else "auto", "--manual-optimization")
+    for procs in (2, 1)
+)  # fmt: skip
+
+
+def test_manual_optimization_on_two_processes_matches_one_with_double_batch(trained) -> None:
+    two, one = (trained(run) for run in MANUAL)
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
@@ -51,41 +70,53 @@ def test_torchrec_refuses_manual_optimization_on_two_processes(tmp_path: Path) -
     assert "torchrec strategy does not run manual optimization with several processes" in result.stderr
 
 
-@pytest.mark.parametrize("strategy", ["torchrec", "hotcache", "ddp"])
-def test_ranks_seeded_apart_start_from_rank_zeros_weights(tmp_path: Path, trained_alone, strategy: str) -> None:
+SEEDED_APART = {
+    strategy: (planned("test_ranks_seeded_apart_start_from_rank_zeros_weights", 2, 128, "rowwise_adagrad", strategy, "--seed-per-rank"),
+               planned("test_ranks_seeded_apart_start_from_rank_zeros_weights", 1, 256, "rowwise_adagrad", "auto"))
+    for strategy in ["torchrec", "hotcache", "ddp"]
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", list(SEEDED_APART))
+def test_ranks_seeded_apart_start_from_rank_zeros_weights(trained, strategy: str) -> None:
     # Lightning's DDP contract: every rank trains rank 0's model, however each rank was seeded.
     # TorchRec's DMP copied each rank's own pre-wrap state back in, dense layers included.
-    two = train(tmp_path, 2, 128, "rowwise_adagrad", strategy, "--seed-per-rank")
-    one = trained_alone(256, "rowwise_adagrad")
+    two, one = (trained(run) for run in SEEDED_APART[strategy])
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    ("procs", "optimizer", "thread", "kernel"),
-    [
-        (2, "sgd", False, "fbgemm"),
-        (2, "rowwise_adagrad", True, "fbgemm"),
-        (2, "rowwise_adagrad", "lookahead", "fbgemm"),
-        (2, "rowwise_adagrad", False, "pytorch"),
-        (2, "adam", False, "pytorch"),  # no fused Adam (see fused_unavailable)
-        (4, "sgd", False, "fbgemm"),
-        (4, "adam", False, "pytorch"),
-    ],
-    ids=["2-sgd", "2-rowwise_adagrad-prefetch_thread", "2-rowwise_adagrad-lookahead", "2-rowwise_adagrad-pytorch", "2-adam", "4-sgd", "4-adam"],
-)  # 4 x row-wise Adagrad: the torchrun test
-def test_hotcache_processes_match_one_with_their_batches_together(
-    tmp_path: Path, trained_alone, procs: int, optimizer: str, thread: bool | str, kernel: str
-) -> None:
+HOTCACHE_CASES = {  # id: (processes, optimizer, staging thread / lookahead, kernel)
+    "2-sgd": (2, "sgd", False, "fbgemm"),
+    "2-rowwise_adagrad-prefetch_thread": (2, "rowwise_adagrad", True, "fbgemm"),
+    "2-rowwise_adagrad-lookahead": (2, "rowwise_adagrad", "lookahead", "fbgemm"),
+    "2-rowwise_adagrad-pytorch": (2, "rowwise_adagrad", False, "pytorch"),
+    "2-adam": (2, "adam", False, "pytorch"),  # no fused Adam (see fused_unavailable)
+    "4-sgd": (4, "sgd", False, "fbgemm"),
+    "4-adam": (4, "adam", False, "pytorch"),
+}  # 4 x row-wise Adagrad: the torchrun test
+
+
+def _hotcache_runs(procs: int, optimizer: str, thread: bool | str, kernel: str) -> tuple:
+    split = ["--big-tables", "--device-budget=0.05", *(["--prefetch-thread"] if thread else [])]
+    if thread == "lookahead":
+        split.append("--cache-policy=lookahead")
+    test = "test_hotcache_processes_match_one_with_their_batches_together"
+    many = planned(test, procs, 256 // procs, optimizer, "hotcache", *split, f"--kernel={kernel}", "--sharded-checkpoint=sharded.ckpt")
+    return many, planned(test, 1, 256, optimizer, "auto", "--big-tables")  # the cache's options mean nothing to auto
+
+
+HOTCACHE_RUNS = {case: _hotcache_runs(*settings) for case, settings in HOTCACHE_CASES.items()}
+
+
+@pytest.mark.parametrize("case", list(HOTCACHE_CASES))
+def test_hotcache_processes_match_one_with_their_batches_together(trained, case: str) -> None:
     """Host stores sharded across the ranks, each row updated by its owner from every rank's
     gradient, other ranks' rows fetched in the forward that reads them (with staging on a
     background thread, too, and on it under the lookahead policy), on FBGEMM's kernel and on
     PyTorch's: the same tables as 1 process with all the ranks' batches."""
-    split = ["--big-tables", "--device-budget=0.05", *(["--prefetch-thread"] if thread else [])]
-    if thread == "lookahead":
-        split.append("--cache-policy=lookahead")
-    sharded = tmp_path / "sharded.ckpt"
-    many = train(tmp_path, procs, 256 // procs, optimizer, "hotcache", *split, f"--kernel={kernel}", f"--sharded-checkpoint={sharded}")
-    one = trained_alone(256, optimizer, "--big-tables")  # the cache's options mean nothing to auto
+    procs, optimizer, _, kernel = HOTCACHE_CASES[case]
+    many, one = (trained(run) for run in HOTCACHE_RUNS[case])
+    sharded = many["dir"] / "sharded.ckpt"
     assert many["world_size"] == procs
     assert [note.split()[0] for note in many["kernels"]] == [kernel], many["kernels"]
     assert many["fetched_rows"] > 0  # the caches really fetched rows from the ranks' stores
@@ -94,7 +125,7 @@ def test_hotcache_processes_match_one_with_their_batches_together(
     # Each rank wrote its shard; consolidating them gives the gathered tables.
     consolidated = consolidate_checkpoint(sharded)
     save_id = torch.load(sharded, weights_only=True)[SHARDS_KEY]["id"]  # drawn by rank 0, used by every rank
-    assert set(tmp_path.glob("sharded.ckpt.*")) == {shard_path(sharded, save_id, rank, procs) for rank in range(procs)}
+    assert set(many["dir"].glob("sharded.ckpt.*")) == {shard_path(sharded, save_id, rank, procs) for rank in range(procs)}
     torch.testing.assert_close(consolidated["state_dict"], many["state_dict"])
     # Float tolerance only (see above): with 4 ranks Adam's normalization of near-zero
     # gradients moves single weights by up to ~1e-5 (one of 437k weights in this test).
@@ -130,7 +161,10 @@ def test_predict_with_uneven_user_batches_fails_on_every_rank_at_once(tmp_path: 
         assert "different numbers of batches (rank 0: 3, rank 1: 2)" in Path(f"{out}.rank{rank}").read_text()
 
 
-def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path, trained_alone) -> None:
+TORCHRUN_ALONE = planned("test_hotcache_on_two_nodes_of_two_processes_under_torchrun", 1, 256, "rowwise_adagrad", "auto", "--big-tables")
+
+
+def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path, trained) -> None:
     """Multi-node as a cluster runs it: one torchrun per "node" (here both on this machine),
     Lightning's num_nodes; 2 nodes x 2 processes x batch 64 learn what 1 process x 256 learns."""
     import socket
@@ -153,31 +187,42 @@ def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path, t
     logs = [node.communicate(timeout=600)[0] for node in nodes]
     assert all(node.returncode == 0 for node in nodes), logs[0][-3000:] + logs[1][-3000:]
     four = torch.load(out)
-    one = trained_alone(256, "rowwise_adagrad", "--big-tables")
+    one = trained(TORCHRUN_ALONE)
     assert four["world_size"] == 4
     assert four["fetched_rows"] > 0
     torch.testing.assert_close(four["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    ("strategy", "train_samples", "shuffle"),
-    [("ddp", 2624, False), ("hotcache", 2624, True), ("torchrec", 2624, False), ("hotcache", 2561, False), ("ddp", 2561, True)],
-    ids=["ddp-last-batch-64", "hotcache-last-batch-64-shuffled", "torchrec-last-batch-64", "hotcache-last-batch-1", "ddp-last-batch-1-shuffled"],
-)
-def test_uneven_epoch_end_and_validation_match_one_process(
-    tmp_path: Path, trained_alone, strategy: str, train_samples: int, shuffle: bool
-) -> None:
+UNEVEN_CASES = {  # id: (strategy, training samples, shuffled)
+    "ddp-last-batch-64": ("ddp", 2624, False),
+    "hotcache-last-batch-64-shuffled": ("hotcache", 2624, True),
+    "torchrec-last-batch-64": ("torchrec", 2624, False),
+    "hotcache-last-batch-1": ("hotcache", 2561, False),
+    "ddp-last-batch-1-shuffled": ("ddp", 2561, True),
+}
+
+
+def _uneven_runs(strategy: str, train_samples: int, shuffle: bool) -> tuple:
+    steps = -(-train_samples // 256)  # one epoch, ending in the uneven global batch
+    data = [f"--train-samples={train_samples}", f"--steps={steps}", "--val-samples=1100",
+            *(["--shuffle"] if shuffle else []), "--big-tables"]  # fmt: skip
+    test = "test_uneven_epoch_end_and_validation_match_one_process"
+    return planned(test, 2, 128, "rowwise_adagrad", strategy, *data, "--device-budget=0.05"), planned(test, 1, 256, "rowwise_adagrad", "auto", *data)
+
+
+UNEVEN_RUNS = {case: _uneven_runs(*settings) for case, settings in UNEVEN_CASES.items()}
+
+
+@pytest.mark.parametrize("case", list(UNEVEN_CASES))
+def test_uneven_epoch_end_and_validation_match_one_process(trained, case: str) -> None:
     """An epoch that does not divide into global batches of 2 x 128: its last, smaller global
     batch is split across the ranks with no sample repeated, each rank's loss weighted so
     the average is the global batch's mean; a last batch of 1 sample leaves rank 1 only
     padding, which it still runs (DDP's and hotcache's collectives) with weight 0. The
     validation split (1,100 samples: 4 global batches and one of 76) gives the metrics of
     one process: before global batches, rank 1 was given a repeated batch of 128 there."""
-    steps = -(-train_samples // 256)  # one epoch, ending in the uneven global batch
-    data = [f"--train-samples={train_samples}", f"--steps={steps}", "--val-samples=1100",
-            *(["--shuffle"] if shuffle else []), "--big-tables"]  # fmt: skip
-    two = train(tmp_path, 2, 128, "rowwise_adagrad", strategy, *data, "--device-budget=0.05")
-    one = trained_alone(256, "rowwise_adagrad", *data)
+    steps = -(-UNEVEN_CASES[case][1] // 256)
+    two, one = (trained(run) for run in UNEVEN_RUNS[case])
     assert two["world_size"] == 2 and two["batches_trained"] == one["batches_trained"] == steps
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
     assert set(two["val"]) >= {"val/auc", "val/logloss"}

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hotcache import HotCacheStrategy
 from models import CTRModel, create_model
-from launch import train
+from launch import planned
 
 # Checkpoint files the uninterrupted run writes (ModelCheckpoint's "{step}"/"end-{epoch}" names).
 POSITIONS = {"mid_epoch": "step=6.ckpt", "last_batch": "step=4.ckpt", "epoch_end": "end-epoch=0.ckpt"}
@@ -125,17 +125,19 @@ def test_reloaded_loader_resumes_after_the_last_batch(uninterrupted: Callable[..
     torch.testing.assert_close(_weights(trainer), expected.state_dict)
 
 
-@pytest.mark.parametrize(
-    ("strategy", "options"),
-    [("ddp", []), ("hotcache", ["--big-tables", "--device-budget=0.05"])],
-    ids=["ddp", "hotcache"],
-)
-def test_two_processes_resume_exactly(tmp_path: Path, strategy: str, options: list[str]) -> None:
+TWO_PROCESS_RESUMES = {  # launched with the other two-process runs (tests/launch.py)
+    strategy: planned("test_two_processes_resume_exactly", 2, 128, "rowwise_adagrad", strategy, *options,
+                      "--train-samples=1024", "--shuffle", "--steps=12", "--resume-from", "4", "6")
+    for strategy, options in [("ddp", []), ("hotcache", ["--big-tables", "--device-budget=0.05"])]
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", list(TWO_PROCESS_RESUMES))
+def test_two_processes_resume_exactly(trained, strategy: str) -> None:
     """Two gloo processes under max_steps, 4 shuffled batches per rank and epoch: resumed on
     the last batch of epoch 0 (step 4) and mid-epoch 1 (step 6), each rank's sampler serves
     the rest of the uninterrupted run's batches."""
-    resume = ["--train-samples=1024", "--shuffle", "--steps=12", "--resume-from", "4", "6"]
-    runs = train(tmp_path, 2, 128, "rowwise_adagrad", strategy, *options, *resume)
+    runs = {step: run for step, run in trained(TWO_PROCESS_RESUMES[strategy]).items() if step != "dir"}
     steps, weights = runs.pop(None)
     assert steps == 12 and set(runs) == {4, 6}
     for step, (resumed_steps, resumed_weights) in runs.items():
