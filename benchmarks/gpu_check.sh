@@ -58,7 +58,7 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   PYTHON=.venv/bin/python
   ACCELERATOR=cpu
   SMALL="--device cpu --scale 0.001 --batch-size 64"
-  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto cpu-lookup hotcache@0.1 hotcache@0.01"
+  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1 hotcache@0.01"  # stage 3's (cpu-lookup: the smoke test)
   BEYOND_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1"  # no cap on a CPU
   PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto hotcache@0.1 hotcache@0.01"
   export PYTHONPATH="$PWD:$PWD/benchmarks/gpu_image"

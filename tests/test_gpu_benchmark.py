@@ -104,7 +104,7 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
     assert "torch" in (tmp_path / "stage1.log").read_text()
     assert "skipped" in (tmp_path / "stage2.log").read_text()  # found, and skipped without CUDA
     results = json.loads((tmp_path / "gpu.json").read_text())["results"]
-    assert list(results) == ["auto", "cpu-lookup", "hotcache@0.1", "hotcache@0.01"]
+    assert list(results) == ["auto", "hotcache@0.1", "hotcache@0.01"]  # what stage 3 runs on the GPU
     assert list(json.loads((tmp_path / "beyond_gpu.json").read_text())["results"]) == ["auto", "hotcache@0.1"]
     profiles = (tmp_path / "stage5.log").read_text()
     assert "## hotcache@0.1" in profiles and "## hotcache@0.01" in profiles
