@@ -83,7 +83,7 @@ def train_together(directory: Path, runs: list[Run]) -> dict[Run, dict | str]:
         plan[f"run{k}"] = {"dir": str(directory / f"run{k}"), "argv": [f"--devices={devices}", *run.options, "--out=out.pt"]}
     (directory / "plan.json").write_text(json.dumps(plan, indent=1))
     cmd = [sys.executable, str(SCRIPT), "--runs", str(directory / "plan.json")]
-    result = subprocess.run(cmd, cwd=directory, env=launch_env(), capture_output=True, text=True, timeout=300 + 120 * len(runs))
+    result = subprocess.run(cmd, cwd=directory, env=launch_env(), capture_output=True, text=True, timeout=300 + 30 * len(runs))
     assert_exited_cleanly(result)
     out: dict[Run, dict | str] = {}
     for k, run in enumerate(runs):
