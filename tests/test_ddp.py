@@ -202,9 +202,13 @@ UNEVEN_CASES = {  # id: (strategy, training samples, shuffled)
 }
 
 
+def _one_epoch(train_samples: int) -> int:
+    """Steps of one epoch of global batches of 256, ending in the uneven one."""
+    return -(-train_samples // 256)
+
+
 def _uneven_runs(strategy: str, train_samples: int, shuffle: bool) -> tuple:
-    steps = -(-train_samples // 256)  # one epoch, ending in the uneven global batch
-    data = [f"--train-samples={train_samples}", f"--steps={steps}", "--val-samples=1100",
+    data = [f"--train-samples={train_samples}", f"--steps={_one_epoch(train_samples)}", "--val-samples=1100",
             *(["--shuffle"] if shuffle else []), "--big-tables"]  # fmt: skip
     test = "test_uneven_epoch_end_and_validation_match_one_process"
     return planned(test, 2, 128, "rowwise_adagrad", strategy, *data, "--device-budget=0.05"), planned(test, 1, 256, "rowwise_adagrad", "auto", *data)
@@ -221,7 +225,7 @@ def test_uneven_epoch_end_and_validation_match_one_process(trained, case: str) -
     padding, which it still runs (DDP's and hotcache's collectives) with weight 0. The
     validation split (1,100 samples: 4 global batches and one of 76) gives the metrics of
     one process: before global batches, rank 1 was given a repeated batch of 128 there."""
-    steps = -(-UNEVEN_CASES[case][1] // 256)
+    steps = _one_epoch(UNEVEN_CASES[case][1])
     two, one = (trained(run) for run in UNEVEN_RUNS[case])
     assert two["world_size"] == 2 and two["batches_trained"] == one["batches_trained"] == steps
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
