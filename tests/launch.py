@@ -60,15 +60,21 @@ class Run:
     devices: int
     options: tuple[str, ...]
     used_by: str = field(compare=False)
+    # The run's every rank stops with an error it writes to ``out.pt.rank<r>`` (a check that the
+    # ranks agree to stop), and it saves nothing else; it runs after its launch's other runs.
+    ends_in_an_error: bool = field(default=False, compare=False)
 
 
 PLANNED: list[Run] = []
 
 
-def planned(used_by: str, devices: int, batch_size: int, optimizer: str, strategy: str = "ddp", *extra: str) -> Run:
+def planned(
+    used_by: str, devices: int, batch_size: int, optimizer: str, strategy: str = "ddp", *extra: str, ends_in_an_error: bool = False
+) -> Run:
     """A run the test function ``used_by`` compares (see `train`'s arguments), launched with
     the other planned runs of ``devices`` processes when a test first asks for one of them."""
-    run = Run(devices, (f"--batch-size={batch_size}", f"--optimizer={optimizer}", f"--strategy={strategy}", *extra), used_by)
+    options = (f"--batch-size={batch_size}", f"--optimizer={optimizer}", f"--strategy={strategy}", *extra)
+    run = Run(devices, options, used_by, ends_in_an_error)
     PLANNED.append(run)
     return run
 
@@ -77,6 +83,9 @@ def train_together(directory: Path, runs: list[Run]) -> dict[Run, dict | str]:
     """Launch ``SCRIPT`` once for ``runs`` (of one number of processes): for each, what rank 0
     saved (and ``"dir"``, the run's directory), or the traceback of the error it raised."""
     (devices,) = {run.devices for run in runs}
+    # Runs that end in an error last: should a regression leave one rank waiting in a collective
+    # the others left, it would hang the launch, but only after the other runs have saved.
+    runs = sorted(runs, key=lambda run: run.ends_in_an_error)
     plan = {}
     for k, run in enumerate(runs):
         (directory / f"run{k}").mkdir()
@@ -89,5 +98,8 @@ def train_together(directory: Path, runs: list[Run]) -> dict[Run, dict | str]:
     for k, run in enumerate(runs):
         run_dir = directory / f"run{k}"
         errors = sorted(run_dir.glob("error.rank*"))
-        out[run] = errors[0].read_text() if errors else torch.load(run_dir / "out.pt") | {"dir": run_dir}
+        if errors:
+            out[run] = errors[0].read_text()
+        else:
+            out[run] = ({} if run.ends_in_an_error else torch.load(run_dir / "out.pt")) | {"dir": run_dir}
     return out

@@ -348,7 +348,9 @@ def test_documented_evaluate_tests_the_newest_run(config: Path, tmp_path: Path, 
     (tmp_path / "configs").symlink_to(REPO / "configs")
     small = [*_data_overrides(config, tmp_path), "--trainer.max_epochs=1"]
     short = ["--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=1"]
-    for _ in range(2):  # the second run saves beside the first
+    # Each config's commands, and, for the demo's, that of two runs the newest is evaluated (the
+    # second saves beside the first; which one is newest does not depend on the config).
+    for _ in range(2 if config.stem == "dlrm_synthetic" else 1):
         newest = main([*_documented(config, "Run"), *small, *short]).trainer.checkpoint_callback.last_model_path
     evaluated = main([*_documented(config, "Evaluate"), *small, *short]).trainer.ckpt_path
     assert Path(evaluated).resolve() == Path(newest).resolve()

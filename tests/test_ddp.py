@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import SCRIPT, assert_exited_cleanly, launch_env, planned
+from launch import SCRIPT, launch_env, planned
 
 from lightning_hotcache.checkpoint import SHARDS_KEY, consolidate_checkpoint, shard_path
 
@@ -133,32 +133,37 @@ def test_hotcache_processes_match_one_with_their_batches_together(trained, case:
     torch.testing.assert_close(many["state_dict"], one["state_dict"], rtol=1e-5, atol=atol)
 
 
-@pytest.mark.parametrize("strategy", ["hotcache", "ddp"])
-def test_nan_loss_on_one_rank_stops_every_rank(tmp_path: Path, strategy: str) -> None:
+NAN_AT_STEP_2 = {
+    strategy: planned("test_nan_loss_on_one_rank_stops_every_rank", 2, 128, "rowwise_adagrad", strategy, "--big-tables",
+                      "--device-budget=0.05", "--nan-at-step=2", ends_in_an_error=True)
+    for strategy in ["hotcache", "ddp"]
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", list(NAN_AT_STEP_2))
+def test_nan_loss_on_one_rank_stops_every_rank(trained, strategy: str) -> None:
     # Without agreeing across ranks, the rank with the NaN would stop and the others would
     # wait forever for it in backward's collectives.
-    out = tmp_path / "nan"
-    env = launch_env()
-    cmd = [sys.executable, str(SCRIPT), "--devices=2", "--batch-size=128", f"--strategy={strategy}", "--big-tables", "--device-budget=0.05",
-           "--nan-at-step=2", f"--out={out}"]  # fmt: skip
-    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert_exited_cleanly(result)
+    run = trained(NAN_AT_STEP_2[strategy])
     for rank in (0, 1):  # both name the rank whose loss went NaN (the last), not their own loss
-        assert "not finite on rank 1 (nan) at global step 2 " in Path(f"{out}.rank{rank}").read_text()
+        assert "not finite on rank 1 (nan) at global step 2 " in (run["dir"] / f"out.pt.rank{rank}").read_text()
 
 
-@pytest.mark.parametrize("strategy", ["hotcache", "torchrec"])
-def test_predict_with_uneven_user_batches_fails_on_every_rank_at_once(tmp_path: Path, strategy: str) -> None:
+UNEVEN_PREDICT = {
+    # No stats needed for hotcache: nothing to profile in predict.
+    strategy: planned("test_predict_with_uneven_user_batches_fails_on_every_rank_at_once", 2, 64, "rowwise_adagrad", strategy,
+                      *(["--device-budget=1.0"] if strategy == "hotcache" else []), "--predict-batches=5", ends_in_an_error=True)
+    for strategy in ["hotcache", "torchrec"]
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", list(UNEVEN_PREDICT))
+def test_predict_with_uneven_user_batches_fails_on_every_rank_at_once(trained, strategy: str) -> None:
     # Issue 29 item 6: Lightning gives rank 0 three batches and rank 1 two; the forward's
     # collectives then waited forever on rank 0's third batch.
-    out = tmp_path / "predict"
-    budget = ["--device-budget=1.0"] if strategy == "hotcache" else []  # no stats needed: nothing to profile in predict
-    cmd = [sys.executable, str(SCRIPT), "--devices=2", "--batch-size=64", f"--strategy={strategy}", *budget,
-           "--predict-batches=5", f"--out={out}"]  # fmt: skip
-    result = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=300)
-    assert_exited_cleanly(result)
+    run = trained(UNEVEN_PREDICT[strategy])
     for rank in (0, 1):
-        assert "different numbers of batches (rank 0: 3, rank 1: 2)" in Path(f"{out}.rank{rank}").read_text()
+        assert "different numbers of batches (rank 0: 3, rank 1: 2)" in (run["dir"] / f"out.pt.rank{rank}").read_text()
 
 
 TORCHRUN_ALONE = planned("test_hotcache_on_two_nodes_of_two_processes_under_torchrun", 1, 256, "rowwise_adagrad", "auto", "--big-tables")

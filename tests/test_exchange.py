@@ -100,25 +100,37 @@ def _tables_kept_out_of_ddp(rank: int) -> None:
     assert ddp.parameters_to_ignore == tables, ddp.parameters_to_ignore ^ tables
 
 
-def _on_two_processes(check, tmp_path) -> None:
-    """Run ``check(rank)`` in two gloo processes; fail with the first rank's assertion."""
-    failures = mp.get_context("spawn").Queue()
-    mp.spawn(_worker, args=(check, str(tmp_path / "rendezvous"), failures), nprocs=2, join=True)
-    assert failures.empty(), failures.get()
+TWO_PROCESS_CHECKS = {"collectives": _collectives, "averaged": _averaged_sparse_gradients, "out_of_ddp": _tables_kept_out_of_ddp}
 
 
-def _worker(rank: int, check, init_file: str, failures) -> None:
+@pytest.fixture(scope="module")
+def two_process_failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Every check of TWO_PROCESS_CHECKS run in one spawn of two gloo processes (a spawn imports
+    torch and the project again in each, ~10 s): check -> the first failing rank's assertion."""
+    queue = mp.get_context("spawn").Queue()
+    init_file = tmp_path_factory.mktemp("two_processes") / "rendezvous"
+    mp.spawn(_worker, args=(list(TWO_PROCESS_CHECKS), str(init_file), queue), nprocs=2, join=True)
+    failures: dict[str, str] = {}
+    while not queue.empty():
+        name, failure = queue.get()
+        failures.setdefault(name, failure)
+    return failures
+
+
+def _worker(rank: int, names: list[str], init_file: str, failures) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        check(rank)
-    except AssertionError as err:
-        failures.put(f"rank {rank}: {err!r}")
+        for name in names:
+            try:
+                TWO_PROCESS_CHECKS[name](rank)
+            except AssertionError as err:
+                failures.put((name, f"rank {rank}: {err!r}"))
     finally:
         dist.destroy_process_group()
 
 
-def test_row_collectives_on_two_processes(tmp_path) -> None:
-    _on_two_processes(_collectives, tmp_path)
+def test_row_collectives_on_two_processes(two_process_failures: dict[str, str]) -> None:
+    assert "collectives" not in two_process_failures, two_process_failures["collectives"]
 
 
 def test_rows_summed_by_index_table_by_table() -> None:
@@ -137,14 +149,14 @@ def test_rows_summed_by_index_table_by_table() -> None:
         assert torch.equal(ids, want_ids) and torch.equal(got, want), (ids, got)
 
 
-def test_sparse_gradients_averaged_over_two_processes(tmp_path) -> None:
-    _on_two_processes(_averaged_sparse_gradients, tmp_path)
+def test_sparse_gradients_averaged_over_two_processes(two_process_failures: dict[str, str]) -> None:
+    assert "averaged" not in two_process_failures, two_process_failures["averaged"]
 
 
-def test_zoo_tables_are_kept_out_of_ddp(tmp_path) -> None:
+def test_zoo_tables_are_kept_out_of_ddp(two_process_failures: dict[str, str]) -> None:
     """DDP's reducer corrupts the heap on sparse gradients now and then (see sparse_ddp): the
     model averages its tables' gradients itself, so DDP must not see (and reduce) any table."""
-    _on_two_processes(_tables_kept_out_of_ddp, tmp_path)
+    assert "out_of_ddp" not in two_process_failures, two_process_failures["out_of_ddp"]
 
 
 def test_dense_gradients_are_refused() -> None:
