@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -103,13 +106,12 @@ def _tables_kept_out_of_ddp(rank: int) -> None:
 TWO_PROCESS_CHECKS = {"collectives": _collectives, "averaged": _averaged_sparse_gradients, "out_of_ddp": _tables_kept_out_of_ddp}
 
 
-@pytest.fixture(scope="module")
-def two_process_failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Every check of TWO_PROCESS_CHECKS run in one spawn of two gloo processes (a spawn imports
-    torch and the project again in each, ~10 s): check -> the first failing rank's assertion."""
+def _on_two_processes(checks: dict[str, Callable[[int], None]], directory: Path) -> dict[str, str]:
+    """Run each of ``checks`` (name -> ``check(rank)``) in turn in one spawn of two gloo
+    processes (a spawn imports torch and the project again in each, ~10 s): name -> the first
+    failing rank's assertion, for the checks that failed."""
     queue = mp.get_context("spawn").Queue()
-    init_file = tmp_path_factory.mktemp("two_processes") / "rendezvous"
-    mp.spawn(_worker, args=(list(TWO_PROCESS_CHECKS), str(init_file), queue), nprocs=2, join=True)
+    mp.spawn(_worker, args=(checks, str(directory / "rendezvous"), queue), nprocs=2, join=True)
     failures: dict[str, str] = {}
     while not queue.empty():
         name, failure = queue.get()
@@ -117,16 +119,21 @@ def two_process_failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     return failures
 
 
-def _worker(rank: int, names: list[str], init_file: str, failures) -> None:
+def _worker(rank: int, checks: dict[str, Callable[[int], None]], init_file: str, failures) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        for name in names:
+        for name, check in checks.items():
             try:
-                TWO_PROCESS_CHECKS[name](rank)
+                check(rank)
             except AssertionError as err:
                 failures.put((name, f"rank {rank}: {err!r}"))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_process_failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return _on_two_processes(TWO_PROCESS_CHECKS, tmp_path_factory.mktemp("two_processes"))
 
 
 def test_row_collectives_on_two_processes(two_process_failures: dict[str, str]) -> None:

@@ -195,7 +195,8 @@ def _across_two_ranks(rank: int) -> None:
 
 
 def test_step_ops_do_not_grow_with_tables_across_two_processes(tmp_path) -> None:
-    _on_two_processes(_across_two_ranks, tmp_path)
+    failures = _on_two_processes({"step ops": _across_two_ranks}, tmp_path)
+    assert not failures, failures
 
 
 @pytest.mark.parametrize("kernel", ["pytorch", "pytorch-sorted-reads", "fbgemm"])
