@@ -60,8 +60,9 @@ class Run:
     devices: int
     options: tuple[str, ...]
     used_by: str = field(compare=False)
-    # The run's every rank stops with an error it writes to ``out.pt.rank<r>`` (a check that the
-    # ranks agree to stop), and it saves nothing else; it runs after its launch's other runs.
+    # The run's every rank stops with an error, which its test checks: one it writes to
+    # ``out.pt.rank<r>`` (a check that the ranks agree to stop) or one it raises; it saves
+    # nothing else, and runs after its launch's other runs.
     ends_in_an_error: bool = field(default=False, compare=False)
 
 
@@ -81,7 +82,8 @@ def planned(
 
 def train_together(directory: Path, runs: list[Run]) -> dict[Run, dict | str]:
     """Launch ``SCRIPT`` once for ``runs`` (of one number of processes): for each, what rank 0
-    saved (and ``"dir"``, the run's directory), or the traceback of the error it raised."""
+    saved (and ``"dir"``, the run's directory), or the traceback of the error it raised; for a
+    run that ends in an error, its directory and ``"raised"``, each rank's traceback if any."""
     (devices,) = {run.devices for run in runs}
     # Runs that end in an error last: should a regression leave one rank waiting in a collective
     # the others left, it would hang the launch, but only after the other runs have saved.
@@ -98,8 +100,8 @@ def train_together(directory: Path, runs: list[Run]) -> dict[Run, dict | str]:
     for k, run in enumerate(runs):
         run_dir = directory / f"run{k}"
         errors = sorted(run_dir.glob("error.rank*"))
-        if errors:
-            out[run] = errors[0].read_text()
+        if run.ends_in_an_error:
+            out[run] = {"dir": run_dir, "raised": [error.read_text() for error in errors]}
         else:
-            out[run] = ({} if run.ends_in_an_error else torch.load(run_dir / "out.pt")) | {"dir": run_dir}
+            out[run] = errors[0].read_text() if errors else torch.load(run_dir / "out.pt") | {"dir": run_dir}
     return out

@@ -60,14 +60,17 @@ def test_manual_optimization_on_two_processes_matches_one_with_double_batch(trai
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
-def test_torchrec_refuses_manual_optimization_on_two_processes(tmp_path: Path) -> None:
+TORCHREC_MANUAL = planned("test_torchrec_refuses_manual_optimization_on_two_processes", 2, 128, "rowwise_adagrad", "torchrec",
+                          "--manual-optimization", ends_in_an_error=True)  # fmt: skip
+
+
+def test_torchrec_refuses_manual_optimization_on_two_processes(trained) -> None:
     # Issue 29 item 17: the ranks' dense gradients were not averaged (the DDP inside TorchRec's
     # DistributedModelParallel is out of Lightning's manual-optimization hooks).
-    cmd = [sys.executable, str(SCRIPT), "--devices=2", "--batch-size=128", "--strategy=torchrec", "--manual-optimization",
-           f"--out={tmp_path / 'out.pt'}"]  # fmt: skip
-    result = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    assert "torchrec strategy does not run manual optimization with several processes" in result.stderr
+    raised = trained(TORCHREC_MANUAL)["raised"]
+    assert len(raised) == 2, raised  # every rank refuses
+    for traceback in raised:
+        assert "torchrec strategy does not run manual optimization with several processes" in traceback
 
 
 SEEDED_APART = {
@@ -145,6 +148,7 @@ def test_nan_loss_on_one_rank_stops_every_rank(trained, strategy: str) -> None:
     # Without agreeing across ranks, the rank with the NaN would stop and the others would
     # wait forever for it in backward's collectives.
     run = trained(NAN_AT_STEP_2[strategy])
+    assert not run["raised"], run["raised"][0]  # the error is the check's, which it writes
     for rank in (0, 1):  # both name the rank whose loss went NaN (the last), not their own loss
         assert "not finite on rank 1 (nan) at global step 2 " in (run["dir"] / f"out.pt.rank{rank}").read_text()
 
@@ -162,6 +166,7 @@ def test_predict_with_uneven_user_batches_fails_on_every_rank_at_once(trained, s
     # Issue 29 item 6: Lightning gives rank 0 three batches and rank 1 two; the forward's
     # collectives then waited forever on rank 0's third batch.
     run = trained(UNEVEN_PREDICT[strategy])
+    assert not run["raised"], run["raised"][0]
     for rank in (0, 1):
         assert "different numbers of batches (rank 0: 3, rank 1: 2)" in (run["dir"] / f"out.pt.rank{rank}").read_text()
 
