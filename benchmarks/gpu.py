@@ -55,6 +55,12 @@ Prints a table and writes benchmarks/results/gpu.json.
     python benchmarks/gpu.py --scale 1.0 --device-memory 8 --strategies auto hotcache@0.1   # tables larger than the GPU
     python benchmarks/gpu.py --strategies auto hotcache@0.01 hotcache@0.01+lookahead   # the lookahead policy
     python benchmarks/gpu.py --device cpu --scale 0.001 --steps 5 --rounds 1   # smoke mode, seconds on a CPU
+    python benchmarks/gpu.py --device cpu --scale 0.001 --batch-size 64 --dim 16 --kernel pytorch   # host time a step, on a CPU
+
+``--kernel`` picks hotcache's device-tier kernel (``auto``: FBGEMM's fused one where it trains
+exactly; each run records which ran). On a CPU, ``--kernel pytorch`` with tiny batches and
+tables times the host's share of the path a GPU without FBGEMM's CUDA build runs: the step's
+compute is then negligible, so a step's time is its Python, dispatch and staging.
 """
 
 from __future__ import annotations
@@ -153,7 +159,9 @@ class DrawnAheadDataModule(SyntheticCTRDataModule):
 
 
 def _hotcache(args: argparse.Namespace, budget: float, policy: str = "lfu") -> HotCacheStrategy:
-    return HotCacheStrategy(device_budget=budget, profile_batches=args.profile_batches, grow_budget_to_minimum=True, cache_policy=policy)
+    return HotCacheStrategy(
+        device_budget=budget, profile_batches=args.profile_batches, grow_budget_to_minimum=True, cache_policy=policy, kernel=args.kernel
+    )
 
 
 def strategies(args: argparse.Namespace) -> dict[str, Any]:
@@ -287,6 +295,7 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
     if plan is not None:
         out["budget_bytes"] = plan.budget_bytes
         out["cache_device_bytes"] = sum(m.device_bytes() for m in hot_cold_modules(model).values())
+        out["kernels"] = sorted({m.kernel_note for m in hot_cold_modules(model).values()})
     return out
 
 
@@ -331,6 +340,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-batches", type=int, default=20, help="batches hotcache profiles to plan")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every strategy; the median is reported")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--kernel", choices=("auto", "fbgemm", "pytorch"), default="auto",
+                        help="hotcache's device-tier kernel (each run records which ran); pytorch on a CPU: the path of a GPU without FBGEMM's CUDA build")
     parser.add_argument("--strategies", nargs="+", help="a subset to run (default: all but the +lookahead ones; auto is the baseline)")
     parser.add_argument("--device-memory", type=float, help="cap each run's GPU memory at this many GiB (CUDA only)")
     parser.add_argument("--switch-interval", type=float,
@@ -378,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = [
         "--scale", str(args.scale), "--dim", str(args.dim), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--profile-batches", str(args.profile_batches), "--device", args.device,
-        "--num-workers", str(args.num_workers), "--data", args.data,
+        "--num-workers", str(args.num_workers), "--data", args.data, "--kernel", args.kernel,
         *(["--device-memory", str(args.device_memory)] if args.device_memory is not None else []),
         *(["--switch-interval", str(args.switch_interval)] if args.switch_interval is not None else []),
     ]  # fmt: skip

@@ -42,6 +42,7 @@ def test_smoke_mode_reports_every_strategy(tmp_path, monkeypatch) -> None:
     # FAE's baseline moves the pooled embeddings (64 samples x 26 features x 128 floats) each way.
     assert results["cpu-lookup"]["h2d_bytes_per_step"] == results["cpu-lookup"]["d2h_bytes_per_step"] == 64 * 26 * 128 * 4
     assert results["hotcache@1"]["hit_rate"] == 1.0
+    assert "kernels" not in results["auto"] and all(r["kernels"] for name, r in results.items() if name.startswith("hotcache"))
     split = results["hotcache@0.01"]
     assert split["cache_device_bytes"] < split["table_bytes"]
     assert 0 < split["hit_rate"] < 1 and split["h2d_bytes_per_step"] > 0
@@ -54,6 +55,11 @@ def test_the_lookahead_policy_runs_when_named(tmp_path, monkeypatch) -> None:
     results = json.loads(out.read_text())["results"]
     assert list(results) == ["auto", "hotcache@0.01+lookahead"] and 0 < results["hotcache@0.01+lookahead"]["hit_rate"] < 1
     assert gpu.strategies(gpu.parse_args(SMOKE))["hotcache@0.01+lookahead"]().cache_policy == "lookahead"
+
+
+def test_the_kernel_asked_for_is_the_one_recorded() -> None:
+    ran = gpu.main([*SMOKE, "--batch-size", "64", "--kernel", "pytorch", "--job", "hotcache@1"])
+    assert ran["kernels"] == ["pytorch embedding_bag (kernel='pytorch' was chosen)"]
 
 
 @pytest.mark.parametrize(
