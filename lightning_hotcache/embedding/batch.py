@@ -79,6 +79,19 @@ def bag_offsets(features: KeyedJaggedTensor) -> Tensor:
     return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
 
 
+def runs_of(positions: list[int]) -> list[tuple[int, int]]:
+    """``positions`` (ascending) as runs ``(first, end)`` of consecutive ones: features side by
+    side in a batch are one span of its values, so cutting them out is a view, not a copy per
+    feature."""
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs
+
+
 def concat_spans(values: Tensor, spans: list[tuple[int, int]]) -> Tensor:
     """``values[a:b]`` for each span, end to end (a view when there is one span)."""
     return values[spans[0][0] : spans[0][1]] if len(spans) == 1 else torch.cat([values[a:b] for a, b in spans])

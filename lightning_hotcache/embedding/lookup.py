@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torchrec.modules.embedding_configs import PoolingType
 
 from lightning_hotcache.cache.fused import FusedTables
-from lightning_hotcache.embedding.batch import StagedBatch, bag_offsets, concat_spans
+from lightning_hotcache.embedding.batch import StagedBatch, bag_offsets, concat_spans, runs_of
 from lightning_hotcache.embedding.layout import Layout
 
 
@@ -106,10 +106,21 @@ class EmbeddingBagLookup:
         groups: dict[tuple[int, PoolingType], list[int]] = {}
         for k, (feature, table) in enumerate(zip(layout.features, layout.device_table_of_feature())):
             groups.setdefault((table, layout.table_of[feature].pooling), []).append(k)
-        self.groups = [(weights[table], "sum" if pooling == PoolingType.SUM else "mean", ks) for (table, pooling), ks in groups.items()]
-        # Where each feature's pooled rows are in the groups' outputs, end to end.
-        order = [k for _, _, ks in self.groups for k in ks]
-        self.output_order = [order.index(k) for k in range(len(layout.features))]
+        # Each group's features as runs of adjacent ones: a run's ids and bags are one view.
+        self.groups = [
+            (weights[table], "sum" if pooling == PoolingType.SUM else "mean", len(ks), runs_of(ks))
+            for (table, pooling), ks in groups.items()
+        ]
+        # The output (table order) as pieces ``(group, first, end)``: features adjacent in the
+        # output and of one group (so adjacent in its output too) come out in one copy.
+        place = {k: (g, j) for g, ks in enumerate(groups.values()) for j, k in enumerate(ks)}
+        self.output_pieces: list[tuple[int, int, int]] = []
+        for k in range(len(layout.features)):
+            g, j = place[k]
+            if self.output_pieces and self.output_pieces[-1][0] == g:
+                self.output_pieces[-1] = (g, self.output_pieces[-1][1], j + 1)
+            else:
+                self.output_pieces.append((g, j, j + 1))
         self.is_weighted = is_weighted
         self.device = device
         self.on_gradient = on_gradient
@@ -125,10 +136,10 @@ class EmbeddingBagLookup:
         offsets, bounds, batch = bag_offsets(ours).to(self.device, torch.int64), ours.offset_per_key(), ours.stride()
         lengths = offsets.diff()
         weights = ours.weights() if self.is_weighted else None
-        pooled: list[Tensor] = []
-        for weight, mode, ks in self.groups:
-            spans = [(bounds[k], bounds[k + 1]) for k in ks]
-            bag_lengths = concat_spans(lengths, [(k * batch, (k + 1) * batch) for k in ks])
+        pooled: list[Tensor] = []  # per group (features, batch, dim)
+        for weight, mode, count, runs in self.groups:
+            spans = [(bounds[a], bounds[b]) for a, b in runs]
+            bag_lengths = concat_spans(lengths, [(a * batch, b * batch) for a, b in runs])
             rows = nn.functional.embedding_bag(
                 concat_spans(staged.indices, spans),
                 weight,
@@ -137,5 +148,7 @@ class EmbeddingBagLookup:
                 per_sample_weights=None if weights is None else concat_spans(weights, spans),
                 include_last_offset=True,
             )
-            pooled.extend(rows.view(len(ks), batch, -1).unbind(0))
-        return torch.cat([pooled[j] for j in self.output_order], dim=1)
+            pooled.append(rows.view(count, batch, -1))
+        # Feature-major bags to (batch, features x dim), the columns in table order.
+        pieces = [pooled[g][a:b].transpose(0, 1).reshape(batch, -1) for g, a, b in self.output_pieces]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)

@@ -41,6 +41,7 @@ from lightning_hotcache.embedding.batch import (
     in_feature_order,
     on_device,
     per_value,
+    runs_of,
     same_batch,
     sorted_reads,
 )
@@ -77,7 +78,7 @@ class Staging:
         self._positions = {key: layout.positions(key) for key in caches}
         # Each acquired cache's features as runs of consecutive ones (first, end): a batch's
         # values of a run are one slice (a stack of every table is one run, not one per table).
-        self._runs = {key: _runs(self._positions[key]) for key in self._acquired}
+        self._runs = {key: runs_of(self._positions[key]) for key in self._acquired}
         # The acquired cache each feature's ids go to (-1: none), for caches whose features are
         # not one run: their slots go back into the batch with one masked scatter.
         owner = {k: c for c, key in enumerate(self._acquired) for k in self._positions[key]}
@@ -89,7 +90,7 @@ class Staging:
         self.sums_gradients = False
         self.sorts_reads_on_device = False
         feature_table = layout.device_table_of_feature()
-        self._table_runs = [_runs([k for k, t in enumerate(feature_table) if t == table]) for table in range(len(layout.device_rows))]
+        self._table_runs = [runs_of([k for k, t in enumerate(feature_table) if t == table]) for table in range(len(layout.device_rows))]
         self.queue: deque[StagedBatch] = deque()
         # Batches announced and not yet staged, as `_ids` prepared them with each acquired
         # cache's ids deduplicated (oldest first): a batch is checked, ordered and
@@ -292,13 +293,3 @@ def _rows_in(indices: Tensor, spans: list[tuple[int, int]]) -> Tensor:
     """The rows ``indices`` holds in ``spans``, end to end."""
     return concat_spans(indices, spans) if spans else indices[:0]
 
-
-def _runs(positions: list[int]) -> list[tuple[int, int]]:
-    """``positions`` (ascending) as runs ``(first, end)`` of consecutive ones."""
-    runs: list[tuple[int, int]] = []
-    for p in positions:
-        if runs and runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], p + 1)
-        else:
-            runs.append((p, p + 1))
-    return runs

@@ -40,7 +40,7 @@ from lightning_hotcache.cache.exchange import (
 )
 from lightning_hotcache.cache.owned_rows import OwnedRows
 from lightning_hotcache.sorting import sum_rows_by_index
-from lightning_hotcache.embedding.batch import StagedBatch, concat_spans
+from lightning_hotcache.embedding.batch import StagedBatch, concat_spans, runs_of
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.embedding.staging import Staging
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig, step_read_rows
@@ -136,6 +136,7 @@ class _TableFeatures:
     and FBGEMM's backward before it updates)."""
 
     features: list[int]  # ascending: the order staging puts the table's values in
+    runs: list[tuple[int, int]]  # the features as runs of adjacent ones (a run's values are one view)
     # The features' output columns, feature after feature (None: contiguous), and whether each
     # pools by mean (None: none does; `all_mean`: all do): on the gradient's device, made once,
     # as a step's copy from the host would wait for the device.
@@ -153,7 +154,7 @@ class _TableFeatures:
         contiguous = columns == list(range(columns[0], columns[0] + len(columns)))
         mean = [layout.table_of[layout.features[f]].pooling == PoolingType.MEAN for f in features]
         return cls(
-            features, None if contiguous else torch.tensor(columns, device=device), columns[0], dim,
+            features, runs_of(features), None if contiguous else torch.tensor(columns, device=device), columns[0], dim,
             torch.tensor(mean, device=device) if any(mean) else None, all(mean),
         )  # fmt: skip
 
@@ -167,8 +168,9 @@ class _TableFeatures:
             per_bag = grad.index_select(1, self.columns)
         # Sample-major columns to feature-major bags, as the values come.
         per_bag = per_bag.reshape(batch, count, self.dim).transpose(0, 1).reshape(count * batch, self.dim)
-        spans = [(ours.offset_per_key()[f], ours.offset_per_key()[f + 1]) for f in self.features]
-        bag_lengths = concat_spans(ours.lengths(), [(f * batch, (f + 1) * batch) for f in self.features]).to(grad.device)
+        bounds = ours.offset_per_key()
+        spans = [(bounds[a], bounds[b]) for a, b in self.runs]
+        bag_lengths = concat_spans(ours.lengths(), [(a * batch, b * batch) for a, b in self.runs]).to(grad.device)
         if self.mean is not None:
             scale = bag_lengths.clamp(min=1).to(grad.dtype).reciprocal()  # as embedding_bag: times 1 / size
             if not self.all_mean:
