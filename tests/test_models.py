@@ -82,6 +82,14 @@ def test_dense_optimizer_excludes_embeddings() -> None:
     assert len(in_dense) == len(model.dense_parameters()) > 0
 
 
+def test_dense_adam_is_fused_where_torch_has_the_kernel() -> None:
+    dm = tiny_synthetic()
+    assert _model("dlrm", dm).configure_optimizers().defaults["fused"] is True
+    # A device torch has no fused Adam for keeps torch's default, not an error at fit start.
+    model = _model("dlrm", dm).to("meta")
+    assert model.configure_optimizers().defaults["fused"] is None
+
+
 # The models with an MLP tower; LR and FM have none, so they take no `dropout`.
 DEEP_MODEL_NAMES = [name for name in MODEL_NAMES if name not in ("lr", "fm")]
 
