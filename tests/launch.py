@@ -61,12 +61,13 @@ class Run:
     options: tuple[str, ...]
     used_by: str = field(compare=False)
     # The run's every rank stops with an error, which its test checks: one it writes to
-    # ``out.pt.rank<r>`` (a check that the ranks agree to stop) or one it raises; it saves
+    # ``<OUT>.rank<r>`` (a check that the ranks agree to stop) or one it raises; it saves
     # nothing else, and runs after its launch's other runs.
     ends_in_an_error: bool = field(default=False, compare=False)
 
 
 PLANNED: list[Run] = []
+OUT = "out.pt"  # what rank 0 of a run saves (`ddp_train.py --out`); ``OUT.rank<r>``: the error rank r wrote
 
 
 def planned(
@@ -83,7 +84,8 @@ def planned(
 def train_together(directory: Path, runs: list[Run]) -> dict[Run, dict | str]:
     """Launch ``SCRIPT`` once for ``runs`` (of one number of processes): for each, what rank 0
     saved (and ``"dir"``, the run's directory), or the traceback of the error it raised; for a
-    run that ends in an error, its directory and ``"raised"``, each rank's traceback if any."""
+    run that ends in an error, its directory, ``"raised"`` (each rank's traceback, if any) and
+    ``"wrote"`` (the error each rank wrote, if any)."""
     (devices,) = {run.devices for run in runs}
     # Runs that end in an error last: should a regression leave one rank waiting in a collective
     # the others left, it would hang the launch, but only after the other runs have saved.
@@ -91,7 +93,7 @@ def train_together(directory: Path, runs: list[Run]) -> dict[Run, dict | str]:
     plan = {}
     for k, run in enumerate(runs):
         (directory / f"run{k}").mkdir()
-        plan[f"run{k}"] = {"dir": str(directory / f"run{k}"), "argv": [f"--devices={devices}", *run.options, "--out=out.pt"]}
+        plan[f"run{k}"] = {"dir": str(directory / f"run{k}"), "argv": [f"--devices={devices}", *run.options, f"--out={OUT}"]}
     (directory / "plan.json").write_text(json.dumps(plan, indent=1))
     cmd = [sys.executable, str(SCRIPT), "--runs", str(directory / "plan.json")]
     result = subprocess.run(cmd, cwd=directory, env=launch_env(), capture_output=True, text=True, timeout=300 + 30 * len(runs))
@@ -101,7 +103,8 @@ def train_together(directory: Path, runs: list[Run]) -> dict[Run, dict | str]:
         run_dir = directory / f"run{k}"
         errors = sorted(run_dir.glob("error.rank*"))
         if run.ends_in_an_error:
-            out[run] = {"dir": run_dir, "raised": [error.read_text() for error in errors]}
+            wrote = sorted(run_dir.glob(f"{OUT}.rank*"))
+            out[run] = {"dir": run_dir, "raised": [error.read_text() for error in errors], "wrote": [w.read_text() for w in wrote]}
         else:
-            out[run] = errors[0].read_text() if errors else torch.load(run_dir / "out.pt") | {"dir": run_dir}
+            out[run] = errors[0].read_text() if errors else torch.load(run_dir / OUT) | {"dir": run_dir}
     return out
