@@ -44,6 +44,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
+from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
 from lightning_hotcache._compat import fit_train_dataloader, is_wrapping_checkpoint_io
@@ -66,6 +67,7 @@ from lightning_hotcache.checkpoint import (
 from lightning_hotcache.collectives import broadcast_from_rank_zero
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
 from lightning_hotcache.even_batches import check_even_batches
+from lightning_hotcache.global_batch import BatchShare
 from lightning_hotcache.guards import finite_loss_or_skip
 from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
 from lightning_hotcache.planner import (
@@ -292,6 +294,12 @@ def _load_row_state(path: str, module: HotColdEmbeddingBagCollection, saved: Map
 
 
 def _features_of(batch: Any) -> list[KeyedJaggedTensor]:
+    """The KeyedJaggedTensors in ``batch``. TorchRec's ``Batch`` (and the zoo's share of one)
+    directly: the generic walk deep-copies a dataclass's shell to rebuild it, three times a
+    batch, on the staging threads beside the training loop's Python (a user's subclass, which
+    may hold more, still takes the walk)."""
+    if type(batch) in (Batch, BatchShare):
+        return [batch.sparse_features]
     found: list[KeyedJaggedTensor] = []
     apply_to_collection(batch, KeyedJaggedTensor, found.append)
     return found
