@@ -103,7 +103,13 @@ def _tables_kept_out_of_ddp(rank: int) -> None:
     assert ddp.parameters_to_ignore == tables, ddp.parameters_to_ignore ^ tables
 
 
-TWO_PROCESS_CHECKS = {"collectives": _collectives, "averaged": _averaged_sparse_gradients, "out_of_ddp": _tables_kept_out_of_ddp}
+# Each check under the name of the test that asserts it, so that the spawn runs only the
+# selected ones (``-k``).
+TWO_PROCESS_CHECKS = {
+    "test_row_collectives_on_two_processes": _collectives,
+    "test_sparse_gradients_averaged_over_two_processes": _averaged_sparse_gradients,
+    "test_zoo_tables_are_kept_out_of_ddp": _tables_kept_out_of_ddp,
+}
 
 
 def _on_two_processes(checks: dict[str, Callable[[int], None]], directory: Path) -> dict[str, str]:
@@ -132,12 +138,21 @@ def _worker(rank: int, checks: dict[str, Callable[[int], None]], init_file: str,
 
 
 @pytest.fixture(scope="module")
-def two_process_failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return _on_two_processes(TWO_PROCESS_CHECKS, tmp_path_factory.mktemp("two_processes"))
+def two_process_failures(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The selected tests' checks, run in one spawn: test name -> its first failing assertion."""
+    selected = {item.name for item in request.session.items}
+    checks = {name: check for name, check in TWO_PROCESS_CHECKS.items() if name in selected}
+    return _on_two_processes(checks, tmp_path_factory.mktemp("two_processes"))
 
 
-def test_row_collectives_on_two_processes(two_process_failures: dict[str, str]) -> None:
-    assert "collectives" not in two_process_failures, two_process_failures["collectives"]
+def _passed_on_two_processes(failures: dict[str, str], request: pytest.FixtureRequest) -> None:
+    name = request.node.name
+    assert name in TWO_PROCESS_CHECKS, f"{name} has no check in TWO_PROCESS_CHECKS"
+    assert name not in failures, failures[name]
+
+
+def test_row_collectives_on_two_processes(two_process_failures: dict[str, str], request: pytest.FixtureRequest) -> None:
+    _passed_on_two_processes(two_process_failures, request)
 
 
 def test_rows_summed_by_index_table_by_table() -> None:
@@ -156,14 +171,14 @@ def test_rows_summed_by_index_table_by_table() -> None:
         assert torch.equal(ids, want_ids) and torch.equal(got, want), (ids, got)
 
 
-def test_sparse_gradients_averaged_over_two_processes(two_process_failures: dict[str, str]) -> None:
-    assert "averaged" not in two_process_failures, two_process_failures["averaged"]
+def test_sparse_gradients_averaged_over_two_processes(two_process_failures: dict[str, str], request: pytest.FixtureRequest) -> None:
+    _passed_on_two_processes(two_process_failures, request)
 
 
-def test_zoo_tables_are_kept_out_of_ddp(two_process_failures: dict[str, str]) -> None:
+def test_zoo_tables_are_kept_out_of_ddp(two_process_failures: dict[str, str], request: pytest.FixtureRequest) -> None:
     """DDP's reducer corrupts the heap on sparse gradients now and then (see sparse_ddp): the
     model averages its tables' gradients itself, so DDP must not see (and reduce) any table."""
-    assert "out_of_ddp" not in two_process_failures, two_process_failures["out_of_ddp"]
+    _passed_on_two_processes(two_process_failures, request)
 
 
 def test_dense_gradients_are_refused() -> None:
