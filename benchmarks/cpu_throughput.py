@@ -13,8 +13,9 @@ Prints a table and writes benchmarks/results/cpu_throughput.json.
     python benchmarks/cpu_throughput.py --optimizer adam   # lazy Adam: auto vs hotcache's PyTorch path
     python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.01 hotcache@0.01+lookahead
 
-By default every strategy but the ``+lookahead`` (the lookahead cache policy) and ``+thread``
-(staging on the prefetch thread) ones runs.
+By default every strategy but the ``+lookahead`` (the lookahead cache policy), ``+thread``
+(staging on the prefetch thread) and ``+fbgemm`` / ``+pytorch`` (the device tier's kernel named,
+not chosen) ones runs.
 """
 
 from __future__ import annotations
@@ -81,23 +82,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--job", help=argparse.SUPPRESS)  # one run in this process; prints its JSON
     args = parser.parse_args(argv)
 
-    runs = {
-        "auto": lambda: "auto",
-        "torchrec": lambda: "torchrec",
-        **{f"hotcache@{b:g}": (lambda b=b: HotCacheStrategy(device_budget=b, profile_batches=50)) for b in (1.0, 0.1, 0.01)},
-        # The lookahead cache policy, and staging on the prefetch thread (inline by default on the CPU).
-        **{
-            f"hotcache@{b:g}{policy}{thread}": (
-                lambda b=b, policy=policy, thread=thread: HotCacheStrategy(
-                    device_budget=b, profile_batches=50, cache_policy="lookahead" if policy else "lfu", prefetch_thread=bool(thread)
-                )
-            )
-            for b in (0.1, 0.01)
-            for policy in ("", "+lookahead")
-            for thread in ("", "+thread")
-            if policy or thread
-        },
-    }
+    runs = {"auto": lambda: "auto", "torchrec": lambda: "torchrec"}
+    # hotcache at 100%, 10% and 1% of the tables; at 10% and 1% with options too: the lookahead
+    # cache policy, staging on the prefetch thread (inline by default on the CPU), a kernel
+    # named (the device tier's, "auto" choosing by default).
+    for budget in (1.0, 0.1, 0.01):
+        for policy in ("", "+lookahead") if budget < 1 else ("",):
+            for thread in ("", "+thread") if budget < 1 else ("",):
+                for kernel in ("", "+fbgemm", "+pytorch"):
+                    runs[f"hotcache@{budget:g}{policy}{thread}{kernel}"] = (
+                        lambda b=budget, policy=policy, thread=thread, kernel=kernel: HotCacheStrategy(
+                            device_budget=b, profile_batches=50, cache_policy="lookahead" if policy else "lfu",
+                            prefetch_thread=bool(thread), kernel=kernel[1:] or "auto",
+                        )
+                    )  # fmt: skip
     if args.optimizer == "adam":
         del runs["torchrec"]
     unknown = set(args.strategies or ()) - set(runs)

@@ -412,7 +412,7 @@ class _SeesPrefetchThread(pl.Callback):
         self.wrapped_in_ddp |= isinstance(trainer.strategy.model, DistributedDataParallel)
 
 
-@pytest.mark.parametrize("kernel", ["auto", "pytorch"])
+@pytest.mark.parametrize("kernel", ["fbgemm", "pytorch"])
 @pytest.mark.parametrize(("thread", "reader"), [(True, True), (True, False), (False, False)], ids=["thread+reader", "thread", "inline"])
 def test_prefetch_thread_and_inline_staging_match_auto(thread, reader, kernel, stats_path, baselines) -> None:
     # kernel="pytorch" with both threads in one process is what a CUDA machine without
@@ -426,7 +426,7 @@ def test_prefetch_thread_and_inline_staging_match_auto(thread, reader, kernel, s
     model, trainer, _ = fit("dlrm", strategy, callbacks=[watcher])
     assert (watcher.seen, watcher.seen_reader) == (thread, reader)
     assert not watcher.wrapped_in_ddp  # one process: nothing for DDP to reduce, as under auto
-    assert all(m.kernel_note.startswith("pytorch" if kernel == "pytorch" else "fbgemm") for m in hot_cold_modules(model).values())
+    assert all(m.kernel_note.startswith(kernel) for m in hot_cold_modules(model).values())
     assert not any(t.name == "hotcache-prefetch" for t in threading.enumerate())  # shut down cleanly
     torch.testing.assert_close(model.state_dict(), baselines["dlrm"][0], rtol=1e-5, atol=1e-5)
 
