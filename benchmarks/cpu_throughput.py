@@ -11,6 +11,7 @@ Prints a table and writes benchmarks/results/cpu_throughput.json.
 
     python benchmarks/cpu_throughput.py [--scale 1.0] [--dim 16] [--batch-size 2048] [--steps 300] [--rounds 3] [--strategies auto hotcache@1]
     python benchmarks/cpu_throughput.py --optimizer adam   # lazy Adam: auto vs hotcache's PyTorch path
+    python benchmarks/cpu_throughput.py --optimizer sgd --strategies torchrec hotcache@0.1+fbgemm hotcache@0.1+pytorch
     python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.01 hotcache@0.01+lookahead
 
 By default every strategy but the ``+lookahead`` (the lookahead cache policy), ``+thread``
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3, help="runs of every strategy; the median is reported")
-    parser.add_argument("--optimizer", choices=("rowwise_adagrad", "adam"), default="rowwise_adagrad",
+    parser.add_argument("--optimizer", choices=("rowwise_adagrad", "sgd", "adam"), default="rowwise_adagrad",
                         help="the tables' row-wise rule; adam runs hotcache's PyTorch path (FBGEMM has no lazy Adam) "
                              "and not torchrec (its Adam is not row-lazy)")  # fmt: skip
     parser.add_argument("--strategies", nargs="+", help="a subset to run (default: all; auto is the baseline)")

@@ -140,12 +140,10 @@ def step_read_rows(
     """One step of ``config`` for the distinct ``rows`` of ``table`` a batch read, from the
     gradient row of every value it read (``inverse``: the distinct row of each, numbered in
     ascending order). Staging knows the distinct rows, so summing duplicates is one
-    ``index_add_``, no sort; SGD, being linear, scatters the value rows straight into the
-    table, as `apply_sparse_update` does. With ``segment`` (see `TableReads`) ``rows`` has
+    ``index_add_``, no sort, into an array of the distinct rows. SGD too: adding every value's
+    row straight into the table (a large one, at random rows) made a CPU's embedding step
+    1.3-1.9x as long (benchmarks/cache_micro.py, dim 16 and 64). With ``segment`` (see `TableReads`) ``rows`` has
     repeats, each stepped from its distinct row's sum: they write the same values."""
-    if config.name == "sgd" and segment is None:
-        table.index_add_(0, rows.index_select(0, inverse), value_grads.to(table.dtype), alpha=-config.lr)
-        return
     summed = torch.zeros(len(rows), value_grads.shape[1], dtype=torch.float32, device=value_grads.device)
     summed.index_add_(0, inverse, value_grads.to(torch.float32))
     step_rows(config, table, state, rows, summed if segment is None else summed.index_select(0, segment))

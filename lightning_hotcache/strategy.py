@@ -345,9 +345,10 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             CPU, where a third busy thread beside the step's took 12% off training at 1% with
             the lookahead policy on 2 cores (LFU: no change).
         cache_metrics: add a `CacheMetrics` callback (hit rates, traffic) unless one is there.
-        kernel: the device tier's kernel: ``"auto"`` (on CUDA FBGEMM's fused table-batched
-            kernel where it trains exactly, else PyTorch's; on a CPU PyTorch's, measured faster
-            there; the log says which and why), ``"fbgemm"`` (fail if it cannot run) or ``"pytorch"``.
+        kernel: the device tier's kernel: ``"auto"`` (FBGEMM's fused table-batched kernel
+            where it trains exactly, except row-wise Adagrad on a CPU, where PyTorch's measured
+            faster; else PyTorch's; the log says which and why), ``"fbgemm"`` (fail if it cannot
+            run) or ``"pytorch"``.
         checkpoint_shards: save split tables as one file per rank (``<ckpt>.<id>.rank<r>-of-<n>``,
             the id tying them to their main file) instead of gathering them into the
             checkpoint. Loading one consolidates it in each rank's memory.

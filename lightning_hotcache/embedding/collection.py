@@ -107,9 +107,9 @@ class HotColdEmbeddingBagCollection(nn.Module):
         kernel: ``"fbgemm"``: the device tier is FBGEMM's table-batched embedding with the
             row-wise rule fused into backward (see `FusedTables`); ``"pytorch"``: one
             ``embedding_bag`` per width and pooling, the update in its backward; ``"auto"``:
-            on CUDA FBGEMM where it trains exactly (`fused_unavailable` says where not), else
-            PyTorch; on a CPU PyTorch, measured faster there. ``kernel_note`` says which runs
-            and why.
+            FBGEMM where it trains exactly (`fused_unavailable` says where not), except for
+            row-wise Adagrad on a CPU, where PyTorch's measured faster; else PyTorch.
+            ``kernel_note`` says which runs and why.
         process_group: data-parallel ranks training the same tables (None: this process alone).
             Host stores are sharded round-robin across the ranks, each rank caches the rows
             its batches read, and each row's owner applies the ranks' mean gradient to it
@@ -225,13 +225,14 @@ class HotColdEmbeddingBagCollection(nn.Module):
             reason = "a table has no device rows"
         else:
             reason = fused_unavailable(self._tables, self.optimizer, self.device)
-        if reason is None and kernel == "auto" and self.device.type == "cpu":
+        if reason is None and kernel == "auto" and self.device.type == "cpu" and self.optimizer.name == "rowwise_adagrad":
             # Measured (benchmarks/README.md, "The device tier's kernel on a CPU"): FBGEMM's CPU
-            # backward sorts the batch's ids and steps rows table by table, where the PyTorch
-            # path's distinct rows were found in staging. DLRM trained 1.16-1.28x as fast with
-            # it at dim 16 in one process (every round, every budget), 1.00-1.20x at dim 64, and
-            # as fast across two processes (where FBGEMM's kernel only looks the rows up).
-            reason = "on a CPU the PyTorch path trains faster than FBGEMM's CPU kernel (kernel='fbgemm' chooses it)"
+            # row-wise Adagrad backward sorts the batch's ids and steps rows table by table,
+            # where the PyTorch path's distinct rows were found in staging. DLRM trained
+            # 1.16-1.28x as fast with it at dim 16 in one process (every round, every budget),
+            # 1.00-1.20x at dim 64, and as fast across two processes (where FBGEMM's kernel only
+            # looks rows up). FBGEMM's CPU SGD is as fast end to end, and faster alone: it stays.
+            reason = "on a CPU the PyTorch path trains row-wise Adagrad faster than FBGEMM's CPU kernel (kernel='fbgemm' chooses it)"
         if reason is not None and kernel == "fbgemm":
             raise ValueError(f"kernel='fbgemm' cannot train these tables exactly here: {reason}. Use kernel='auto'.")
         if reason is not None:
