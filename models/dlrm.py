@@ -10,12 +10,12 @@ from typing import Any, Sequence
 
 from torch import nn
 from torchrec import EmbeddingBagConfig
-from torchrec.models.dlrm import DenseArch, InteractionArch, InteractionDCNArch, OverArch
+from torchrec.models.dlrm import DenseArch, InteractionDCNArch, OverArch
 from torchrec.modules.crossnet import LowRankCrossNet
 from typing_extensions import override
 
 from models.base import CTRModel
-from models.interactions import deep_mlp
+from models.interactions import GatheredInteractionArch, deep_mlp
 
 
 class DLRM(CTRModel):
@@ -50,7 +50,7 @@ class DLRM(CTRModel):
 
     @override
     def build_interaction(self) -> nn.Module:
-        return InteractionArch(self.num_sparse_features)
+        return GatheredInteractionArch(self.num_sparse_features)
 
     @override
     def build_over_arch(self, in_features: int) -> nn.Module:
