@@ -41,9 +41,10 @@ from lightning_hotcache import HotCacheStrategy  # importing the package registe
 from models import DLRM
 
 RESULTS = Path(__file__).parent / "results"
-# "/pytorch": the device tier on PyTorch's embedding_bag, the path every run of several
-# processes took before FBGEMM's kernel did the lookup there too (same exchange, same bytes).
-STRATEGIES = ("torchrec", "hotcache@1", "hotcache@0.1", "hotcache@0.1/pytorch")
+# "/fbgemm": the lookup on FBGEMM's kernel, which `auto` took on a CPU until row-wise Adagrad
+# moved to the PyTorch path there (same exchange, same bytes; benchmarks/README.md, "The device
+# tier's kernel on a CPU").
+STRATEGIES = ("torchrec", "hotcache@1", "hotcache@0.1", "hotcache@0.1/fbgemm")
 
 
 def loopback_bytes() -> int:

@@ -25,8 +25,10 @@ from launch import planned
 
 # Checkpoint files the uninterrupted run writes (ModelCheckpoint's "{step}"/"end-{epoch}" names).
 POSITIONS = {"mid_epoch": "step=6.ckpt", "last_batch": "step=4.ckpt", "epoch_end": "end-epoch=0.ckpt"}
-# "hotcache/pytorch+thread": PyTorch's embedding_bag with staging on the prefetch thread in one
-# process, what a CUDA run without FBGEMM's CUDA kernels gets by default. "hotcache/lookahead":
+# "hotcache": FBGEMM's fused kernel named (`auto` takes it on CUDA with FBGEMM's CUDA build; on
+# a CPU row-wise Adagrad takes the PyTorch path). "hotcache/pytorch+thread": PyTorch's
+# embedding_bag with staging on the prefetch thread in one process, what a CUDA run without
+# FBGEMM's CUDA kernels gets by default. "hotcache/lookahead":
 # the lookahead policy with a window of 2 of an epoch's 4 batches, so a mid-epoch checkpoint
 # falls with batches announced and not yet staged.
 STRATEGIES = ["auto", "torchrec", "hotcache", "hotcache/pytorch+thread", "hotcache/lookahead"]
@@ -38,7 +40,7 @@ def _strategy(name: str) -> str | HotCacheStrategy:
         return HotCacheStrategy(device_budget=0.05, profile_batches=2, kernel="pytorch", prefetch_thread=True, reader_thread=True)
     if name == "hotcache/lookahead":
         return HotCacheStrategy(device_budget=0.05, profile_batches=2, cache_policy="lookahead", lookahead_batches=2)
-    return HotCacheStrategy(device_budget=0.05, profile_batches=2) if name == "hotcache" else name
+    return HotCacheStrategy(device_budget=0.05, profile_batches=2, kernel="fbgemm") if name == "hotcache" else name
 
 
 def _fit(
