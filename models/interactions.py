@@ -29,11 +29,12 @@ class GatheredInteractionArch(InteractionArch):
     ``gather`` from the flattened products.
 
     TorchRec indexes the (B, F+1, F+1) products with two index tensors, whose backward is
-    ``index_put_`` with accumulation: serial on a CPU, a sort of all B x F(F+1)/2 positions on
+    ``index_put_`` with accumulation: slow on a CPU (below), a sort of all B x F(F+1)/2 positions on
     CUDA (0.65 ms of a 3.3 ms DLRM step's GPU time on an H200, `benchmarks/results/h200-6ced9e8`).
     ``gather``'s backward is a ``scatter_add`` onto distinct positions: the same values, bit
     for bit. Forward and backward at batch 2,048, 26 features of dim 16, on a 2-core CPU:
-    7.7 -> 3.4 ms. Same buffers and output as TorchRec's, so checkpoints do not change.
+    7.7 -> 3.4 ms. Its one more buffer is not persistent, as TorchRec's is not: checkpoints do
+    not change.
     """
 
     def __init__(self, num_sparse_features: int) -> None:

@@ -274,7 +274,7 @@ def test_subclass_builders_see_attributes_set_after_super_init(tmp_path) -> None
     torch.testing.assert_close(loaded.state_dict(), model.state_dict())
 
 
-# ----------------------------------------------------------- xDeepFM, FinalMLP, DCN mixture
+# ------------------------------------------- DLRM's interaction; xDeepFM, FinalMLP, DCN mixture
 from torchrec.models.dlrm import InteractionArch  # noqa: E402
 
 from models.interactions import (  # noqa: E402
