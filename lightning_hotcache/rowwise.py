@@ -265,8 +265,11 @@ class RowWiseOptimizer(torch.optim.Optimizer):
                 taken.append((param, param.grad))
                 param.grad = None
         self._state_stacks(param for param, _ in taken)
-        # SGD scatter-adds repeats itself, and a coalesced gradient (sparse_ddp's) is summed already.
-        summed_here = [self.config.name != "sgd" and not g.is_coalesced() for _, g in taken]
+        # A coalesced gradient (sparse_ddp's) is summed already. SGD is summed here too: adding
+        # every value's row straight into a large table at random rows made the zoo's embedding
+        # step 1.16-1.25x as long (benchmarks/cache_micro.py's `plain`, dim 16 and 64), as it
+        # made hotcache's (`step_read_rows`).
+        summed_here = [not g.is_coalesced() for _, g in taken]
         by_width: dict[tuple[int, torch.device], list[tuple[Tensor, Tensor]]] = {}
         for (param, grad), here in zip(taken, summed_here):
             if here:
