@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import tracemalloc
 
@@ -15,6 +16,7 @@ from lightning_hotcache import HotCacheStrategy, RowWiseOptimizerConfig
 from lightning_hotcache.cache import DeviceCache, HostStore
 from lightning_hotcache.cache.exchange import RowSharding
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
+from lightning_hotcache import table_init
 from lightning_hotcache.table_init import deferred_tables_left_out_of_moves, initial_rows, is_deferred, materialize_tables
 from models import DLRM
 from test_embedding_exactness import TABLES, make_plan, zipf_batches
@@ -28,15 +30,49 @@ def whole(table: EmbeddingBagConfig, seed: int, chunk_bytes: int) -> torch.Tenso
     return torch.cat([rows for _, rows in chunks])
 
 
-def test_initial_rows_do_not_depend_on_chunking_and_leave_the_rng_alone() -> None:
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 16 rows of TABLE (not 131,072), so that its 1,000 rows span many."""
+    monkeypatch.setattr(table_init, "BLOCK_VALUES", 16 * TABLE.embedding_dim)
+
+
+@pytest.mark.usefixtures("small_blocks")
+def test_initial_rows_do_not_depend_on_chunking_or_threads_and_leave_the_rng_alone() -> None:
     torch.manual_seed(5)
     before = torch.get_rng_state()
+    threads = torch.get_num_threads()
     small, large = whole(TABLE, 3, chunk_bytes=7 * 32), whole(TABLE, 3, chunk_bytes=2**20)
+    try:
+        torch.set_num_threads(1)
+        one_thread = whole(TABLE, 3, chunk_bytes=100 * 32)
+    finally:
+        torch.set_num_threads(threads)
     assert torch.equal(torch.get_rng_state(), before)
-    assert small.shape == (1000, 8) and torch.equal(small, large)
+    assert small.shape == (1000, 8) and torch.equal(small, large) and torch.equal(small, one_thread)
+    assert len(list(initial_rows(TABLE, 3, chunk_bytes=7 * 32))) == 63  # chunks of one whole block
     bound = (1 / 1000) ** 0.5  # TorchRec's default init: uniform in +-sqrt(1/num_embeddings)
     assert small.abs().max() <= bound and small.std() > bound / 3
     assert not torch.equal(small, whole(TABLE, 4, chunk_bytes=2**20))
+    blocks = small[:992].view(62, 16 * 8)  # every block drew a stream of its own
+    assert torch.corrcoef(blocks).fill_diagonal_(0).abs().max() < 0.5
+
+
+@pytest.mark.usefixtures("small_blocks")
+def test_init_fns_without_a_generator_give_the_rows_of_the_parallel_draw() -> None:
+    """TorchRec's default init takes a ``generator`` and fills blocks on threads; the same
+    draw as a function of the tensor alone runs block by block under the global RNG."""
+    bound = (1 / TABLE.num_embeddings) ** 0.5
+    serial = dataclasses.replace(TABLE, init_fn=lambda rows: torch.nn.init.uniform_(rows, a=-bound, b=bound))
+    assert not table_init._takes_generator(serial.init_fn) and table_init._takes_generator(TABLE.init_fn)
+    assert torch.equal(whole(serial, 3, chunk_bytes=2**20), whole(TABLE, 3, chunk_bytes=2**20))
+
+
+def test_tables_of_one_shape_start_apart() -> None:
+    """Each table's name seeds its rows: two tables of one shape (or tables whose bounds only
+    differ) do not start as copies of one another, as TorchRec's sequential draws do not."""
+    other = dataclasses.replace(TABLE, name="u", feature_names=["g"])
+    assert not torch.equal(whole(TABLE, 3, chunk_bytes=2**20), whole(other, 3, chunk_bytes=2**20))
+    assert torch.equal(whole(other, 3, chunk_bytes=2**20), whole(other, 3, chunk_bytes=64))
 
 
 def test_initial_rows_use_the_tables_init_fn() -> None:
