@@ -10,14 +10,16 @@
 # needed 150 s, stage 4 more than 90):
 #   1. imports and a 2-step CUDA fit of the demo config, without its W&B logger (the image has no
 #      wandb; 21 s on an H100; share 40 s);
-#   2. a chosen subset of the CUDA tests (62 s; share 90 s);
-#   3. benchmarks/gpu.py at the Criteo Kaggle tables (scale 1.0): hotcache at 10% and 1% against
-#      all tables in GPU memory (auto), one process, the batches drawn before fit and served
-#      from memory (gpu.py's --data; share 190 s);
+#   2. a chosen subset of the CUDA tests (58-76 s on an H200; share 80 s);
+#   3. benchmarks/gpu.py at the Criteo Kaggle tables (scale 1.0): hotcache at 10%, at 1% under
+#      the lookahead policy (the lookahead issue's GPU target) and at 1% under LFU against all
+#      tables in GPU memory (auto), one process, the batches drawn before fit and served from
+#      memory (gpu.py's --data; share 220 s: three runs took 148 s on an H200 with the tables
+#      drawn on one core, ~17 s of each run's set-up, now drawn on all of them);
 #   4. tables larger than the GPU: the same tables with each run's GPU memory capped at 8 GiB,
-#      where auto cannot hold them and hotcache at 10% trains (86 s on an H100; share 105 s);
+#      where auto cannot hold them and hotcache at 10% trains (86-96 s; share 95 s);
 #   5. where a step's time goes: torch.profiler's key averages of auto and hotcache at 10% and
-#      1% at 0.1x the tables (26 s for the first two on an H100; share 55 s): at 1% the H100's
+#      1% at 0.1x the tables (32-42 s on an H200; share 45 s): at 1% the H100's
 #      steps waited 55 ms each for staging, whose ops (the prefetch thread's too) this shows.
 # Each stage writes $OUT/stage<k>.log as it goes and appends "stage <k> <name>: rc <rc>,
 # <seconds> s (limit <seconds> s)" to $OUT/stages.txt when it ends; stages 3 and 4 write gpu.json and
@@ -58,14 +60,14 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   PYTHON=.venv/bin/python
   ACCELERATOR=cpu
   SMALL="--device cpu --scale 0.001 --batch-size 64"
-  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1 hotcache@0.01"  # stage 3's (cpu-lookup: the smoke test)
+  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01"  # stage 3's (cpu-lookup: the smoke test)
   BEYOND_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1"  # no cap on a CPU
   PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto hotcache@0.1 hotcache@0.01"
   export PYTHONPATH="$PWD:$PWD/benchmarks/gpu_image"
 else
   PYTHON=${GPU_PYTHON:-python3}
   ACCELERATOR=gpu
-  BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 60 --rounds 1 --strategies auto hotcache@0.1 hotcache@0.01"}
+  BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 60 --rounds 1 --strategies auto hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01"}
   BEYOND_ARGS="--scale 1.0 --steps 60 --rounds 1 --device-memory 8 --strategies auto hotcache@0.1"
   PROFILE_ARGS="--scale 0.1 --steps 30 --warmup 20 --profile-steps 5 --strategies auto hotcache@0.1 hotcache@0.01"
   rm -rf .gpu_site
@@ -76,7 +78,7 @@ fi
 export WANDB_MODE=offline
 
 # Each stage's share of the check's seconds; GPU_CHECK_SECONDS is their sum unless set.
-SHARE=(0 40 90 190 105 55)
+SHARE=(0 40 80 220 95 45)
 BUDGET=${GPU_CHECK_SECONDS:-$((SHARE[1] + SHARE[2] + SHARE[3] + SHARE[4] + SHARE[5]))}
 BEGAN=$SECONDS
 
