@@ -218,6 +218,11 @@ class DeviceCache:
         if self._segment_ends is not None:
             directory.tally(self._segment_tally[field], self._segment_ends, ids, counts, ascending)
 
+    def _tallied(self, field: int) -> directory.Tally | None:
+        """``field``'s tally, for a directory step that tallies as it goes (no call of its own:
+        each compiled call is a GIL hand-over on a staging thread)."""
+        return None if self._segment_ends is None else (self._segment_tally[field], self._segment_ends)
+
     def segment_counters(self, segment: int) -> CacheCounters:
         """Counters of one segment (see ``segment_starts``) since the cache was built."""
         lookups, misses, fetched, evicted, written_back, read_ahead = (int(tally[segment]) for tally in self._segment_tally)
@@ -308,15 +313,15 @@ class DeviceCache:
             distinct, inverse, counts = found
         else:
             distinct, inverse, counts = unique(ids, return_counts=True)
-        self._tally(_LOOKUPS, distinct, counts, ascending=True)
         slots = self.slot_map.lookup(distinct)
         acquire = _Acquire(distinct, slots, self._issued, inverse=inverse, counts=counts, next_reads=next_reads)
         # The hits locked first, so that fetching the misses cannot evict them.
-        at_missing, needed, missed_lookups, missed = directory.split_hits(distinct, slots, counts, self.last_used, self._issued)
+        at_missing, needed, _, missed = directory.split_hits(
+            distinct, slots, counts, self.last_used, self._issued, self._tallied(_LOOKUPS), self._tallied(_MISSES)
+        )
         self.counters.hits += ids.numel() - missed
         if not len(at_missing):
             return acquire
-        self._tally(_MISSES, needed, missed_lookups, ascending=True)
         acquire.missing, acquire.needed = at_missing, needed
         acquire.victims = self._choose_victims(len(at_missing))
         self._evict(directory.occupied(acquire.victims, self.id_of_slot))
@@ -325,6 +330,7 @@ class DeviceCache:
     def _finish_acquire(self, acquire: _Acquire, rows: dict[str, Tensor] | None) -> Acquired:
         """Install the fetched ``rows`` (of ``acquire.needed``) and lock them."""
         slots = acquire.slots
+        reads = acquire.counts if self.policy in ("lfu", "lookahead") else None  # counted toward eviction
         if acquire.needed is not None:
             assert rows is not None and acquire.victims is not None and acquire.missing is not None
             victims, needed = acquire.victims, acquire.needed
@@ -332,18 +338,22 @@ class DeviceCache:
             for key, tensor in self.slots.items():
                 put_rows(tensor, at, rows[key])
             self.slot_map.assign(needed, victims, ascending=True)  # distinct ids come sorted
-            directory.install(slots, acquire.missing, victims, needed, self.id_of_slot, self.frequency, self.last_used, acquire.ticket)
-            fetched = needed if self.sharding.world == 1 else needed[self.sharding.owned(needed)]
+            alone = self.sharding.world == 1  # every fetched row is this rank's
+            directory.install(
+                slots, acquire.missing, victims, needed, self.id_of_slot, self.frequency, self.last_used, acquire.ticket,
+                reads, self._tallied(_FETCHED) if alone else None,
+            )  # fmt: skip
+            fetched = needed if alone else needed[self.sharding.owned(needed)]
             self.counters.fetched_rows += len(fetched)
-            self._tally(_FETCHED, fetched, ascending=True)
+            if not alone:
+                self._tally(_FETCHED, fetched, ascending=True)
+        elif reads is not None:
+            directory.count_reads(self.frequency, slots, reads)
         if acquire.inverse is None:  # identity: slots are the ids
             return Acquired(slots, acquire.ticket, slots)
         if acquire.next_reads is not None:
             assert self.window is not None
             self.window.installed(slots, acquire.next_reads)
-        if self.policy in ("lfu", "lookahead"):
-            assert acquire.counts is not None
-            directory.count_reads(self.frequency, slots, acquire.counts)
         return Acquired(slots[acquire.inverse], acquire.ticket, slots, acquire.inverse)
 
     def count_lookups(self, count: int) -> None:
@@ -483,13 +493,12 @@ class DeviceCache:
     def _evict(self, slots: Tensor) -> None:
         if len(slots) == 0:
             return
-        self._write_back(*directory.dirty_by_id(slots, self.dirty, self.id_of_slot))
-        ids = directory.vacate(slots, self.id_of_slot)
+        self._write_back(*directory.dirty_by_id(slots, self.dirty, self.id_of_slot, self._tallied(_WRITTEN_BACK)))
+        ids = directory.vacate(slots, self.id_of_slot, self._tallied(_EVICTED))
         self.slot_map.remove(ids)
         if self.window is not None:
             self.window.emptied(slots)
         self.counters.evicted_rows += len(slots)
-        self._tally(_EVICTED, ids)
 
     def _write_back(self, ids: Tensor, slots: Tensor) -> None:
         """Start writing back the rows of ``slots``, which hold ``ids`` (ascending,
@@ -511,7 +520,6 @@ class DeviceCache:
             self.host.write(self.sharding.local(ids), evicted)
         self.dirty[slots] = False
         self.counters.written_back_rows += len(slots)
-        self._tally(_WRITTEN_BACK, ids, ascending=True)
 
     def _land_write_backs(self, everything: bool) -> None:
         """Write the rows of finished copies to the host store, oldest first. Unless
@@ -562,7 +570,7 @@ class DeviceCache:
     def write_back(self) -> None:
         """Write every changed row (and its state) back to the host store."""
         if not self.identity:
-            self._write_back(*directory.dirty_by_id(self.dirty.nonzero().squeeze(1), self.dirty, self.id_of_slot))
+            self._write_back(*directory.dirty_by_id(self.dirty.nonzero().squeeze(1), self.dirty, self.id_of_slot, self._tallied(_WRITTEN_BACK)))
             self._land_write_backs(everything=True)
 
     @torch.no_grad()

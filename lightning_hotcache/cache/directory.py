@@ -31,8 +31,16 @@ def _view(tensor: Tensor) -> np.ndarray:
     return tensor.numpy()  # host tensors only: the directory lives on the host
 
 
+# A tally of ids per segment, where the caller keeps one (see `tally`): (counts, segment ends).
+Tally = tuple[Tensor, Tensor]
+
+
+def _tally_views(tally: Tally | None) -> tuple[np.ndarray, np.ndarray]:
+    return (_EMPTY, _EMPTY) if tally is None else (_view(tally[0]), _view(tally[1]))
+
+
 @without_gil
-def _split_hits(distinct, slots, counts, last_used, issued):  # type: ignore[no-untyped-def]
+def _split_hits(distinct, slots, counts, last_used, issued, lookups, misses, ends):  # type: ignore[no-untyped-def]
     missing = np.empty(len(slots), np.int64)
     needed = np.empty(len(slots), np.int64)
     missed_reads = np.empty(len(slots), np.int64)
@@ -45,34 +53,63 @@ def _split_hits(distinct, slots, counts, last_used, issued):  # type: ignore[no-
             n += 1
         else:
             last_used[slot] = issued
+    if len(ends):
+        _tally_ascending(lookups, ends, distinct, counts)
+        _tally_ascending(misses, ends, needed[:n], missed_reads[:n])
     return missing[:n], needed[:n], missed_reads[:n], total
 
 
 def split_hits(
-    distinct: Tensor, slots: Tensor, counts: Tensor, last_used: Tensor, issued: int
+    distinct: Tensor, slots: Tensor, counts: Tensor, last_used: Tensor, issued: int, lookups: Tally | None = None, misses: Tally | None = None
 ) -> tuple[Tensor, Tensor, Tensor, int]:
-    """Lock the hits among ``distinct`` ids (``slots``: each one's slot, -1 for a miss; ``counts``:
-    its reads) with ticket ``issued``; the misses' positions, ids and reads, and their reads in all."""
-    missing, needed, missed_reads, total = _split_hits(_view(distinct), _view(slots), _view(counts), _view(last_used), issued)
+    """Lock the hits among ``distinct`` ids (ascending; ``slots``: each one's slot, -1 for a
+    miss; ``counts``: its reads) with ticket ``issued``; the misses' positions, ids and reads,
+    and their reads in all. ``lookups`` / ``misses``, where given, tally the reads and the
+    missed reads in the same call (one GIL hand-over, not three)."""
+    if (lookups is None) != (misses is None):
+        raise ValueError("split_hits tallies both lookups and misses, or neither")
+    (lookups_at, ends), (missed_at, _) = _tally_views(lookups), _tally_views(misses)
+    missing, needed, missed_reads, total = _split_hits(
+        _view(distinct), _view(slots), _view(counts), _view(last_used), issued, lookups_at, missed_at, ends
+    )
     return torch.from_numpy(missing), torch.from_numpy(needed), torch.from_numpy(missed_reads), int(total)
 
 
 @without_gil
-def _install(slots, missing, victims, needed, id_of_slot, frequency, last_used, ticket):  # type: ignore[no-untyped-def]
+def _install(slots, missing, victims, needed, id_of_slot, frequency, last_used, ticket, reads, fetched, ends):  # type: ignore[no-untyped-def]
     for k in range(len(victims)):
         victim = victims[k]
         id_of_slot[victim] = needed[k]
         frequency[victim] = 0
         last_used[victim] = ticket
         slots[missing[k]] = victim
+    if len(reads):
+        _count_reads(frequency, slots, reads)
+    if len(ends):
+        _tally_ascending(fetched, ends, needed, _EMPTY)
 
 
 def install(
-    slots: Tensor, missing: Tensor, victims: Tensor, needed: Tensor, id_of_slot: Tensor, frequency: Tensor, last_used: Tensor, ticket: int
+    slots: Tensor,
+    missing: Tensor,
+    victims: Tensor,
+    needed: Tensor,
+    id_of_slot: Tensor,
+    frequency: Tensor,
+    last_used: Tensor,
+    ticket: int,
+    reads: Tensor | None = None,
+    fetched: Tally | None = None,
 ) -> None:
-    """The ``needed`` ids fetched into ``victims``: named there, uses reset, locked with
-    ``ticket``, and each one's slot written at its position (``missing``) in ``slots``."""
-    _install(_view(slots), _view(missing), _view(victims), _view(needed), _view(id_of_slot), _view(frequency), _view(last_used), ticket)
+    """The ``needed`` ids (ascending) fetched into ``victims``: named there, uses reset, locked
+    with ``ticket``, and each one's slot written at its position (``missing``) in ``slots``.
+    In the same call, where given: every slot's ``reads`` counted (`count_reads`, after the
+    reset), and the fetched ids tallied."""
+    fetched_at, ends = _tally_views(fetched)
+    _install(
+        _view(slots), _view(missing), _view(victims), _view(needed), _view(id_of_slot), _view(frequency), _view(last_used), ticket,
+        _EMPTY if reads is None else _view(reads), fetched_at, ends,
+    )  # fmt: skip
 
 
 @without_gil
@@ -143,34 +180,40 @@ def sort_by_key(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @without_gil
-def _dirty_by_id(slots, dirty, id_of_slot):  # type: ignore[no-untyped-def]
+def _dirty_by_id(slots, dirty, id_of_slot, written_back, ends):  # type: ignore[no-untyped-def]
     changed = _slots_at_least(slots, dirty, True)
     ids = np.empty(len(changed), np.int64)
     for k in range(len(changed)):
         ids[k] = id_of_slot[changed[k]]
-    return _sort_by_key(ids, changed)
+    ids, changed = _sort_by_key(ids, changed)
+    if len(ends):
+        _tally_ascending(written_back, ends, ids, _EMPTY)
+    return ids, changed
 
 
-def dirty_by_id(slots: Tensor, dirty: Tensor, id_of_slot: Tensor) -> tuple[Tensor, Tensor]:
+def dirty_by_id(slots: Tensor, dirty: Tensor, id_of_slot: Tensor, written_back: Tally | None = None) -> tuple[Tensor, Tensor]:
     """The ``slots`` whose rows changed since they came in, as the ids they hold (ascending)
-    and those ids' slots: a write-back's rows, in the host store's order. The marks stay
-    until the write-back clears them, so a write that fails loses no update."""
-    ids, changed = _dirty_by_id(_view(slots), _view(dirty), _view(id_of_slot))
+    and those ids' slots: a write-back's rows, in the host store's order (tallied in
+    ``written_back``, where given). The marks stay until the write-back clears them, so a
+    write that fails loses no update."""
+    ids, changed = _dirty_by_id(_view(slots), _view(dirty), _view(id_of_slot), *_tally_views(written_back))
     return torch.from_numpy(ids), torch.from_numpy(changed)
 
 
 @without_gil
-def _vacate(slots, id_of_slot):  # type: ignore[no-untyped-def]
+def _vacate(slots, id_of_slot, evicted, ends):  # type: ignore[no-untyped-def]
     ids = np.empty(len(slots), np.int64)
     for k in range(len(slots)):
         ids[k] = id_of_slot[slots[k]]
         id_of_slot[slots[k]] = -1
+    if len(ends):
+        _tally_any(evicted, ends, ids, _EMPTY)
     return ids
 
 
-def vacate(slots: Tensor, id_of_slot: Tensor) -> Tensor:
-    """Empty ``slots``; the ids they held."""
-    return torch.from_numpy(_vacate(_view(slots), _view(id_of_slot)))
+def vacate(slots: Tensor, id_of_slot: Tensor, evicted: Tally | None = None) -> Tensor:
+    """Empty ``slots``; the ids they held (tallied in ``evicted``, where given)."""
+    return torch.from_numpy(_vacate(_view(slots), _view(id_of_slot), *_tally_views(evicted)))
 
 
 @without_gil
