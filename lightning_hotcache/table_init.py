@@ -25,7 +25,7 @@ import inspect
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -96,6 +96,26 @@ def initial_rows(
             yield start, rows
 
 
+# Tables of at least this many bytes in all show a progress bar on stderr while their rows are
+# drawn: 17 GB took ~17 s on one core, and a terabyte of memory-mapped rows takes minutes.
+PROGRESS_FROM_BYTES = 2**30
+
+
+def initial_rows_of(
+    tables: Sequence[EmbeddingBagConfig], seed: int, into: Callable[[EmbeddingBagConfig], RowsAt | None]
+) -> Iterator[tuple[EmbeddingBagConfig, int, Tensor]]:
+    """`initial_rows` of every table in turn, as ``(table, first row, rows)``, each table's made
+    where ``into(table)`` says; a tqdm bar counts the bytes where the tables are large."""
+    from tqdm.auto import tqdm
+
+    total = sum(4 * t.num_embeddings * t.embedding_dim for t in tables)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="initializing tables", disable=total < PROGRESS_FROM_BYTES) as bar:
+        for table in tables:
+            for start, rows in initial_rows(table, seed, into=into(table)):
+                yield table, start, rows
+                bar.update(4 * rows.numel())
+
+
 def _takes_generator(init_fn: Callable[..., object]) -> bool:
     try:
         return "generator" in inspect.signature(init_fn).parameters
@@ -144,11 +164,11 @@ def materialize_tables(module: nn.Module, device: torch.device | str = "cpu", se
         seed = draw_seed() if seed is None else seed
         collection.to_empty(device=device)
         collection._device = torch.device(device)  # torchrec reads it in reset_parameters and sharding
-        for table in collection.embedding_bag_configs():
-            weight = collection.embedding_bags[table.name].weight
-            with torch.no_grad():
-                in_place = weight.device.type == "cpu" and weight.is_contiguous()
-                for start, rows in initial_rows(table, seed, into=rows_in(weight) if in_place else None):
-                    if not in_place:
-                        weight[start : start + len(rows)].copy_(rows)
+        weights = {name: bag.weight for name, bag in collection.embedding_bags.items()}
+        in_place = {name: w.device.type == "cpu" and w.is_contiguous() for name, w in weights.items()}
+        tables = collection.embedding_bag_configs()
+        with torch.no_grad():
+            for table, start, rows in initial_rows_of(tables, seed, lambda t: rows_in(weights[t.name]) if in_place[t.name] else None):
+                if not in_place[table.name]:
+                    weights[table.name][start : start + len(rows)].copy_(rows)
     return found

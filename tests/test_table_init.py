@@ -92,6 +92,16 @@ def test_materialize_allocates_and_initializes_deferred_tables_only() -> None:
     assert torch.equal(ebc.embedding_bags["t"].weight, whole(TABLE, 11, 2**20))
 
 
+def test_large_tables_show_progress_while_drawn(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    materialize_tables(EmbeddingBagCollection([TABLE], device=torch.device("meta")), seed=1)
+    assert "initializing tables" not in capsys.readouterr().err  # 32 KB: no bar
+    monkeypatch.setattr(table_init, "PROGRESS_FROM_BYTES", 4 * 1000 * 8)
+    ebc = EmbeddingBagCollection([TABLE], device=torch.device("meta"))
+    materialize_tables(ebc, seed=1)
+    assert "initializing tables" in capsys.readouterr().err
+    assert torch.equal(ebc.embedding_bags["t"].weight, whole(TABLE, 1, 2**20))
+
+
 @pytest.mark.parametrize("rank", [0, 1, 2])
 def test_load_rows_keeps_this_ranks_shard_and_refreshes_cached_rows(rank: int) -> None:
     rows = torch.arange(1000 * 8, dtype=torch.float32).view(1000, 8)

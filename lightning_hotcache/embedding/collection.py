@@ -52,7 +52,7 @@ from lightning_hotcache.embedding.staging import Staging
 from lightning_hotcache.embedding.update import FusedUpdate, OwnersUpdate, SummingUpdate
 from lightning_hotcache.planner import HotColdPlan
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
-from lightning_hotcache.table_init import draw_seed, initial_rows, is_deferred
+from lightning_hotcache.table_init import draw_seed, initial_rows_of, is_deferred
 
 
 def plain_collection(
@@ -324,10 +324,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
     @_whole_tables
     def initialize(self, seed: int) -> None:
         """Every table's initial rows (see `initial_rows`), written chunk by chunk into its tiers."""
-        for table in self._tables:
-            cache = self.caches[table.name]
-            for start, rows in initial_rows(table, seed, into=cache.initial_rows_at("weight")):
-                cache.load_rows("weight", start, rows)  # rows made in the host store stay there
+        for table, start, rows in initial_rows_of(self._tables, seed, lambda t: self.caches[t.name].initial_rows_at("weight")):
+            self.caches[table.name].load_rows("weight", start, rows)  # rows made in the host store stay there
 
     def reset_parameters(self, seed: int | None = None) -> None:
         """Draw every table's rows anew, as TorchRec's modules initialize them (from ``seed``;
