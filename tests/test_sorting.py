@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_hotcache.sorting import RADIX_SORT_FROM, group_by_owner, sum_by_index, unique
+from lightning_hotcache.sorting import RADIX_SORT_FROM, group_by_owner, lowest_first, sum_by_index, unique
 
 
 @pytest.mark.parametrize("ids", [[], [7], [5, 3, 5, 5, 0, 3, 2**40], list(range(100, 0, -1)) * 3], ids=["empty", "one", "repeats", "descending"])
@@ -42,3 +42,13 @@ def test_sum_by_index_is_coalesce_without_the_coo() -> None:
     reference = torch.sparse_coo_tensor(ids.unsqueeze(0), rows, (50, 6)).coalesce()
     assert torch.equal(distinct, reference.indices()[0])
     torch.testing.assert_close(summed, reference.values(), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("count", [0, 1, 37, 999, 1000, 1500])
+def test_lowest_first_is_the_head_of_torchs_sort(count: int) -> None:
+    values = torch.randint(0, 50, (1000,), generator=torch.Generator().manual_seed(count))  # many ties
+    values[::7] = torch.iinfo(torch.int64).max  # locked slots, as the victim scan masks them
+    lowest = lowest_first(values, count)
+    head = values.sort().indices[:count]
+    assert len(lowest) == len(head) == min(count, 1000) and len(set(lowest.tolist())) == len(lowest)
+    assert torch.equal(values[lowest], values[head])  # the same values in the same order; ties may swap

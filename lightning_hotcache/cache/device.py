@@ -59,7 +59,7 @@ from lightning_hotcache.cache.slot_map import make_slot_map
 from lightning_hotcache.cache.upload import RowUpload
 from lightning_hotcache.host_rows import put_rows
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
-from lightning_hotcache.sorting import Distinct, unique
+from lightning_hotcache.sorting import Distinct, lowest_first, unique
 
 CachePolicy = Literal["lfu", "lru", "static", "lookahead"]
 CACHE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static", "lookahead")
@@ -446,9 +446,7 @@ class DeviceCache:
         score.masked_fill_(locked, torch.iinfo(torch.int64).max)
         if self.policy == "static":
             return torch.topk(score, count, largest=False).indices + start
-        # One sort of every slot: cheaper than topk once k is more than a few percent of them.
-        ranked = score.sort().indices
-        ranked = ranked[: min(free, RESERVE_BATCHES * count)] + start
+        ranked = lowest_first(score, min(free, RESERVE_BATCHES * count)) + start
         self._reserve, self._reserve_ticket = ranked[count:], self._issued
         return ranked[:count]
 
@@ -484,8 +482,8 @@ class DeviceCache:
         self._check_capacity(count, free)
         self._reserve_ticket = self._issued
         if len(spare) >= count:
-            spare = spare[self._score(spare).sort().indices]
-            self._reserve = spare[count : max(count, min(len(spare), RESERVE_BATCHES * count))]
+            spare = spare[lowest_first(self._score(spare), RESERVE_BATCHES * count)]
+            self._reserve = spare[count:]
             return spare[:count]
         self._reserve = spare[:0]
         return torch.cat([spare, farthest])
