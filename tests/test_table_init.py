@@ -12,11 +12,10 @@ import torch
 from conftest import cpu_trainer, tiny_synthetic
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-from lightning_hotcache import HotCacheStrategy, RowWiseOptimizerConfig
+from lightning_hotcache import HotCacheStrategy, RowWiseOptimizerConfig, table_init
 from lightning_hotcache.cache import DeviceCache, HostStore
 from lightning_hotcache.cache.exchange import RowSharding
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
-from lightning_hotcache import table_init
 from lightning_hotcache.table_init import deferred_tables_left_out_of_moves, initial_rows, is_deferred, materialize_tables
 from models import DLRM
 from test_embedding_exactness import TABLES, make_plan, zipf_batches
