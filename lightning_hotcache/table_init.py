@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -86,13 +86,14 @@ def initial_rows(
     block = max(1, BLOCK_VALUES // table.embedding_dim)  # rows
     step = block * max(1, chunk_bytes // (4 * table.embedding_dim * block))
     salt = zlib.crc32(table.name.encode())
-    draw_blocks = _parallel_draw(init_fn) if _takes_generator(init_fn) else _serial_draw(init_fn)
-    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool, torch.random.fork_rng(devices=[]):
+    # Threads only where the init_fn takes a generator; the others draw under the global RNG.
+    pool = ThreadPoolExecutor(max(1, torch.get_num_threads())) if _takes_generator(init_fn) else None
+    with pool or nullcontext(), torch.random.fork_rng(devices=[]):
         for start in range(0, table.num_embeddings, step):
             count = min(step, table.num_embeddings - start)
             rows = torch.empty(count, table.embedding_dim) if into is None else into(start, count)
-            pieces = [(_block_seed(seed, salt, (start + at) // block), rows[at : at + block]) for at in range(0, count, block)]
-            draw_blocks(pool, pieces)
+            blocks = [(_block_seed(seed, salt, (start + at) // block), rows[at : at + block]) for at in range(0, count, block)]
+            _draw(init_fn, blocks, pool)
             yield start, rows
 
 
@@ -123,22 +124,16 @@ def _takes_generator(init_fn: Callable[..., object]) -> bool:
         return False
 
 
-def _parallel_draw(init_fn: Callable[..., object]) -> Callable[[ThreadPoolExecutor, list[tuple[int, Tensor]]], None]:
-    def draw(pool: ThreadPoolExecutor, pieces: list[tuple[int, Tensor]]) -> None:
-        # Each block on a thread with its own generator: the draws release the GIL.
-        list(pool.map(lambda piece: init_fn(piece[1], generator=torch.Generator().manual_seed(piece[0])), pieces))
-
-    return draw
-
-
-def _serial_draw(init_fn: Callable[..., object]) -> Callable[[ThreadPoolExecutor, list[tuple[int, Tensor]]], None]:
-    def draw(pool: ThreadPoolExecutor, pieces: list[tuple[int, Tensor]]) -> None:
-        # User init_fns take only the tensor and draw from the global RNG (inside fork_rng).
-        for seed, rows in pieces:
-            torch.manual_seed(seed)
-            init_fn(rows)
-
-    return draw
+def _draw(init_fn: Callable[..., object], blocks: list[tuple[int, Tensor]], pool: ThreadPoolExecutor | None) -> None:
+    """``init_fn`` on each ``(seed, rows)`` block: on ``pool``'s threads, each with a generator
+    of its own (the draws release the GIL), or one after another under the global RNG (user
+    init_fns that take only the tensor; the caller forked the RNG)."""
+    if pool is not None:
+        list(pool.map(lambda block: init_fn(block[1], generator=torch.Generator().manual_seed(block[0])), blocks))
+        return
+    for seed, rows in blocks:
+        torch.manual_seed(seed)
+        init_fn(rows)
 
 
 def _block_seed(seed: int, salt: int, block: int) -> int:
