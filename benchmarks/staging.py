@@ -161,18 +161,18 @@ def stage_batches(
     timed = range(args.warmup, args.batches)
     alone = [k for k in timed if loop is None or k % 2 == 0]
     out = {
-        **_medians(announcing, staging_seconds, alone),
+        **_timings(announcing, staging_seconds, alone),
         "hit_rate": hits / lookups,
         "fetched_rows_per_batch": statistics.mean(fetched),
         "budget_bytes": plan.budget_bytes,
     }
     if loop is not None:
-        beside = _medians(announcing, staging_seconds, [k for k in timed if k % 2 == 1])
+        beside = _timings(announcing, staging_seconds, [k for k in timed if k % 2 == 1])
         out["beside_python"] = beside | {"x_alone": beside["staging_ms_per_batch"] / out["staging_ms_per_batch"], "python_calls": loop.calls}
     return out
 
 
-def _medians(announcing: list[float], staging_seconds: list[float], batches: list[int]) -> dict[str, float]:
+def _timings(announcing: list[float], staging_seconds: list[float], batches: list[int]) -> dict[str, float]:
     """Median milliseconds of ``batches``' staging, and of its reader and prefetch parts; and the
     prefetch part's mean, which counts the work done every few batches (the victim reserve's
     scan) that the median leaves out, as a run's throughput does."""
