@@ -6,8 +6,18 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
+from torch import Tensor
 from typing_extensions import override
+
+
+def on_host(value: float) -> Tensor:
+    """A figure to log, as a tensor on the CPU. Lightning makes a logged number a tensor on the
+    model's device (on CUDA a copy that waits for the step's queued work) and reads a
+    progress-bar metric back with ``item()`` every step after (another wait); a tensor is
+    logged where it is, so a figure counted on the host never touches the device."""
+    return torch.tensor(value, dtype=torch.get_default_dtype())
 
 
 def _num_samples(batch: Any) -> int:
@@ -47,7 +57,7 @@ class SamplesPerSecond(Callback):
         if self._last is not None and now > self._last:
             rate = _num_samples(batch) / (now - self._last)
             self._rate = rate if self._rate is None else self.smoothing * self._rate + (1 - self.smoothing) * rate
-            pl_module.log("train/samples_per_s", self._rate, prog_bar=True, on_step=True, on_epoch=False)
+            pl_module.log("train/samples_per_s", on_host(self._rate), prog_bar=True, on_step=True, on_epoch=False)
         self._last = now
 
 
@@ -121,7 +131,7 @@ class CacheMetrics(Callback):
             lookups, hits, fetched, evicted = lookups + dn, hits + dh, fetched + df, evicted + de
             h2d, d2h = h2d + df * row_bytes, d2h + dw * row_bytes
             if self.per_table and dn:
-                pl_module.log(f"cache/{name}/hit_rate", dh / dn, on_step=True, on_epoch=False)
+                pl_module.log(f"cache/{name}/hit_rate", on_host(dh / dn), on_step=True, on_epoch=False)
         steps, samples = self._steps, self._samples
         self._last = {k: v[:5] for k, v in now.items()}
         self._steps = self._samples = 0
@@ -133,16 +143,16 @@ class CacheMetrics(Callback):
                 staged = moved["staged_batches"]
                 figures |= {"cache/staging_ms": 1e3 * moved["staging_s"] / staged, "cache/staging_cpu_ms": 1e3 * moved["staging_cpu_s"] / staged,
                             "cache/announcing_ms": 1e3 * moved["announcing_s"] / staged}  # fmt: skip
-            pl_module.log_dict(figures, on_step=True, on_epoch=False)
+            pl_module.log_dict({key: on_host(value) for key, value in figures.items()}, on_step=True, on_epoch=False)
         if not lookups:
             return
-        pl_module.log("cache/hit_rate", hits / lookups, prog_bar=True, on_step=True, on_epoch=False)
+        pl_module.log("cache/hit_rate", on_host(hits / lookups), prog_bar=True, on_step=True, on_epoch=False)
         pl_module.log_dict(
             {
-                "cache/rows_fetched": fetched / steps,
-                "cache/rows_evicted": evicted / steps,
-                "cache/h2d_bytes_per_sample": h2d / samples,
-                "cache/d2h_bytes_per_sample": d2h / samples,
+                "cache/rows_fetched": on_host(fetched / steps),
+                "cache/rows_evicted": on_host(evicted / steps),
+                "cache/h2d_bytes_per_sample": on_host(h2d / samples),
+                "cache/d2h_bytes_per_sample": on_host(d2h / samples),
             },
             on_step=True,
             on_epoch=False,

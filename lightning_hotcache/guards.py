@@ -33,30 +33,41 @@ def check_non_finite_loss_action(action: str) -> None:
         raise ValueError(f"non_finite_loss must be one of {NON_FINITE_LOSS_ACTIONS}, got {action!r}.")
 
 
-def finite_loss_or_skip(loss: Tensor, trainer: pl.Trainer, batch_idx: int, action: NonFiniteLossAction) -> bool:
-    """Whether the step may go on to backward. Every rank decides together (one rank's NaN
-    stops or skips the step everywhere, so no rank waits in a collective that never comes).
+def finite_loss_or_skip(loss: Tensor, trainer: pl.Trainer, batch_idx: int, action: NonFiniteLossAction) -> Tensor | None:
+    """The step's loss on the host, if every rank's is finite: the mean over ranks of their
+    losses (with `share_mean`'s shares, the global batch's mean loss), a scalar on the CPU, for
+    ``self.log``; ``None`` where the step must not go on to backward. Every rank decides together
+    (one rank's NaN stops or skips the step everywhere, so no rank waits in a collective that
+    never comes).
 
     ``action="raise"`` raises `NonFiniteLossError` naming the step, the batch and (with
-    several processes) the ranks whose loss is not finite; ``"skip"`` warns and returns False: the caller returns None from ``training_step``, which makes
-    Lightning skip backward and the optimizer step.
+    several processes) the ranks whose loss is not finite; ``"skip"`` warns and returns None:
+    the caller returns None from ``training_step``, which makes Lightning skip backward and the
+    optimizer step.
+
+    One read of the device a step: the losses are copied to the host once and everything
+    after looks at the copy. Logged from the copy, the loss reaches the progress bar and the
+    loggers without another (Lightning turns a progress-bar metric into a number with
+    ``item()`` every step, which on a device tensor waits for the whole step's queued work),
+    and across processes without Lightning's ``sync_dist`` all-reduce: the gathered losses
+    already hold every rank's.
     """
     # Every rank's loss, not a yes/no: the error then names the rank(s) that went non-finite
     # and their loss, where rank 0 used to quote its own finite one. Still one scalar per rank.
     # In one process there is nothing to gather: a DDP-family strategy would still make the
     # collective with itself (an NCCL call and kernel a step on CUDA) where `auto` makes none.
     own = loss.detach().float().mean().reshape(1)
-    losses = trainer.strategy.all_gather(own).reshape(-1) if trainer.world_size > 1 else own
+    losses = (trainer.strategy.all_gather(own).reshape(-1) if trainer.world_size > 1 else own).cpu()
     bad_ranks = (~torch.isfinite(losses)).nonzero().reshape(-1).tolist()
     if not bad_ranks:
-        return True
+        return losses.mean()
     where = f"global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {batch_idx})"
     which = f"({', '.join(str(losses[rank].item()) for rank in bad_ranks)})"
     if len(losses) > 1:
         which = f"on rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))} {which}"
     if action == "skip":
         rank_zero_warn(f"Skipped the batch at {where}: its training loss is not finite {which}.")
-        return False
+        return None
     raise NonFiniteLossError(
         f"The training loss is not finite {which} at {where}. "
         "Stopped before backward: no embedding row or dense weight learned from it. Look for NaN/inf in that "

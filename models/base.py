@@ -288,11 +288,13 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         # The mean over the global batch once the processes' gradients are averaged, also at
         # an uneven epoch end (see `share_mean`).
         loss = share_mean(per_sample, batch)
-        if not finite_loss_or_skip(loss, self.trainer, batch_idx, self.hparams.non_finite_loss):
+        logged = finite_loss_or_skip(loss, self.trainer, batch_idx, self.hparams.non_finite_loss)
+        if logged is None:
             return None
-        # The mean over ranks of their `share_mean`s is the global batch's mean loss; a rank's own
-        # would be N/n times it on an uneven last share, and 0 on a padding one.
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.shape[0], sync_dist=self.trainer.world_size > 1)
+        # The mean over ranks of their `share_mean`s, the global batch's mean loss (a rank's own
+        # would be N/n times it on an uneven last share, and 0 on a padding one), on the host
+        # already: no sync_dist collective, and no device read for the progress bar.
+        self.log("train/loss", logged, prog_bar=True, batch_size=batch.labels.shape[0])
         return loss
 
     def _evaluate(self, batch: Batch, metrics: MetricCollection) -> None:

@@ -28,14 +28,14 @@ from torchrec import KeyedJaggedTensor
 from test_strategy import OPTIMIZER, assert_hotcache_matches_auto, data, fit, stats_paths  # noqa: F401 (stats_paths: a fixture)
 
 from launch import train
-from test_step_ops import _batches, _module, _ops_per_step
+from test_step_ops import _batches, _module, _ops_per_step, device_reads_per_step
 
 from lightning_hotcache import HotCacheStrategy
 from lightning_hotcache.cache.host import HostStore
 from lightning_hotcache.cache.slot_map import DenseSlotMap
 from lightning_hotcache.cache.upload import RowUpload, batch_to_device
 from lightning_hotcache.embedding import hot_cold_modules
-from models import MODEL_REGISTRY
+from models import DLRM, MODEL_REGISTRY
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -114,6 +114,14 @@ def test_gpu_path_step_of_a_staged_batch_waits_for_no_device() -> None:
     many = _ops_per_step(26, kernel="pytorch", counter_type=_CountCudaSyncs, device="cuda", staged_ahead=True)
     print(f"host syncs per steady-state step of a staged batch on CUDA (pytorch path): {few} for 8 tables, {many} for 26")
     assert few == many == 0
+
+
+def test_whole_training_step_syncs_once() -> None:
+    # The GPU issue's "host syncs a step, in all: <= 1": the non-finite-loss guard's copy of the
+    # loss; the logged loss and the callbacks' figures reach the progress bar from the host.
+    steps = device_reads_per_step(DLRM, _CountCudaSyncs, **CUDA)
+    print(f"host syncs per whole training step on CUDA (hotcache, pytorch path, prefetch thread): {steps}")
+    assert len(steps) >= 6 and max(steps) <= 1, steps
 
 
 def test_gpu_path_staging_a_host_batch_waits_for_no_device() -> None:
