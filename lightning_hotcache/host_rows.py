@@ -12,6 +12,7 @@ by index on the CPU other than ``index_copy_`` / ``index_put_`` (the same kernel
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -31,6 +32,20 @@ def _put_rows(target, at, rows):  # type: ignore[no-untyped-def]
     return -1
 
 
+def on_cpu(tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``tensor.to("cpu", dtype)``, without the call where it is on the CPU in that type already:
+    on a staging thread beside a training loop every torch call hands the GIL over and waits to
+    take it back (`lightning_hotcache.compiled`), a no-op copy included."""
+    if tensor.device.type == "cpu" and (dtype is None or tensor.dtype == dtype):
+        return tensor
+    return tensor.to("cpu", dtype)
+
+
+def _numpy(tensor: Tensor) -> np.ndarray:
+    # detach() only where needed: on a staging thread each torch call hands the GIL over.
+    return tensor.detach().numpy() if tensor.requires_grad else tensor.numpy()
+
+
 def put_rows(target: Tensor, at: Tensor, rows: Tensor) -> None:
     """``target.index_copy_(0, at, rows)`` for distinct ``at``: row ``at[k]`` of ``target``
     becomes ``rows[k]``. Compiled for 2-D host tensors of one dtype, rows of 2 values or more;
@@ -48,7 +63,7 @@ def put_rows(target: Tensor, at: Tensor, rows: Tensor) -> None:
     ):
         target.index_copy_(0, at, rows)
         return
-    bad = _put_rows(target.detach().numpy(), at.numpy(), rows.detach().numpy())
+    bad = _put_rows(_numpy(target), at.numpy(), _numpy(rows))
     if bad >= 0:
         raise IndexError(f"Row index {int(at[bad])} is out of range for a tensor of {target.shape[0]} rows.")
     # Written through numpy behind autograd's back: mark the tensor changed, as index_copy_ does.

@@ -11,7 +11,7 @@ from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
 from lightning_hotcache.cache import CacheCapacityError, DeviceCache, HostStore
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection
-from lightning_hotcache.embedding.batch import per_value
+from lightning_hotcache.embedding.batch import concat_spans, put_spans
 
 
 def module(fraction: float | None = 0.05, depth: int = 0, policy: str = "lru") -> HotColdEmbeddingBagCollection:
@@ -523,9 +523,17 @@ def test_a_batch_moved_to_the_device_is_put_in_order_with_the_hosts_sizes() -> N
     assert torch.equal(ours.values(), torch.tensor([7, 5, 6])) and torch.equal(ours.lengths(), host_ours.lengths())
 
 
-@pytest.mark.parametrize("lengths", [[3, 3, 3], [2, 0, 5], [0, 0, 0], [4]])
-def test_per_value_repeats_each_keys_value_over_its_values(lengths) -> None:
-    # The broadcast (equal lengths) and repeat_interleave paths give the same.
-    per_key = torch.tensor([7, -1, 40, 2])[: len(lengths)]
-    expected = torch.repeat_interleave(per_key, torch.tensor(lengths))
-    assert torch.equal(per_value(per_key, lengths, sum(lengths)), expected)
+@pytest.mark.parametrize("spans", [[(2, 5)], [(0, 3), (6, 9)], [(1, 1), (4, 8), (8, 10)], [(5, 6), (0, 2)]])
+def test_spans_cut_out_and_put_back_as_torch_would(spans) -> None:
+    values = torch.arange(100, 110)
+    expected = torch.cat([values[a:b] for a, b in spans])
+    assert torch.equal(concat_spans(values, spans), expected)
+    assert torch.equal(concat_spans(values.float(), spans), expected.float())  # any dtype, on the host
+    target = torch.zeros(10, dtype=torch.int64)
+    put_spans(target, spans, expected - 100, offset=100)
+    written = torch.zeros(10, dtype=torch.bool)
+    for a, b in spans:
+        written[a:b] = True
+    assert torch.equal(target[written], values[written]) and not target[~written].any()
+    with pytest.raises(ValueError, match="values for spans of"):
+        put_spans(target, spans, expected[1:])

@@ -57,7 +57,7 @@ from lightning_hotcache.cache.host_arrays import new_array, new_host_array
 from lightning_hotcache.cache.lookahead import NEVER, LookaheadWindow
 from lightning_hotcache.cache.slot_map import make_slot_map
 from lightning_hotcache.cache.upload import RowUpload
-from lightning_hotcache.host_rows import put_rows
+from lightning_hotcache.host_rows import on_cpu, put_rows
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 from lightning_hotcache.sorting import Distinct, lowest_first, unique
 
@@ -269,7 +269,7 @@ class DeviceCache:
         returned (`LookaheadWindow.announce`), for `read_ahead`."""
         if self.window is None:
             return None
-        return self.window.announce(ids.to(self.books, torch.int64), self.slot_map.lookup, found)
+        return self.window.announce(on_cpu(ids, torch.int64), self.slot_map.lookup, found)
 
     def read_ahead(self, ids: Tensor) -> None:
         """Have the host rows of ``ids`` (ascending: an announced batch's coming misses) paged in
@@ -280,7 +280,7 @@ class DeviceCache:
             return
         if self.sharding.world > 1:
             ids = ids[self.sharding.owned(ids)]
-        if self.host.read_ahead(ids if self.sharding.world == 1 else self.sharding.local(ids)):
+        if self.host.read_ahead(self.sharding.local(ids)):
             self._tally(_READ_AHEAD, ids, ascending=True)
             self.counters.read_ahead_rows += len(ids)
 
@@ -298,7 +298,7 @@ class DeviceCache:
         announcement): every later step works on distinct ids, and
         the slot map's binary searches run on sorted queries, which walk the same paths
         (2.6x faster than the batch's raw ids for Criteo-like skew in a micro-benchmark)."""
-        ids = ids.to(self.books, torch.int64)
+        ids = on_cpu(ids, torch.int64)  # to the books, where the directory lives
         self.counters.lookups += ids.numel()
         self._issued += 1
         if self.identity:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lightning_hotcache.cache.host_arrays import new_host_array
 from lightning_hotcache.cache.read_ahead import read_ahead_later
-from lightning_hotcache.host_rows import put_rows
+from lightning_hotcache.host_rows import on_cpu, put_rows
 
 # Copy tables into the store in chunks of this many bytes, so initializing a table larger
 # than RAM never materializes it twice (deferred tables are also made in chunks this size).
@@ -278,7 +278,7 @@ class HostStore:
 
     def read(self, ids: Tensor) -> dict[str, Tensor]:
         """Copies of rows ``ids`` of every array."""
-        ids = ids.cpu()
+        ids = on_cpu(ids)
         return {key: array.index_select(0, ids) for key, array in self.arrays.items()}
 
     def read_ahead(self, ids: Tensor) -> bool:
@@ -289,9 +289,9 @@ class HostStore:
 
     def write(self, ids: Tensor, rows: dict[str, Tensor]) -> None:
         """Overwrite rows ``ids`` of every array with ``rows`` (same keys as `read`)."""
-        ids = ids.cpu()
+        ids = on_cpu(ids)
         for key, array in self.arrays.items():
-            put_rows(array, ids, rows[key].to("cpu", torch.float32))
+            put_rows(array, ids, on_cpu(rows[key], torch.float32))
 
     def load(self, key: str, values: Tensor, start: int = 0) -> None:
         """Replace rows ``[start, start + len(values))`` of an array (``weight`` or a state

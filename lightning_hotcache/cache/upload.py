@@ -29,6 +29,7 @@ from torchrec.streamable import Pipelineable
 
 from lightning_hotcache._compat import TransferableData
 from lightning_hotcache.cache.host import HostStore
+from lightning_hotcache.host_rows import on_cpu
 
 # Buffers in rotation: the gather of batch k waits for the copy of batch k - BUFFERS.
 BUFFERS = 2
@@ -38,7 +39,7 @@ def to_device(tensor: Tensor, device: torch.device) -> Tensor:
     """``tensor`` (on the host) on ``device``, queued behind the current stream's work: the
     host does not wait (from pageable memory CUDA would wait for the stream first)."""
     if device.type != "cuda":
-        return tensor.to(device)
+        return tensor if tensor.device == device else tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
@@ -86,7 +87,7 @@ class RowUpload:
         if not self.asynchronous:
             return host.read(ids)
         assert self.stream is not None
-        ids = ids.cpu()
+        ids = on_cpu(ids)
         k, self._next = self._next, (self._next + 1) % BUFFERS
         if self._copied[k] is not None:
             self._copied[k].synchronize()  # its rows were copied out before we overwrite them
@@ -113,7 +114,7 @@ class RowUpload:
         (None: they hold them now). The copies are queued behind the current stream's work,
         so they see every update queued before."""
         if not self.asynchronous:
-            return {key: value.cpu() for key, value in rows.items()}, None
+            return {key: on_cpu(value) for key, value in rows.items()}, None
         host = {}
         for key, value in rows.items():
             host[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)

@@ -93,8 +93,51 @@ def runs_of(positions: list[int]) -> list[tuple[int, int]]:
 
 
 def concat_spans(values: Tensor, spans: list[tuple[int, int]]) -> Tensor:
-    """``values[a:b]`` for each span, end to end (a view when there is one span)."""
-    return values[spans[0][0] : spans[0][1]] if len(spans) == 1 else torch.cat([values[a:b] for a, b in spans])
+    """``values[a:b]`` for each span, end to end (a view when there is one span). On the host
+    one compiled call (a slice and a concatenation were a torch call per span: on a staging
+    thread each hands the GIL over)."""
+    if len(spans) == 1:
+        return values[spans[0][0] : spans[0][1]]
+    if values.device.type != "cpu" or values.requires_grad:
+        return torch.cat([values[a:b] for a, b in spans])
+    starts, ends = _bounds(spans)
+    return torch.from_numpy(_concat_spans(values.numpy(), starts, ends))
+
+
+def put_spans(target: Tensor, spans: list[tuple[int, int]], values: Tensor, offset: int = 0) -> None:
+    """``target[a:b]`` for each span in turn, end to end, becomes ``values`` plus ``offset``
+    (host tensors, ``values`` as long as the spans together): `concat_spans`'s inverse, one
+    compiled call."""
+    starts, ends = _bounds(spans)
+    if int((ends - starts).sum()) != len(values):
+        raise ValueError(f"{len(values)} values for spans of {int((ends - starts).sum())} in all")
+    _put_spans(target.numpy(), starts, ends, values.numpy(), offset)
+    torch.autograd.graph.increment_version(target)  # written through numpy: marked changed, as torch's writes mark it
+
+
+def _bounds(spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    bounds = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    return bounds[:, 0].copy(), bounds[:, 1].copy()
+
+
+@without_gil
+def _concat_spans(values, starts, ends):  # type: ignore[no-untyped-def]
+    out = np.empty((ends - starts).sum(), values.dtype)
+    at = 0
+    for k in range(len(starts)):
+        n = ends[k] - starts[k]
+        out[at : at + n] = values[starts[k] : ends[k]]
+        at += n
+    return out
+
+
+@without_gil
+def _put_spans(target, starts, ends, values, offset):  # type: ignore[no-untyped-def]
+    at = 0
+    for k in range(len(starts)):
+        for i in range(starts[k], ends[k]):
+            target[i] = values[at] + offset
+            at += 1
 
 
 @without_gil
@@ -110,15 +153,6 @@ def add_per_key(values: Tensor, per_key: Tensor, offsets: list[int]) -> Tensor:
     """``values`` (on the host) as int64, plus ``per_key[k]`` for every value of key ``k``, key
     ``k``'s values being ``[offsets[k], offsets[k + 1])``: one compiled pass."""
     return torch.from_numpy(_add_per_key(values.numpy(), per_key.numpy(), np.asarray(offsets, dtype=np.int64)))
-
-
-def per_value(per_key: Tensor, lengths: list[int], num_values: int) -> Tensor:
-    """``per_key[k]`` for every value of key ``k``, keys having ``lengths`` values each: a
-    broadcast where every key has as many (one-hot batches; 5x faster than
-    `repeat_interleave` for a GPU batch's 213k ids)."""
-    if lengths and all(n == lengths[0] for n in lengths):
-        return per_key[:, None].expand(len(lengths), lengths[0]).reshape(-1)
-    return torch.repeat_interleave(per_key, torch.tensor(lengths, device=per_key.device), output_size=num_values)
 
 
 @without_gil

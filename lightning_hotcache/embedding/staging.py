@@ -40,13 +40,14 @@ from lightning_hotcache.embedding.batch import (
     concat_spans,
     in_feature_order,
     on_device,
-    per_value,
+    put_spans,
     runs_of,
     same_batch,
     sorted_reads,
 )
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.guards import check_not_empty
+from lightning_hotcache.host_rows import on_cpu
 from lightning_hotcache.sorting import Distinct, unique
 
 
@@ -79,10 +80,6 @@ class Staging:
         # Each acquired cache's features as runs of consecutive ones (first, end): a batch's
         # values of a run are one slice (a stack of every table is one run, not one per table).
         self._runs = {key: runs_of(self._positions[key]) for key in self._acquired}
-        # The acquired cache each feature's ids go to (-1: none), for caches whose features are
-        # not one run: their slots go back into the batch with one masked scatter.
-        owner = {k: c for c, key in enumerate(self._acquired) for k in self._positions[key]}
-        self._cache_of_feature = torch.tensor([owner.get(k, -1) for k in range(len(layout.features))])
         self._value_base = layout.value_base()
         # Whether staged batches carry each device table's distinct reads (`TableReads`), for an
         # update that sums gradients itself (set by it), and whether the device finds them
@@ -119,7 +116,7 @@ class Staging:
         check_not_empty(features)
         ours = in_feature_order(features, self.layout.features, self.layout.input_of, self.layout.table_of)
         check_ids(ours, self.layout.table_of)  # everything validated before any row is touched
-        values = ours.values().to(torch.int64)
+        values = on_cpu(ours.values(), torch.int64)  # on the host already: no call unless a cast
         bounds = ours.offset_per_key()
         if self._value_base is None:
             indices = values.clone()  # the caches' slots are written into it
@@ -182,7 +179,6 @@ class Staging:
             acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids, announced, found)
             for key in self._counted_only:
                 self.caches[key].count_lookups(sum(per_key[k] for k in self._positions[key]))
-        cache_of_value: Tensor | None = None
         tickets: dict[str, list[int]] = {}
         read: list[tuple[DeviceCache, Tensor]] = []
         for key, got in zip(self._acquired, acquired):
@@ -191,14 +187,8 @@ class Staging:
             read.append((cache, got.read))
             if cache.identity:  # slot == id: `indices` holds it already
                 continue
-            start = self.layout.regions[key].start  # the kernel reads slots at their place in its table
-            slots = got.slots + start if start else got.slots
-            if len(spans[key]) == 1:
-                indices[spans[key][0][0] : spans[key][0][1]] = slots
-            else:  # features apart: one scatter, not a copy per run
-                if cache_of_value is None:
-                    cache_of_value = per_value(self._cache_of_feature, per_key, len(values))
-                indices.masked_scatter_(cache_of_value == self._acquired.index(key), slots)
+            # The kernel reads slots at their place in its table; features apart too: one call.
+            put_spans(indices, spans[key], got.slots, offset=self.layout.regions[key].start)
         if arriving.values().device != values.device:
             ours = on_device(arriving, features, ours, self.layout.features, self.layout.input_of, self.layout.table_of)
         on_the_device = to_device(indices, self.device)
