@@ -56,6 +56,34 @@ def test_reads_counted_and_slots_filtered(gen) -> None:
     assert torch.equal(directory.vacate(slots, id_of_slot), held) and (id_of_slot[slots] == -1).all()
 
 
+def test_dense_map_kept_by_the_steps_that_walk_its_ids(gen) -> None:
+    # Its lookup, assignments and removals ride along in split_hits, install and vacate: the
+    # same map and the same answers as the map's own calls (slots_of, scatter) around them.
+    rows, num_slots = 1000, 200
+    slot_of_id = torch.full((rows,), -1, dtype=torch.int32)
+    id_of_slot = torch.full((num_slots,), -1)
+    held = torch.randperm(rows, generator=gen)[:80]
+    slot_of_id[held], id_of_slot[:80] = torch.arange(80, dtype=torch.int32), held
+    distinct = torch.randperm(rows, generator=gen)[:100].sort().values
+    counts = torch.randint(1, 9, (100,), generator=gen)
+    last_used, apart = torch.zeros(num_slots, dtype=torch.int64), torch.zeros(num_slots, dtype=torch.int64)
+    slots, *found = directory.look_up_and_split_hits(slot_of_id, distinct, counts, last_used, 5)
+    expected_slots = directory.slots_of(slot_of_id, distinct)
+    assert torch.equal(slots, expected_slots) and (slots >= 0).any() and (slots < 0).any()
+    expected = directory.split_hits(distinct, expected_slots.clone(), counts, apart, 5)
+    assert all(torch.equal(a, b) for a, b in zip(found[:3], expected[:3])) and found[3] == expected[3]
+    assert torch.equal(last_used, apart)
+    missing, needed = found[0], found[1]
+    victims = torch.arange(80, 80 + len(missing))
+    frequency = torch.zeros(num_slots, dtype=torch.int64)
+    directory.install(slots, missing, victims, needed, id_of_slot, frequency, last_used, 6, slot_of_id=slot_of_id)
+    assert torch.equal(slot_of_id[needed], victims.int()) and torch.equal(directory.slots_of(slot_of_id, distinct), slots)
+    evicted = torch.tensor([0, 3, 81])
+    gone = directory.vacate(evicted, id_of_slot, slot_of_id=slot_of_id)
+    assert torch.equal(gone, torch.cat([held[[0, 3]], needed[1:2]])) and (slot_of_id[gone] == -1).all()
+    assert int((slot_of_id >= 0).sum()) == 80 + len(missing) - 3
+
+
 def test_dirty_by_id_orders_the_changed_slots_by_id(gen) -> None:
     id_of_slot = torch.randperm(10**6, generator=gen)[:200]  # distinct ids, in no order
     dirty = torch.rand(200, generator=gen) < 0.5

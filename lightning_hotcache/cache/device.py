@@ -55,7 +55,7 @@ from lightning_hotcache.cache.exchange import RowSharding, gather_table
 from lightning_hotcache.cache.host import HostStore, RowsAt
 from lightning_hotcache.cache.host_arrays import new_array, new_host_array
 from lightning_hotcache.cache.lookahead import NEVER, LookaheadWindow
-from lightning_hotcache.cache.slot_map import make_slot_map
+from lightning_hotcache.cache.slot_map import DenseSlotMap, make_slot_map
 from lightning_hotcache.cache.upload import RowUpload
 from lightning_hotcache.host_rows import on_cpu, put_rows
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
@@ -313,12 +313,14 @@ class DeviceCache:
             distinct, inverse, counts = found
         else:
             distinct, inverse, counts = unique(ids, return_counts=True)
-        slots = self.slot_map.lookup(distinct)
-        acquire = _Acquire(distinct, slots, self._issued, inverse=inverse, counts=counts, next_reads=next_reads)
         # The hits locked first, so that fetching the misses cannot evict them.
-        at_missing, needed, _, missed = directory.split_hits(
-            distinct, slots, counts, self.last_used, self._issued, self._tallied(_LOOKUPS), self._tallied(_MISSES)
-        )
+        tallies, dense = (self._tallied(_LOOKUPS), self._tallied(_MISSES)), self._dense_map()
+        if dense is None:
+            slots = self.slot_map.lookup(distinct)
+            at_missing, needed, _, missed = directory.split_hits(distinct, slots, counts, self.last_used, self._issued, *tallies)
+        else:
+            slots, at_missing, needed, _, missed = directory.look_up_and_split_hits(dense, distinct, counts, self.last_used, self._issued, *tallies)
+        acquire = _Acquire(distinct, slots, self._issued, inverse=inverse, counts=counts, next_reads=next_reads)
         self.counters.hits += ids.numel() - missed
         if not len(at_missing):
             return acquire
@@ -337,11 +339,13 @@ class DeviceCache:
             at = self._upload.to_device(victims)
             for key, tensor in self.slots.items():
                 put_rows(tensor, at, rows[key])
-            self.slot_map.assign(needed, victims, ascending=True)  # distinct ids come sorted
+            dense = self._dense_map()
+            if dense is None:
+                self.slot_map.assign(needed, victims, ascending=True)  # distinct ids come sorted
             alone = self.sharding.world == 1  # every fetched row is this rank's
             directory.install(
                 slots, acquire.missing, victims, needed, self.id_of_slot, self.frequency, self.last_used, acquire.ticket,
-                reads, self._tallied(_FETCHED) if alone else None,
+                reads, self._tallied(_FETCHED) if alone else None, dense,
             )  # fmt: skip
             fetched = needed if alone else needed[self.sharding.owned(needed)]
             self.counters.fetched_rows += len(fetched)
@@ -409,6 +413,12 @@ class DeviceCache:
         assert self.host is not None
         self._land_write_backs(everything=True)
         return self.host.weight.index_select(0, self.sharding.local(ids.to(self.books)))
+
+    def _dense_map(self) -> Tensor | None:
+        """The dense id -> slot map's array, which the directory's steps keep in the calls they
+        make anyway (three compiled calls fewer a batch, each a GIL hand-over on a staging
+        thread); None where the map is of another kind, which keeps itself."""
+        return self.slot_map.slot_of_id if isinstance(self.slot_map, DenseSlotMap) else None
 
     def _choose_victims(self, count: int) -> Tensor:
         """``count`` unlocked dynamic slots to refill, emptiest first, then the least used.
@@ -492,8 +502,10 @@ class DeviceCache:
         if len(slots) == 0:
             return
         self._write_back(*directory.dirty_by_id(slots, self.dirty, self.id_of_slot, self._tallied(_WRITTEN_BACK)))
-        ids = directory.vacate(slots, self.id_of_slot, self._tallied(_EVICTED))
-        self.slot_map.remove(ids)
+        dense = self._dense_map()
+        ids = directory.vacate(slots, self.id_of_slot, self._tallied(_EVICTED), dense)
+        if dense is None:
+            self.slot_map.remove(ids)
         if self.window is not None:
             self.window.emptied(slots)
         self.counters.evicted_rows += len(slots)

@@ -25,6 +25,8 @@ from torch import Tensor
 from lightning_hotcache.compiled import without_gil
 
 _EMPTY = np.empty(0, dtype=np.int64)  # an argument left out (no counts: once each; no window)
+# No dense id -> slot map to keep in the same call (a cache with another kind keeps its own).
+_NO_MAP = np.empty(0, dtype=np.int32)
 
 
 def _view(tensor: Tensor) -> np.ndarray:
@@ -37,6 +39,10 @@ Tally = tuple[Tensor, Tensor]
 
 def _tally_views(tally: Tally | None) -> tuple[np.ndarray, np.ndarray]:
     return (_EMPTY, _EMPTY) if tally is None else (_view(tally[0]), _view(tally[1]))
+
+
+def _map_view(slot_of_id: Tensor | None) -> np.ndarray:
+    return _NO_MAP if slot_of_id is None else _view(slot_of_id)
 
 
 @without_gil
@@ -76,13 +82,35 @@ def split_hits(
 
 
 @without_gil
-def _install(slots, missing, victims, needed, id_of_slot, frequency, last_used, ticket, reads, fetched, ends):  # type: ignore[no-untyped-def]
+def _look_up_and_split_hits(slot_of_id, distinct, counts, last_used, issued, lookups, misses, ends):  # type: ignore[no-untyped-def]
+    slots = _slots_of(slot_of_id, distinct)
+    return (slots, *_split_hits(distinct, slots, counts, last_used, issued, lookups, misses, ends))
+
+
+def look_up_and_split_hits(
+    slot_of_id: Tensor, distinct: Tensor, counts: Tensor, last_used: Tensor, issued: int, lookups: Tally | None = None, misses: Tally | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """`slots_of` in a dense id -> slot map, then `split_hits`, in one call: the ``distinct``
+    ids' slots (-1 for a miss), then what `split_hits` returns."""
+    if (lookups is None) != (misses is None):
+        raise ValueError("split_hits tallies both lookups and misses, or neither")
+    (lookups_at, ends), (missed_at, _) = _tally_views(lookups), _tally_views(misses)
+    slots, missing, needed, missed_reads, total = _look_up_and_split_hits(
+        _view(slot_of_id), _view(distinct), _view(counts), _view(last_used), issued, lookups_at, missed_at, ends
+    )
+    return torch.from_numpy(slots), torch.from_numpy(missing), torch.from_numpy(needed), torch.from_numpy(missed_reads), int(total)
+
+
+@without_gil
+def _install(slots, missing, victims, needed, id_of_slot, frequency, last_used, ticket, reads, fetched, ends, slot_of_id):  # type: ignore[no-untyped-def]
     for k in range(len(victims)):
         victim = victims[k]
         id_of_slot[victim] = needed[k]
         frequency[victim] = 0
         last_used[victim] = ticket
         slots[missing[k]] = victim
+        if len(slot_of_id):
+            slot_of_id[needed[k]] = victim
     if len(reads):
         _count_reads(frequency, slots, reads)
     if len(ends):
@@ -100,15 +128,16 @@ def install(
     ticket: int,
     reads: Tensor | None = None,
     fetched: Tally | None = None,
+    slot_of_id: Tensor | None = None,
 ) -> None:
     """The ``needed`` ids (ascending) fetched into ``victims``: named there, uses reset, locked
     with ``ticket``, and each one's slot written at its position (``missing``) in ``slots``.
     In the same call, where given: every slot's ``reads`` counted (`count_reads`, after the
-    reset), and the fetched ids tallied."""
+    reset), the fetched ids tallied, and their slots put in the dense id -> slot map."""
     fetched_at, ends = _tally_views(fetched)
     _install(
         _view(slots), _view(missing), _view(victims), _view(needed), _view(id_of_slot), _view(frequency), _view(last_used), ticket,
-        _EMPTY if reads is None else _view(reads), fetched_at, ends,
+        _EMPTY if reads is None else _view(reads), fetched_at, ends, _map_view(slot_of_id),
     )  # fmt: skip
 
 
@@ -201,19 +230,22 @@ def dirty_by_id(slots: Tensor, dirty: Tensor, id_of_slot: Tensor, written_back: 
 
 
 @without_gil
-def _vacate(slots, id_of_slot, evicted, ends):  # type: ignore[no-untyped-def]
+def _vacate(slots, id_of_slot, evicted, ends, slot_of_id):  # type: ignore[no-untyped-def]
     ids = np.empty(len(slots), np.int64)
     for k in range(len(slots)):
         ids[k] = id_of_slot[slots[k]]
         id_of_slot[slots[k]] = -1
+        if len(slot_of_id):
+            slot_of_id[ids[k]] = -1
     if len(ends):
         _tally_any(evicted, ends, ids, _EMPTY)
     return ids
 
 
-def vacate(slots: Tensor, id_of_slot: Tensor, evicted: Tally | None = None) -> Tensor:
-    """Empty ``slots``; the ids they held (tallied in ``evicted``, where given)."""
-    return torch.from_numpy(_vacate(_view(slots), _view(id_of_slot), *_tally_views(evicted)))
+def vacate(slots: Tensor, id_of_slot: Tensor, evicted: Tally | None = None, slot_of_id: Tensor | None = None) -> Tensor:
+    """Empty ``slots``; the ids they held (tallied in ``evicted``, and dropped from the dense id
+    -> slot map, where given)."""
+    return torch.from_numpy(_vacate(_view(slots), _view(id_of_slot), *_tally_views(evicted), _map_view(slot_of_id)))
 
 
 @without_gil
