@@ -109,13 +109,26 @@ def test_unread_keeps_the_reserves_order(gen, windowed) -> None:
     assert torch.equal(directory.unread(reserve, last_used, 5, next_read if windowed else None, NEVER), reserve[keep])
 
 
+@pytest.mark.parametrize(("first", "count"), [(3, 5), (14, 6), (16, 16), (30, 0)])
+def test_ring_entries_wrap_around_the_ring(first: int, count: int) -> None:
+    ring = torch.arange(100, 116)
+    expected = ring[(torch.arange(first, first + count)) % 16]
+    taken = directory.ring_entries(ring, first, count)
+    assert torch.equal(taken, expected)
+    taken += 1  # a copy: the ring is written again by later announcements
+    assert torch.equal(ring, torch.arange(100, 116))
+
+
 @pytest.mark.parametrize("count", [5, 40, 90, 200])
 def test_window_victims_are_the_torch_top_k(gen, count: int) -> None:
     start, slots, cap = 10, 210, 7
     last_used = torch.randint(0, 10, (slots,), generator=gen)  # locked above 6
     next_read = torch.where(torch.rand(slots, generator=gen) < 0.2, NEVER, 100 + torch.randint(0, 12, (slots,), generator=gen))
     frequency = torch.randint(0, 12, (slots,), generator=gen)  # ties, and some above the cap
-    spare, farthest, free = directory.window_victims(last_used, 6, next_read, frequency, start, count, cap, NEVER)
+    spare, victims, free = directory.window_victims(last_used, 6, next_read, frequency, start, count, cap, NEVER)
+    # Short of spare slots, the victims are all of them, then the farthest read; else none.
+    assert torch.equal(victims[: len(spare)], spare) if len(spare) < count else len(victims) == 0
+    farthest = victims[len(spare) :]
     unlocked = last_used[start:] <= 6
     assert free == int(unlocked.sum())
     never = next_read[start:] == NEVER

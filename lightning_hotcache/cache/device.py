@@ -78,6 +78,8 @@ MAX_PENDING_WRITE_BACKS = 4
 # Reads since a row came in, as the lookahead policy's tie-break among rows read next by one
 # batch: capped so that (next read, reads) is one int64 key.
 _USES_CAP = 2**22 - 1
+# An empty reserve (never written in place: a reserve is replaced, not changed), made once, not a call a batch.
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 _LOOKUPS, _MISSES, _FETCHED, _EVICTED, _WRITTEN_BACK, _READ_AHEAD = range(6)  # DeviceCache._segment_tally's tallies
 
@@ -171,7 +173,7 @@ class DeviceCache:
         self._never_used_from = 0
         # Victims reserved by the last scan of the dynamic slots (see `_choose_victims`), in
         # eviction order, and the ticket during which that scan ran.
-        self._reserve = torch.empty(0, dtype=torch.int64)
+        self._reserve = _NO_SLOTS
         self._reserve_ticket = 0
         self._released_upto = 0
         self._released_early: set[int] = set()
@@ -486,7 +488,7 @@ class DeviceCache:
         awaited slot) it took 3.2 ms of a batch's ~20 of staging, 1.6 ms compiled (batches of
         8,192, 190k dynamic slots, 2 cores; alone, 200k slots: 8.3 -> 1.2 ms)."""
         assert self.window is not None
-        spare, farthest, free = directory.window_victims(
+        spare, short, free = directory.window_victims(
             self.last_used, self._released_upto, self.window.next_read, self.frequency, self.num_static, count, _USES_CAP, NEVER
         )
         self._check_capacity(count, free)
@@ -495,8 +497,8 @@ class DeviceCache:
             spare = spare[lowest_first(self._score(spare), RESERVE_BATCHES * count)]
             self._reserve = spare[count:]
             return spare[:count]
-        self._reserve = spare[:0]
-        return torch.cat([spare, farthest])
+        self._reserve = _NO_SLOTS
+        return short  # every spare slot, then the rows read farthest ahead
 
     def _evict(self, slots: Tensor) -> None:
         if len(slots) == 0:

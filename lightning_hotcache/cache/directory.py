@@ -281,9 +281,11 @@ def _window_victims(last_used, released_upto, next_read, frequency, start, count
             awaited[n_awaited] = slot
             n_awaited += 1
     free = n_spare + n_awaited
-    need = min(count - n_spare, n_awaited)
-    if need <= 0:
+    if n_spare >= count:
         return spare[:n_spare], awaited[:0], free
+    need = min(count - n_spare, n_awaited)
+    if need == 0:
+        return spare[:n_spare], spare[:n_spare].copy(), free
     awaited = awaited[:n_awaited]
     # The farthest next reads first. They are announcement numbers of the batches in the
     # window, a range as long as the window: counted by value rather than sorted.
@@ -321,7 +323,10 @@ def _window_victims(last_used, released_upto, next_read, frequency, start, count
     ties = _sort_by_key(uses, ties)[1]
     for i in range(need - taken):
         chosen[taken + i] = ties[i]
-    return spare[:n_spare], chosen, free
+    victims = np.empty(n_spare + need, np.int64)  # the spare ones, then these: one array, no concatenation call
+    victims[:n_spare] = spare[:n_spare]
+    victims[n_spare:] = chosen
+    return spare[:n_spare], victims, free
 
 
 def window_victims(
@@ -329,13 +334,14 @@ def window_victims(
 ) -> tuple[Tensor, Tensor, int]:
     """Lookahead's candidates among slots ``start`` on that no batch in flight holds
     (``last_used`` at most ``released_upto``): those that no announced batch reads
-    (``next_read`` is ``never``), in slot order; and, where they are fewer than ``count``, the
-    rest from the slots read farthest ahead, of those read next by one batch the fewest reads
-    (``frequency``, capped at ``uses_cap``) first; and how many slots are unlocked in all."""
-    spare, farthest, free = _window_victims(
+    (``next_read`` is ``never``), in slot order; where they are fewer than ``count``, the
+    victims: those, then the rest from the slots read farthest ahead, of those read next by
+    one batch the fewest reads (``frequency``, capped at ``uses_cap``) first (else empty); and
+    how many slots are unlocked in all."""
+    spare, victims, free = _window_victims(
         _view(last_used), released_upto, _view(next_read), _view(frequency), start, count, uses_cap, never
     )
-    return torch.from_numpy(spare), torch.from_numpy(farthest), int(free)
+    return torch.from_numpy(spare), torch.from_numpy(victims), int(free)
 
 
 @without_gil
@@ -381,6 +387,21 @@ def match_sorted(held: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
     positions in ``ids`` and in ``held`` of each id in both (one merge walk)."""
     at, source = _match_sorted(_view(held), _view(ids))
     return torch.from_numpy(at), torch.from_numpy(source)
+
+
+@without_gil
+def _ring_entries(ring, first, count):  # type: ignore[no-untyped-def]
+    mask = len(ring) - 1
+    out = np.empty(count, np.int64)
+    for i in range(count):
+        out[i] = ring[(first + i) & mask]
+    return out
+
+
+def ring_entries(ring: Tensor, first: int, count: int) -> Tensor:
+    """A copy of the lookahead window's ring (its length a power of two) at positions ``[first,
+    first + count)``, wrapping around its end: one call, not a slice or two and a concatenation."""
+    return torch.from_numpy(_ring_entries(_view(ring), first, count))
 
 
 @without_gil

@@ -114,14 +114,7 @@ class LookaheadWindow:
                 f"{len(oldest.inverse)}; acquire announced batches in the order they were announced."
             )
         self._start = oldest.first + len(oldest.distinct)
-        return oldest, torch.cat(self._ring_slices(oldest.first, len(oldest.distinct)))
-
-    def _ring_slices(self, first: int, count: int) -> list[Tensor]:
-        """The ring's entries of positions ``[first, first + count)``: one slice, or two where
-        they wrap around its end (slices, not indices: no index tensor to build and scatter)."""
-        start = first & (len(self._next_of) - 1)
-        head = self._next_of[start : start + count]
-        return [head, self._next_of[: count - len(head)]] if len(head) < count else [head]
+        return oldest, directory.ring_entries(self._next_of, oldest.first, len(oldest.distinct))
 
     def installed(self, slots: Tensor, next_reads: Tensor) -> None:
         """A retired batch's rows are in ``slots``: their next reads are ``next_reads``."""
