@@ -86,7 +86,9 @@ def fbgemm_hash_table_available() -> bool:
 
 
 class DenseSlotMap:
-    """``slot_of_id[id]``: one compiled pass per lookup (see `directory`)."""
+    """``slot_of_id[id]``: one compiled pass per lookup (see `directory`). A `DeviceCache`
+    keeps it inside the directory's steps instead (`directory.look_up_and_split_hits`,
+    ``install`` and ``vacate`` given ``slot_of_id``); the methods serve everyone else."""
 
     def __init__(self, num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device) -> None:
         # Written at random every batch: on the CPU kept from forked workers (`host_arrays`).
