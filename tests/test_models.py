@@ -274,6 +274,22 @@ def test_subclass_builders_see_attributes_set_after_super_init(tmp_path) -> None
     torch.testing.assert_close(loaded.state_dict(), model.state_dict())
 
 
+class _ForgetsSuperOnFitStart(DLRM):
+    def on_fit_start(self) -> None:
+        pass  # should call super().on_fit_start()
+
+
+def test_tables_found_once_a_fit_and_a_missing_super_call_is_a_clear_error() -> None:
+    dm = tiny_synthetic()
+    model = DLRM(dm.tables, dm.num_dense_features)
+    before = {name: p.detach().clone() for name, p in model.named_parameters() if "embedding_bags" in name}
+    cpu_trainer(max_steps=2, limit_val_batches=0).fit(model, dm)
+    assert any(not torch.equal(before[name], p) for name, p in model.named_parameters() if name in before)  # rows stepped
+    assert model._fit_tables is None  # forgotten after the fit: a later one may place the tables otherwise
+    with pytest.raises(RuntimeError, match=r"must call super\(\).on_fit_start\(\)"):
+        cpu_trainer(max_steps=1, limit_val_batches=0).fit(_ForgetsSuperOnFitStart(dm.tables, dm.num_dense_features), dm)
+
+
 # ------------------------------------------- DLRM's interaction; xDeepFM, FinalMLP, DCN mixture
 from torchrec.models.dlrm import InteractionArch  # noqa: E402
 
