@@ -106,6 +106,7 @@ class HostLookupDLRM(DLRM):
     @override
     def on_fit_start(self) -> None:
         self.sparse_arch.to("cpu")
+        super().on_fit_start()
 
     @override
     def transfer_batch_to_device(self, batch: Batch, device: torch.device, dataloader_idx: int) -> Batch:
