@@ -537,3 +537,5 @@ def test_spans_cut_out_and_put_back_as_torch_would(spans) -> None:
     assert torch.equal(target[written], values[written]) and not target[~written].any()
     with pytest.raises(ValueError, match="values for spans of"):
         put_spans(target, spans, expected[1:])
+    with pytest.raises(ValueError, match=r"within \[0, 10\)"):
+        put_spans(target, [(8, 12)], torch.zeros(4, dtype=torch.int64))

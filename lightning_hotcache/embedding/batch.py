@@ -109,8 +109,10 @@ def put_spans(target: Tensor, spans: list[tuple[int, int]], values: Tensor, offs
     (host tensors, ``values`` as long as the spans together): `concat_spans`'s inverse, one
     compiled call."""
     starts, ends = _bounds(spans)
-    if int((ends - starts).sum()) != len(values):
-        raise ValueError(f"{len(values)} values for spans of {int((ends - starts).sum())} in all")
+    room = int((ends - starts).sum())
+    if room != len(values) or (len(spans) and (starts.min() < 0 or ends.max() > len(target))):
+        # Checked here: the compiled loop does not check its writes.
+        raise ValueError(f"{len(values)} values for spans of {room} in all, within [0, {len(target)}): {spans}")
     _put_spans(target.numpy(), starts, ends, values.numpy(), offset)
     torch.autograd.graph.increment_version(target)  # written through numpy: marked changed, as torch's writes mark it
 
