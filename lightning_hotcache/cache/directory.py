@@ -41,6 +41,15 @@ def _tally_views(tally: Tally | None) -> tuple[np.ndarray, np.ndarray]:
     return (_EMPTY, _EMPTY) if tally is None else (_view(tally[0]), _view(tally[1]))
 
 
+def _hit_tally_views(lookups: Tally | None, misses: Tally | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The views `split_hits` tallies into: both tallies or neither (one without the other
+    would leave the hit counters silently off)."""
+    if (lookups is None) != (misses is None):
+        raise ValueError("split_hits tallies both lookups and misses, or neither")
+    (lookups_at, ends), (missed_at, _) = _tally_views(lookups), _tally_views(misses)
+    return lookups_at, missed_at, ends
+
+
 def _map_view(slot_of_id: Tensor | None) -> np.ndarray:
     return _NO_MAP if slot_of_id is None else _view(slot_of_id)
 
@@ -72,9 +81,7 @@ def split_hits(
     miss; ``counts``: its reads) with ticket ``issued``; the misses' positions, ids and reads,
     and their reads in all. ``lookups`` / ``misses``, where given, tally the reads and the
     missed reads in the same call (one GIL hand-over, not three)."""
-    if (lookups is None) != (misses is None):
-        raise ValueError("split_hits tallies both lookups and misses, or neither")
-    (lookups_at, ends), (missed_at, _) = _tally_views(lookups), _tally_views(misses)
+    lookups_at, missed_at, ends = _hit_tally_views(lookups, misses)
     missing, needed, missed_reads, total = _split_hits(
         _view(distinct), _view(slots), _view(counts), _view(last_used), issued, lookups_at, missed_at, ends
     )
@@ -92,9 +99,7 @@ def look_up_and_split_hits(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
     """`slots_of` in a dense id -> slot map, then `split_hits`, in one call: the ``distinct``
     ids' slots (-1 for a miss), then what `split_hits` returns."""
-    if (lookups is None) != (misses is None):
-        raise ValueError("split_hits tallies both lookups and misses, or neither")
-    (lookups_at, ends), (missed_at, _) = _tally_views(lookups), _tally_views(misses)
+    lookups_at, missed_at, ends = _hit_tally_views(lookups, misses)
     slots, missing, needed, missed_reads, total = _look_up_and_split_hits(
         _view(slot_of_id), _view(distinct), _view(counts), _view(last_used), issued, lookups_at, missed_at, ends
     )
