@@ -1,12 +1,16 @@
-"""The compiled row copy gives what torch's index_copy_ gives, and refuses what it refuses."""
+"""The compiled row copy gives what torch's index_copy_ gives, and refuses what it refuses,
+on one thread or split between several."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+from forked import in_forked_child
 
 from lightning_hotcache import host_rows
-from lightning_hotcache.host_rows import put_rows
+from lightning_hotcache.host_rows import SPLIT_VALUES, put_rows
 
 
 @pytest.mark.parametrize("width", [1, 3, 128])
@@ -54,3 +58,76 @@ def test_what_it_does_not_compile_goes_to_torch(monkeypatch: pytest.MonkeyPatch)
         put_rows(torch.zeros(10, 2), torch.tensor([4]), torch.ones(1, 2))
     with pytest.raises(RuntimeError):  # torch's own error for mismatched dtypes
         put_rows(torch.zeros(10, 4, dtype=torch.float64), torch.tensor([2]), torch.ones(1, 4))
+
+
+def _large_copy(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Target, distinct row indices and rows: 3 x `SPLIT_VALUES` values, enough for 3 threads."""
+    gen = torch.Generator().manual_seed(seed)
+    width = 128
+    target = torch.randn(20_000, width, generator=gen)
+    at = torch.randperm(20_000, generator=gen)[: 3 * SPLIT_VALUES // width]
+    return target, at, torch.randn(len(at), width, generator=gen)
+
+
+def test_a_large_copy_is_split_between_threads_and_is_index_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_HOTCACHE_COPY_THREADS", "3")
+    copied_on: list[tuple[str, int]] = []
+    copy_rows = host_rows._copy_rows
+
+    def recorded(target, at, rows):  # type: ignore[no-untyped-def]
+        copied_on.append((threading.current_thread().name, len(at)))
+        copy_rows(target, at, rows)
+
+    monkeypatch.setattr(host_rows, "_copy_rows", recorded)
+    target, at, rows = _large_copy(0)
+    expected = target.clone().index_copy_(0, at, rows)
+    put_rows(target, at, rows)
+    assert torch.equal(target, expected)
+    names = [name for name, _ in copied_on]
+    helpers = [name for name in names if name.startswith("hotcache-row-copy")]
+    assert len(names) == 3 and len(helpers) == 2 and threading.current_thread().name in names, names  # the caller takes a share
+    assert sum(n for _, n in copied_on) == len(at)
+
+
+def test_a_small_copy_stays_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_HOTCACHE_COPY_THREADS", "3")
+    monkeypatch.setattr(host_rows, "_copy_split", lambda *args: pytest.fail("split a small copy"))
+    target = torch.zeros(100, 8)
+    put_rows(target, torch.tensor([5, 9]), torch.ones(2, 8))
+    assert target.sum() == 16
+
+
+def test_a_split_copy_with_an_index_out_of_range_writes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_HOTCACHE_COPY_THREADS", "3")
+    target, at, rows = _large_copy(1)
+    at[-1] = 20_000
+    before = target.clone()
+    with pytest.raises(IndexError, match="Row index 20000 is out of range for a tensor of 20000 rows"):
+        put_rows(target, at, rows)
+    assert torch.equal(target, before)
+
+
+def test_threads_by_default_are_the_cores_beyond_two_at_most_eight(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LIGHTNING_HOTCACHE_COPY_THREADS", raising=False)
+    for cores, threads in ((1, 1), (2, 1), (3, 1), (4, 2), (16, 8), (64, 8)):
+        monkeypatch.setattr(host_rows, "_cores", lambda cores=cores: cores)
+        assert host_rows.copy_threads() == threads
+
+
+def _splits_in_child() -> bool:
+    # As a DataLoader worker does: torch's own parallel ops hang in a child forked after the
+    # parent ran them (GNU OpenMP is not fork-safe); the helpers here are Python threads.
+    torch.set_num_threads(1)
+    target, at, rows = _large_copy(2)
+    expected = target.clone().index_copy_(0, at, rows)
+    put_rows(target, at, rows)
+    return torch.equal(target, expected)
+
+
+def test_a_forked_process_copies_on_helper_threads_of_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    # Threads do not survive a fork: a child that kept the parent's pool would wait for ever.
+    monkeypatch.setenv("LIGHTNING_HOTCACHE_COPY_THREADS", "3")
+    target, at, rows = _large_copy(3)
+    put_rows(target, at, rows)  # the parent's helpers started
+    answer = in_forked_child(_splits_in_child, tmp_path)
+    assert answer == "True", answer

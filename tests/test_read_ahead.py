@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from forked import in_forked_child
 
 from lightning_hotcache import RowWiseOptimizerConfig
 from lightning_hotcache.cache import DeviceCache, HostStore
@@ -159,44 +160,6 @@ def _became_resident(array: np.ndarray, pages: list[int]) -> bool:
     return bool(_resident_pages(array)[pages].all())
 
 
-def _in_forked_child(work, tmp_path: Path, seconds: float = 60) -> str:
-    """Run ``work()`` in a forked child; what it returned ("True"/"False"), or why there is no
-    answer. A bare fork, a pipe and a deadline rather than a `multiprocessing.Pool`: a child
-    that dies or hangs then fails the test with its stack (faulthandler) instead of leaving
-    the pool's ``apply`` waiting for ever (a CI run once hung here for its whole 90 minutes)."""
-    import faulthandler
-    import select
-    import signal
-
-    stacks = tmp_path / "child_stacks.txt"
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - runs in the child, which leaves through os._exit
-        status = 1
-        try:
-            os.close(read)
-            with open(stacks, "w") as dump:
-                faulthandler.enable(dump, all_threads=True)
-                faulthandler.dump_traceback_later(seconds - 5, file=dump)
-                os.write(write, str(bool(work())).encode())
-                status = 0
-        finally:
-            os._exit(status)
-    os.close(write)
-    try:
-        ready, _, _ = select.select([read], [], [], seconds)
-        answer = os.read(read, 16).decode() if ready else ""
-    finally:
-        os.close(read)
-    if not answer:
-        os.kill(child, signal.SIGKILL)
-    _, status = os.waitpid(child, 0)
-    if answer:
-        return answer
-    dumped = stacks.read_text() if stacks.exists() else ""
-    return f"no answer from the child ({'killed' if os.WIFSIGNALED(status) else 'exit'} status {status}); its stacks:\n{dumped}"
-
-
 def test_a_forked_process_reads_ahead_on_a_thread_of_its_own(tmp_path) -> None:
     # Threads do not survive a fork: a child that took the parent's busy thread for its own
     # would queue requests that nothing makes.
@@ -204,7 +167,7 @@ def test_a_forked_process_reads_ahead_on_a_thread_of_its_own(tmp_path) -> None:
     busy = threading.Event()
     assert read_ahead_later([_Blocking(busy)], torch.tensor([0]))  # type: ignore[list-item]
     try:
-        answer = _in_forked_child(lambda: _reads_ahead_in_child(tmp_path / "t.f32"), tmp_path)
+        answer = in_forked_child(lambda: _reads_ahead_in_child(tmp_path / "t.f32"), tmp_path)
     finally:
         busy.set()
         read_ahead_module.settle()
