@@ -79,8 +79,9 @@ def copy_threads() -> int:
 
 
 class _Helpers:
-    """The helper threads of split copies, started at the first and kept; a forked child
-    (a DataLoader worker) has none of them and starts its own (`_forget_in_child`)."""
+    """The helper threads of split copies, started at the first and kept until
+    `release_helpers` (the end of a fit: no thread outlives it); a forked child (a DataLoader
+    worker) has none of them and starts its own (`_forget_in_child`)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()  # the staging thread and the training loop both copy rows
@@ -96,6 +97,16 @@ class _Helpers:
 
 
 _helpers = _Helpers()
+
+
+def release_helpers() -> None:
+    """End the helper threads once their copies are done (the next split copy starts them
+    again): the hotcache strategy's teardown and the zoo model's ``on_fit_end`` call it, so
+    that no thread outlives a fit."""
+    with _helpers.lock:
+        pool, _helpers.pool = _helpers.pool, None
+    if pool is not None:
+        pool.shutdown(wait=True)
 
 
 def _forget_in_child() -> None:

@@ -69,6 +69,7 @@ from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold
 from lightning_hotcache.even_batches import check_even_batches
 from lightning_hotcache.global_batch import BatchShare
 from lightning_hotcache.guards import finite_loss_or_skip
+from lightning_hotcache.host_rows import release_helpers
 from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
 from lightning_hotcache.planner import (
     Budget,
@@ -696,5 +697,6 @@ class HotCacheStrategy(LikeAutoInOneProcess):
                 module.flush()
             finally:
                 module.release_host_storage()
+        release_helpers()  # the row copies' helper threads: none outlives the fit
         with deferred_tables_left_out_of_moves(self.lightning_module):
             super().teardown()

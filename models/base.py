@@ -43,6 +43,7 @@ from lightning_hotcache.guards import (
     check_not_empty,
     finite_loss_or_skip,
 )
+from lightning_hotcache.host_rows import release_helpers
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
 from lightning_hotcache.sparse_ddp import average_sparse_gradients, keep_out_of_ddp
 from lightning_hotcache.table_init import draw_seed, materialize_tables
@@ -408,6 +409,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         # A later fit may place the tables otherwise (another strategy). Subclasses overriding
         # this hook must call super().
         self._fit_tables = None
+        release_helpers()  # the row-wise step's copy threads (many-core hosts): none outlives the fit
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -4,13 +4,20 @@ on one thread or split between several."""
 from __future__ import annotations
 
 import threading
+from typing import Iterator
 
 import pytest
 import torch
 from forked import in_forked_child
 
 from lightning_hotcache import host_rows
-from lightning_hotcache.host_rows import SPLIT_VALUES, put_rows
+from lightning_hotcache.host_rows import SPLIT_VALUES, put_rows, release_helpers
+
+
+@pytest.fixture(autouse=True)
+def _no_helpers_left() -> Iterator[None]:
+    yield
+    release_helpers()  # as a fit's end does: later tests count the threads left
 
 
 @pytest.mark.parametrize("width", [1, 3, 128])
@@ -131,3 +138,19 @@ def test_a_forked_process_copies_on_helper_threads_of_its_own(monkeypatch: pytes
     put_rows(target, at, rows)  # the parent's helpers started
     answer = in_forked_child(_splits_in_child, tmp_path)
     assert answer == "True", answer
+
+
+def _helper_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("hotcache-row-copy")]
+
+
+def test_released_helpers_end_and_the_next_split_copy_starts_them_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_HOTCACHE_COPY_THREADS", "3")
+    target, at, rows = _large_copy(4)
+    put_rows(target, at, rows)
+    assert len(_helper_threads()) == 2
+    release_helpers()
+    assert not _helper_threads()
+    expected = target.clone().index_copy_(0, at, rows + 1)
+    put_rows(target, at, rows + 1)
+    assert torch.equal(target, expected) and len(_helper_threads()) == 2

@@ -370,6 +370,23 @@ def test_a_background_thread_hands_on_its_items_in_order_and_its_error_and_stops
     assert closed.is_set() and not any(t.name == "hotcache-test" for t in threading.enumerate())
 
 
+@pytest.mark.parametrize("strategy", ["hotcache", "auto"])
+def test_no_row_copy_helper_thread_outlives_a_fit(strategy, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a host with cores to spare, large row copies start helper threads (`host_rows`):
+    # the hotcache strategy's teardown and the zoo model's on_fit_end end them.
+    from lightning_hotcache.host_rows import SPLIT_VALUES, put_rows
+
+    monkeypatch.setenv("LIGHTNING_HOTCACHE_COPY_THREADS", "3")
+    put_rows(torch.zeros(4 * SPLIT_VALUES // 64, 64), torch.arange(3 * SPLIT_VALUES // 64), torch.ones(3 * SPLIT_VALUES // 64, 64))
+    assert [t.name for t in threading.enumerate()].count("hotcache-row-copy_0") == 1
+    pl.seed_everything(0)
+    dm = data()
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    chosen = HotCacheStrategy(device_budget=0.1, profile_batches=4) if strategy == "hotcache" else "auto"
+    cpu_trainer(strategy=chosen, max_steps=2).fit(model, dm)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("hotcache-row-copy")]
+
+
 @pytest.mark.parametrize(("thread", "reader"), [(True, True), (True, False), (False, False)], ids=["thread+reader", "thread", "inline"])
 def test_cache_metrics_log_staging_waits_where_a_prefetch_thread_stages(thread, reader) -> None:
     pl.seed_everything(0)
