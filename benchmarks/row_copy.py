@@ -5,10 +5,11 @@ host, ~15k rows of dim 128 a batch of 8,192 at the Criteo Kaggle shape), to rand
 tables far larger than the processor's caches: each row written waits on memory. `put_rows`
 splits a large copy between threads where the machine has cores to spare
 (`lightning_hotcache.host_rows.copy_threads`). This times it at each of ``--threads``
-(``LIGHTNING_HOTCACHE_COPY_THREADS``), the settings taking turns copy by copy on the same
-ids and rows, so drift in the machine hits them all alike; reported: the median
-milliseconds a copy and each setting's ratio to one thread. torch's ``index_select`` of the
-same rows (the fetch that staging makes beside it, parallel by torch) is timed with them.
+(``LIGHTNING_HOTCACHE_COPY_THREADS``), the settings taking turns copy by copy, so drift in
+the machine hits them all alike, each copy to ids of its own (rows another setting just wrote
+would be in the processor's cache); reported: the median milliseconds a copy and each
+setting's ratio to the first. torch's ``index_select`` of as many rows (the fetch that
+staging makes beside it, parallel by torch) is timed with them.
 
     python benchmarks/row_copy.py [--table-gib 8] [--dim 128] [--rows 15400] [--threads 1 2 4 8] [--copies 40]
 """
@@ -46,22 +47,21 @@ def main() -> None:
     for start in range(0, num_rows, step):  # random values: pages of one value may be merged by the host
         table[start : start + step].normal_()
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, num_rows, (args.rows,), generator=gen).unique() for _ in range(args.copies + 3)]
     rows = torch.randn(args.rows, args.dim, generator=gen)
 
     times: dict[str, list[float]] = {f"put_rows x{t}": [] for t in args.threads}
     times["index_select"] = []
-    for i, ids in enumerate(batches):
-        for threads in args.threads:
-            os.environ["LIGHTNING_HOTCACHE_COPY_THREADS"] = str(threads)
+    for i in range(args.copies + 3):
+        for threads in [*args.threads, None]:
+            ids = torch.randint(0, num_rows, (args.rows,), generator=gen).unique()
             start = time.perf_counter()
-            put_rows(table, ids, rows[: len(ids)])
+            if threads is None:
+                table.index_select(0, ids)
+            else:
+                os.environ["LIGHTNING_HOTCACHE_COPY_THREADS"] = str(threads)
+                put_rows(table, ids, rows[: len(ids)])
             if i >= 3:  # the first copies compile and start the helpers
-                times[f"put_rows x{threads}"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        table.index_select(0, ids)
-        if i >= 3:
-            times["index_select"].append(time.perf_counter() - start)
+                times["index_select" if threads is None else f"put_rows x{threads}"].append(time.perf_counter() - start)
     median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     one = median[f"put_rows x{args.threads[0]}"]
     results = {name: {"ms": ms, "x_first": one / ms} for name, ms in median.items()}

@@ -12,10 +12,12 @@ by index on the CPU other than ``index_copy_`` / ``index_put_`` (the same kernel
 A large copy is split between the calling thread and helper threads where the machine has
 cores to spare beyond the training loop's and the staging thread's (`copy_threads`): writing
 rows to random places of a table of many GB waits on memory for every row, and threads wait
-side by side. 15k rows of 128 floats into a 16M-row table: 2.9 ms on one thread, 1.9 ms on
-two (2-core Intel Xeon, the other core idle). A GPU host's staging thread writes a 1%
-cache's evicted rows back with it on every batch. The rows are distinct, so the threads' writes
-never overlap and the result is the same.
+side by side. 15.4k rows of 128 floats into a 16M-row table: 2.5-4.0 ms on one thread, two
+threads 0.99-1.63x faster in four alternated runs (2-core Intel Xeon, `benchmarks/row_copy.py`).
+A GPU host's staging thread writes a 1% cache's evicted rows back with it on every batch. The
+rows are distinct, so the threads' writes never overlap and the result is the same. Python
+threads, not numba's parallel loops: numba's default threading layer aborts when two threads
+(the staging thread and the training loop) run parallel loops at once.
 """
 
 from __future__ import annotations
