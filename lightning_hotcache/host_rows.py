@@ -75,9 +75,14 @@ def copy_threads() -> int:
     measurements), else the cores beyond two (the training loop's and the staging thread's),
     at most 8, and at least the calling thread alone."""
     configured = os.environ.get("LIGHTNING_HOTCACHE_COPY_THREADS")
-    if configured is not None:
-        return max(1, int(configured))
-    return max(1, min(8, _cores() - 2))
+    if configured is None:
+        return max(1, min(8, _cores() - 2))
+    if not configured.strip().isdigit() or int(configured) < 1:
+        raise ValueError(
+            f"LIGHTNING_HOTCACHE_COPY_THREADS={configured!r}: give the number of threads a large row copy is "
+            "split between, 1 or more (1 keeps it on the calling thread), or unset it for the default."
+        )
+    return int(configured)
 
 
 class _Helpers:

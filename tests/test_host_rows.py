@@ -121,6 +121,13 @@ def test_threads_by_default_are_the_cores_beyond_two_at_most_eight(monkeypatch: 
         assert host_rows.copy_threads() == threads
 
 
+@pytest.mark.parametrize("setting", ["0", "two", "-3", ""])
+def test_a_bad_thread_setting_is_named(monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
+    monkeypatch.setenv("LIGHTNING_HOTCACHE_COPY_THREADS", setting)
+    with pytest.raises(ValueError, match=f"LIGHTNING_HOTCACHE_COPY_THREADS={setting!r}: give the number of threads"):
+        put_rows(torch.zeros(10, 4), torch.tensor([2]), torch.ones(1, 4))
+
+
 def _splits_in_child() -> bool:
     # As a DataLoader worker does: torch's own parallel ops hang in a child forked after the
     # parent ran them (GNU OpenMP is not fork-safe); the helpers here are Python threads.
