@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -95,12 +95,14 @@ class _Helpers:
         self.pool: ThreadPoolExecutor | None = None
         self.workers = 0
 
-    def get(self, workers: int) -> ThreadPoolExecutor:
+    def start(self, workers: int, copies: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[Future[None]]:
+        """``_copy_rows`` of each of ``copies`` on a helper. Queued under the lock: a
+        `release_helpers` from another thread then waits for them rather than refusing them."""
         with self.lock:
             if self.pool is None or self.workers != workers:  # new only where the thread count was changed
                 self.pool = ThreadPoolExecutor(workers, thread_name_prefix="hotcache-row-copy")
                 self.workers = workers
-            return self.pool
+            return [self.pool.submit(_copy_rows, *copy) for copy in copies]
 
 
 _helpers = _Helpers()
@@ -128,8 +130,7 @@ if hasattr(os, "register_at_fork"):
 def _copy_split(target: np.ndarray, at: np.ndarray, rows: np.ndarray, threads: int) -> None:
     chunks = min(threads, rows.size // SPLIT_VALUES)
     step = -(-len(at) // chunks)
-    pool = _helpers.get(threads - 1)
-    helped = [pool.submit(_copy_rows, target, at[i : i + step], rows[i : i + step]) for i in range(step, len(at), step)]
+    helped = _helpers.start(threads - 1, [(target, at[i : i + step], rows[i : i + step]) for i in range(step, len(at), step)])
     _copy_rows(target, at[:step], rows[:step])
     for done in helped:
         done.result()

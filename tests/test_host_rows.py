@@ -161,3 +161,28 @@ def test_released_helpers_end_and_the_next_split_copy_starts_them_again(monkeypa
     expected = target.clone().index_copy_(0, at, rows + 1)
     put_rows(target, at, rows + 1)
     assert torch.equal(target, expected) and len(_helper_threads()) == 2
+
+
+def test_helpers_released_from_another_thread_mid_copy_finish_its_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A teardown on one thread while another still copies: the copies finish, none is refused.
+    monkeypatch.setenv("LIGHTNING_HOTCACHE_COPY_THREADS", "3")
+    target, at, rows = _large_copy(5)
+    expected = target.clone().index_copy_(0, at, rows)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def copy_repeatedly() -> None:
+        try:
+            for _ in range(30):
+                put_rows(target, at, rows)
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            errors.append(error)
+        finally:
+            done.set()
+
+    copier = threading.Thread(target=copy_repeatedly)
+    copier.start()
+    while not done.is_set():
+        release_helpers()
+    copier.join()
+    assert not errors and torch.equal(target, expected)
