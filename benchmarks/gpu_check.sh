@@ -18,9 +18,11 @@
 #      drawn on one core, ~17 s of each run's set-up, now drawn on all of them);
 #   4. tables larger than the GPU: the same tables with each run's GPU memory capped at 8 GiB,
 #      where auto cannot hold them and hotcache at 10% trains (86-96 s; share 95 s);
-#   5. where a step's time goes: torch.profiler's key averages of auto and hotcache at 10% and
-#      1% at 0.1x the tables (32-42 s on an H200; share 45 s): at 1% the H100's
-#      steps waited 55 ms each for staging, whose ops (the prefetch thread's too) this shows.
+#   5. where a step's time goes: the host's row copies first (benchmarks/row_copy.py: a 1%
+#      cache's write-backs on 1, 2, 4 and 8 threads, ~10 s; its JSON goes to the log), then
+#      torch.profiler's key averages of auto and hotcache at 10% and 1% at 0.1x the tables
+#      (32-42 s on an H200; share 45 s): at 1% the H100's steps waited 55 ms each for
+#      staging, whose ops (the prefetch thread's too) this shows.
 # Each stage writes $OUT/stage<k>.log as it goes and appends "stage <k> <name>: rc <rc>,
 # <seconds> s (limit <seconds> s)" to $OUT/stages.txt when it ends; stages 3 and 4 write gpu.json and
 # beyond_gpu.json there: 8 files in all.
@@ -63,6 +65,7 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   BENCH_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01"  # stage 3's (cpu-lookup: the smoke test)
   BEYOND_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1"  # no cap on a CPU
   PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto hotcache@0.1 hotcache@0.01"
+  ROW_COPY_ARGS="--table-gib 0.02 --rows 2000 --copies 3 --threads 1 2"
   export PYTHONPATH="$PWD:$PWD/benchmarks/gpu_image"
 else
   PYTHON=${GPU_PYTHON:-python3}
@@ -70,6 +73,7 @@ else
   BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 60 --rounds 1 --strategies auto hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01"}
   BEYOND_ARGS="--scale 1.0 --steps 60 --rounds 1 --device-memory 8 --strategies auto hotcache@0.1"
   PROFILE_ARGS="--scale 0.1 --steps 30 --warmup 20 --profile-steps 5 --strategies auto hotcache@0.1 hotcache@0.01"
+  ROW_COPY_ARGS="--table-gib 8 --copies 40 --threads 1 2 4 8"
   rm -rf .gpu_site
   "$PYTHON" -m pip install --quiet --no-index --find-links gpu_wheels --no-deps --target .gpu_site -r benchmarks/requirements-gpu.txt \
     2>&1 | tee "$OUT/stage1.log"  # stage 1 appends to it: $OUT holds 8 files at most
@@ -124,7 +128,9 @@ third=$?
 # shellcheck disable=SC2086
 stage 4 tables-larger-than-the-gpu "$PYTHON" benchmarks/gpu.py $BEYOND_ARGS --out "$OUT/beyond_gpu.json"
 fourth=$?
-# shellcheck disable=SC2086
-stage 5 profile "$PYTHON" benchmarks/gpu.py $PROFILE_ARGS
+# Both run though one fails; the row copy's JSON goes to stage5.log, not a ninth file in $OUT.
+# shellcheck disable=SC2016  # expanded by the inner bash, from its arguments
+stage 5 profile bash -c '"$0" benchmarks/row_copy.py $1 --out "$2"; copies=$?; "$0" benchmarks/gpu.py $3; exit $((copies || $?))' \
+  "$PYTHON" "$ROW_COPY_ARGS" "${TMPDIR:-/tmp}/row_copy.json" "$PROFILE_ARGS"
 fifth=$?
 exit $((first || second || third || fourth || fifth))
