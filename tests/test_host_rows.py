@@ -155,12 +155,12 @@ def test_released_helpers_end_and_the_next_split_copy_starts_them_again(monkeypa
     monkeypatch.setenv("LIGHTNING_HOTCACHE_COPY_THREADS", "3")
     target, at, rows = _large_copy(4)
     put_rows(target, at, rows)
-    assert len(_helper_threads()) == 2
+    assert _helper_threads()  # one or two: the pool starts a thread for a chunk only if none is idle
     release_helpers()
     assert not _helper_threads()
     expected = target.clone().index_copy_(0, at, rows + 1)
     put_rows(target, at, rows + 1)
-    assert torch.equal(target, expected) and len(_helper_threads()) == 2
+    assert torch.equal(target, expected) and _helper_threads()
 
 
 def test_helpers_released_from_another_thread_mid_copy_finish_its_copies(monkeypatch: pytest.MonkeyPatch) -> None:
