@@ -167,13 +167,14 @@ def put_rows(target: Tensor, at: Tensor, rows: Tensor) -> None:
     ):
         target.index_copy_(0, at, rows)
         return
+    into, ids, values = _numpy(target), at.numpy(), _numpy(rows)
     threads = copy_threads()
-    if threads == 1 or rows.numel() < 2 * SPLIT_VALUES:
-        bad = _put_rows(_numpy(target), at.numpy(), _numpy(rows))
+    if threads == 1 or values.size < 2 * SPLIT_VALUES:
+        bad = _put_rows(into, ids, values)
     else:
-        bad = _first_out_of_range(at.numpy(), target.shape[0])
+        bad = _first_out_of_range(ids, len(into))
         if bad < 0:
-            _copy_split(_numpy(target), at.numpy(), _numpy(rows), threads)
+            _copy_split(into, ids, values, threads)
     if bad >= 0:
         raise IndexError(f"Row index {int(at[bad])} is out of range for a tensor of {target.shape[0]} rows.")
     # Written through numpy behind autograd's back: mark the tensor changed, as index_copy_ does.
