@@ -4,11 +4,12 @@ on one thread or split between several."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
-from forked import in_forked_child
+from forked import from_a_fresh_process, in_forked_child
 
 from lightning_hotcache import host_rows
 from lightning_hotcache.host_rows import SPLIT_VALUES, put_rows, release_helpers
@@ -138,12 +139,18 @@ def _splits_in_child() -> bool:
     return torch.equal(target, expected)
 
 
+def fork_with_the_helpers_started(tmp_path: Path) -> str:
+    """In a fresh process (`from_a_fresh_process`): the row-copy helpers started, then a fork."""
+    target, at, rows = _large_copy(3)
+    put_rows(target, at, rows)
+    assert _helper_threads()
+    return in_forked_child(_splits_in_child, tmp_path)
+
+
 def test_a_forked_process_copies_on_helper_threads_of_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     # Threads do not survive a fork: a child that kept the parent's pool would wait for ever.
     monkeypatch.setenv("LIGHTNING_HOTCACHE_COPY_THREADS", "3")
-    target, at, rows = _large_copy(3)
-    put_rows(target, at, rows)  # the parent's helpers started
-    answer = in_forked_child(_splits_in_child, tmp_path)
+    answer = from_a_fresh_process("test_host_rows:fork_with_the_helpers_started", tmp_path)
     assert answer == "True", answer
 
 

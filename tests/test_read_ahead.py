@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from forked import in_forked_child
+from forked import from_a_fresh_process, in_forked_child
 
 from lightning_hotcache import RowWiseOptimizerConfig
 from lightning_hotcache.cache import DeviceCache, HostStore
@@ -160,17 +160,22 @@ def _became_resident(array: np.ndarray, pages: list[int]) -> bool:
     return bool(_resident_pages(array)[pages].all())
 
 
-def test_a_forked_process_reads_ahead_on_a_thread_of_its_own(tmp_path) -> None:
-    # Threads do not survive a fork: a child that took the parent's busy thread for its own
-    # would queue requests that nothing makes.
+def fork_while_the_thread_is_busy(tmp_path: Path) -> str:
+    """In a fresh process (`from_a_fresh_process`): the read-ahead thread kept busy, then a fork."""
     _cold_rows(tmp_path / "t.f32", 64 * 256)
     busy = threading.Event()
     assert read_ahead_later([_Blocking(busy)], torch.tensor([0]))  # type: ignore[list-item]
     try:
-        answer = in_forked_child(lambda: _reads_ahead_in_child(tmp_path / "t.f32"), tmp_path)
+        return in_forked_child(lambda: _reads_ahead_in_child(tmp_path / "t.f32"), tmp_path)
     finally:
         busy.set()
         read_ahead_module.settle()
+
+
+def test_a_forked_process_reads_ahead_on_a_thread_of_its_own(tmp_path) -> None:
+    # Threads do not survive a fork: a child that took the parent's busy thread for its own
+    # would queue requests that nothing makes.
+    answer = from_a_fresh_process("test_read_ahead:fork_while_the_thread_is_busy", tmp_path)
     assert answer == "True", answer
 
 
