@@ -43,6 +43,7 @@ from lightning_hotcache.guards import (
     check_not_empty,
     finite_loss_or_skip,
 )
+from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
 from lightning_hotcache.host_rows import release_helpers
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
 from lightning_hotcache.sparse_ddp import average_sparse_gradients, keep_out_of_ddp
@@ -251,7 +252,10 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     def embed(self, sparse_features: KeyedJaggedTensor) -> Tensor:
         """Pooled embeddings, (B, F, D) in table/feature order."""
         check_not_empty(sparse_features)
-        return self.sparse_arch(sparse_features)
+        pooled = pooled_in_one_node(self.sparse_arch.embedding_bag_collection, sparse_features)
+        if pooled is None:  # a strategy's tables (hotcache, torchrec), or a batch of other keys
+            return self.sparse_arch(sparse_features)
+        return pooled.view(-1, self.num_sparse_features, self.embedding_dim)
 
     @override
     def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
+from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
 from lightning_hotcache.guards import check_not_empty
 from lightning_hotcache.rowwise import use_sparse_gradients
 
@@ -62,7 +63,8 @@ class FirstOrderArch(nn.Module):
     def lookup(self, sparse_features: KeyedJaggedTensor) -> Tensor:
         """The batch's pooled per-id weights: (B, F * FIRST_ORDER_DIM), each feature's columns equal."""
         check_not_empty(sparse_features)
-        return self.embedding_bag_collection(sparse_features).values()
+        pooled = pooled_in_one_node(self.embedding_bag_collection, sparse_features)
+        return self.embedding_bag_collection(sparse_features).values() if pooled is None else pooled
 
     def logits(self, dense_features: Tensor, pooled: Tensor) -> Tensor:
         """Logits (B,) from the dense features and the pooled weights of `lookup`."""

@@ -1,0 +1,181 @@
+"""TorchRec's EmbeddingBagCollection looked up as one autograd node: what ``auto`` and ``ddp`` run.
+
+Under ``auto`` (the baseline every GPU figure is a ratio to) a step is bound by the host: every
+op is a launch from Python. TorchRec's unsharded `EmbeddingBagCollection.forward` splits the
+batch into one jagged tensor per feature (a cumulative sum and splits each), looks each feature
+up as a module call that records an autograd node, and the backward runs one sparse
+`embedding_bag` backward per feature. `pooled_in_one_node` gives the same output from the same
+tables (``ebc(features).values()``, bit for bit) with one autograd node: the forward is one
+`embedding_bag` per feature on slices of the batch (the features' offsets rebased in one op),
+the backward one gather of the pooled gradient's rows for every id of every feature, each
+table's sparse gradient a view of it. The gradient rows are TorchRec's, bit for bit; a table
+read by several features lists them feature by feature, where autograd's accumulation of
+TorchRec's per-feature gradients interleaves them, so the row-wise optimizer sums such a
+table's duplicate rows in another order (the last bits of a sum). The module itself is untouched: its
+parameters, state dict, sharders and checkpoints stay TorchRec's.
+
+Written here because neither TorchRec (its fused collections need FBGEMM's CUDA build and keep
+their own optimizer) nor torch (``nn.EmbeddingBag`` is one table) looks up a collection of
+separate tables with one backward.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How a collection's features map onto its tables."""
+
+    feature_names: list[str]  # the collection's features in its output order
+    bags: list[nn.EmbeddingBag]  # one per table
+    table_of_feature: list[int]
+    first_feature: list[int]  # per table, its first feature's position; one more: the end
+    mode: str
+
+
+def _plan(ebc: EmbeddingBagCollection) -> _Plan | None:
+    """The plan of ``ebc``, or None where the one-node path does not apply (TorchRec's own
+    forward runs then): a subclass (its forward may differ), dense gradients, half-precision
+    tables, mixed pooling or widths, or anything of ``nn.EmbeddingBag`` the gradient rows below do not
+    reproduce (max_norm, padding_idx, scale_grad_by_freq). Found at every call, not kept: a
+    user may switch a bag's gradients or swap a table between steps (~15 us for 26 tables)."""
+    bags = list(ebc.embedding_bags.values())
+    modes = {bag.mode for bag in bags}
+    plain = (
+        type(ebc) is EmbeddingBagCollection
+        and len(modes) == 1
+        and modes <= {"sum", "mean"}
+        and all(
+            bag.sparse
+            and bag.include_last_offset
+            and bag.max_norm is None
+            and bag.padding_idx is None
+            and not bag.scale_grad_by_freq
+            and bag.weight.dtype == torch.float32
+            for bag in bags
+        )
+    )
+    if not plain:
+        return None
+    configs = ebc.embedding_bag_configs()
+    names = [name for config in configs for name in config.feature_names]
+    one_width = len({config.embedding_dim for config in configs}) == 1  # the gradient's rows are (B * F, D)
+    if not one_width or len(set(names)) != len(names):  # a feature read by two tables is keyed "feature@table"
+        return None
+    tables = [k for k, config in enumerate(configs) for _ in config.feature_names]
+    firsts = list(itertools.accumulate((len(config.feature_names) for config in configs), initial=0))
+    return _Plan(names, bags, tables, firsts, modes.pop())
+
+
+def pooled_in_one_node(ebc: nn.Module, features: KeyedJaggedTensor) -> Tensor | None:
+    """``ebc(features).values()``, (B, F * D), in one autograd node, where ``ebc`` is TorchRec's
+    plain `EmbeddingBagCollection` with sparse gradients and the batch's keys are its features in
+    order (the zoo's datamodules' batches); None otherwise (sharded or hot/cold collections,
+    variable batch sizes, other key orders): the caller runs the module then."""
+    plan = _plan(ebc) if isinstance(ebc, EmbeddingBagCollection) else None
+    if (
+        plan is None
+        or features.keys() != plan.feature_names
+        or features.variable_stride_per_key()
+        or features.inverse_indices_or_none() is not None
+        or (features.weights_or_none() is not None) != ebc.is_weighted()
+        or (ebc.is_weighted() and features.weights().requires_grad)
+    ):
+        return None
+    weights = [bag.weight for bag in plan.bags]
+    return _PooledLookup.apply(plan, features, *weights)
+
+
+class _PooledLookup(torch.autograd.Function):
+    """Forward: every feature's bags pooled from its table, side by side. Backward: each id's
+    gradient row (its bag's, scaled as the pooling and the id's weight scale it) in one gather,
+    and per table a sparse gradient over its features' ids."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: _Plan, features: KeyedJaggedTensor, *weights: Tensor) -> Tensor:
+        batch_size, num_features = features.stride(), len(plan.feature_names)
+        ids, lengths, per_id = features.values(), features.lengths(), features.weights_or_none()
+        starts = features.offset_per_key()  # on the host: the datamodules compute it with the batch
+        # Every feature's offsets rebased to its own first id, (F, B + 1), in two ops, not F.
+        bounds = features.offsets()[_feature_bounds(batch_size, num_features, ids.device)]
+        local_offsets = bounds - bounds[:, :1]
+        pooled = [
+            torch.nn.functional.embedding_bag(
+                ids[starts[f] : starts[f + 1]],
+                weights[plan.table_of_feature[f]],
+                local_offsets[f],
+                mode=plan.mode,
+                per_sample_weights=None if per_id is None else per_id[starts[f] : starts[f + 1]],
+                include_last_offset=True,
+            )
+            for f in range(num_features)
+        ]
+        ctx.plan, ctx.starts, ctx.batch_size = plan, starts, batch_size
+        ctx.ids, ctx.lengths, ctx.per_id = ids, lengths, per_id
+        return torch.cat(pooled, dim=1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        plan, starts, batch_size = ctx.plan, ctx.starts, ctx.batch_size
+        num_features, dim = len(plan.feature_names), grad.shape[1] // len(plan.feature_names)
+        # Bag (feature f, sample b) is row b * F + f of the pooled gradient viewed as (B * F, D);
+        # the ids come feature by feature, sample by sample, as the lengths do.
+        bag_rows = _bag_rows(batch_size, num_features, grad.device)
+        rows_of_ids = torch.repeat_interleave(bag_rows, ctx.lengths, output_size=starts[-1])
+        pooled_grads = grad.reshape(batch_size * num_features, dim)
+        # As `embedding_bag`'s own backward scales them: by 1 / bag size, then by the id's weight.
+        scales = [] if ctx.per_id is None else [ctx.per_id.unsqueeze(1)]
+        if plan.mode == "mean":
+            bags_of_ids = torch.repeat_interleave(
+                torch.arange(len(ctx.lengths), device=grad.device), ctx.lengths, output_size=starts[-1]
+            )
+            scales.insert(0, ctx.lengths.to(grad.dtype).reciprocal().index_select(0, bags_of_ids).unsqueeze(1))
+        # A table's features are adjacent (the collection's order is table by table), so are their ids.
+        spans = [(starts[plan.first_feature[k]], starts[plan.first_feature[k + 1]]) for k in range(len(plan.bags))]
+        every_id = pooled_grads.index_select(0, rows_of_ids)
+        for scale in scales:
+            every_id.mul_(scale)
+        table_grads: list[Tensor | None] = []
+        for table, ((first, end), bag) in enumerate(zip(spans, plan.bags)):
+            needed = ctx.needs_input_grad[2 + table]
+            table_grads.append(
+                torch.sparse_coo_tensor(
+                    ctx.ids[first:end].unsqueeze(0), every_id[first:end], bag.weight.shape, is_coalesced=False, check_invariants=False
+                )
+                if needed
+                else None
+            )
+        return (None, None, *table_grads)
+
+
+_feature_bounds_cache: dict[tuple[int, int, torch.device], Tensor] = {}
+_bag_rows_cache: dict[tuple[int, int, torch.device], Tensor] = {}
+
+
+def _feature_bounds(batch_size: int, num_features: int, device: torch.device) -> Tensor:
+    """(F, B + 1): positions of each feature's offsets in the batch's offsets (kept per shape:
+    a batch's shape repeats every step)."""
+    key = (batch_size, num_features, device)
+    if key not in _feature_bounds_cache:
+        grid = torch.arange(num_features).unsqueeze(1) * batch_size + torch.arange(batch_size + 1)
+        _feature_bounds_cache[key] = grid.to(device)
+    return _feature_bounds_cache[key]
+
+
+def _bag_rows(batch_size: int, num_features: int, device: torch.device) -> Tensor:
+    """(F * B,): for bag (f, b), in the lengths' order, its row b * F + f of the pooled output."""
+    key = (batch_size, num_features, device)
+    if key not in _bag_rows_cache:
+        bags = torch.arange(num_features * batch_size)
+        _bag_rows_cache[key] = ((bags % batch_size) * num_features + bags // batch_size).to(device)
+    return _bag_rows_cache[key]

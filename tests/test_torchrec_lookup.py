@@ -1,0 +1,153 @@
+"""TorchRec's EmbeddingBagCollection looked up in one autograd node (`pooled_in_one_node`): what
+the zoo's models run under ``auto``, ``ddp`` and ``sparse_ddp`` gives TorchRec's output and
+gradients, trains what TorchRec's own forward trains, takes the path for the zoo's batches, and
+leaves every collection or batch it does not reproduce to the module.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import cpu_trainer, tiny_synthetic
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.modules.embedding_configs import PoolingType
+
+from lightning_hotcache.embedding import torchrec_lookup
+from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
+from lightning_hotcache.rowwise import use_sparse_gradients
+from models import DLRM, DeepFM
+
+# t_a is read by two features; t_b by one.
+TABLES = [
+    EmbeddingBagConfig(name="t_a", num_embeddings=50, embedding_dim=8, feature_names=["a1", "a2"]),
+    EmbeddingBagConfig(name="t_b", num_embeddings=7, embedding_dim=8, feature_names=["b"]),
+]
+KEYS = ["a1", "a2", "b"]
+BATCH = 6
+
+
+def collection(pooling: PoolingType = PoolingType.SUM, weighted: bool = False, tables=TABLES) -> EmbeddingBagCollection:
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(**{**t.__dict__, "pooling": pooling}) for t in tables], is_weighted=weighted
+    )
+    use_sparse_gradients(ebc)
+    return ebc
+
+
+def batch(seed: int = 0, weighted: bool = False, keys: list[str] = KEYS) -> KeyedJaggedTensor:
+    """0 to 3 ids a bag (empty bags included), many repeated."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (len(keys) * BATCH,), generator=g)
+    lengths[0] = 0
+    rows = {"a1": 50, "a2": 50, "b": 7}
+    values = torch.cat(
+        [torch.randint(0, rows[k], (int(n),), generator=g) for k, n in zip(keys, lengths.view(len(keys), BATCH).sum(1))]
+    )
+    weights = torch.rand(len(values), generator=g) + 0.5 if weighted else None
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights).sync()
+
+
+@pytest.mark.parametrize(
+    ("pooling", "weighted"), [(PoolingType.SUM, False), (PoolingType.SUM, True), (PoolingType.MEAN, False)]
+)
+def test_output_and_gradients_are_torchrecs(pooling: PoolingType, weighted: bool) -> None:
+    ebc = collection(pooling, weighted)
+    reference = copy.deepcopy(ebc)
+    features = batch(weighted=weighted)
+    pooled = pooled_in_one_node(ebc, features)
+    expected = reference(features).values()
+    assert pooled is not None and torch.equal(pooled, expected)
+    upstream = torch.randn_like(expected)
+    pooled.backward(upstream)
+    expected.backward(upstream)
+    got, want = ebc.embedding_bags["t_b"].weight.grad, reference.embedding_bags["t_b"].weight.grad
+    # A table of one feature: TorchRec's sparse gradient, id for id and row for row.
+    assert got.is_sparse and not got.is_coalesced()
+    assert torch.equal(got._indices(), want._indices()) and torch.equal(got._values(), want._values())
+    # A table of two: the same sums (autograd's accumulation of TorchRec's two gradients
+    # interleaves them and adds some duplicates early; here they come feature by feature).
+    got, want = ebc.embedding_bags["t_a"].weight.grad, reference.embedding_bags["t_a"].weight.grad
+    assert got._indices().shape[1] == int(features.length_per_key()[0] + features.length_per_key()[1])
+    torch.testing.assert_close(got.coalesce(), want.coalesce(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_frozen_table_gets_no_gradient() -> None:
+    ebc = collection()
+    ebc.embedding_bags["t_a"].weight.requires_grad_(False)
+    pooled = pooled_in_one_node(ebc, batch())
+    pooled.sum().backward()
+    assert ebc.embedding_bags["t_a"].weight.grad is None and ebc.embedding_bags["t_b"].weight.grad is not None
+
+
+def _keyed_per_feature(ebc: EmbeddingBagCollection) -> EmbeddingBagCollection:
+    class Subclass(EmbeddingBagCollection):
+        pass
+
+    return Subclass(tables=ebc.embedding_bag_configs())
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["keys in another order", "a key more", "dense gradients", "a subclass", "two widths", "mixed pooling", "a shared feature"],
+)
+def test_what_it_does_not_reproduce_is_left_to_the_module(case: str) -> None:
+    ebc, features = collection(), batch()
+    if case == "keys in another order":
+        features = batch(keys=["a2", "a1", "b"])
+    elif case == "a key more":
+        features = batch(keys=[*KEYS, "a1"])
+    elif case == "dense gradients":
+        ebc.embedding_bags["t_b"].sparse = False
+    elif case == "a subclass":
+        ebc = _keyed_per_feature(ebc)
+        use_sparse_gradients(ebc)
+    elif case == "two widths":
+        ebc = collection(tables=[TABLES[0], EmbeddingBagConfig(name="t_b", num_embeddings=7, embedding_dim=4, feature_names=["b"])])
+    elif case == "mixed pooling":
+        ebc = EmbeddingBagCollection(tables=[TABLES[0], EmbeddingBagConfig(**{**TABLES[1].__dict__, "pooling": PoolingType.MEAN})])
+        use_sparse_gradients(ebc)
+    elif case == "a shared feature":  # TorchRec keys its outputs "a1@t_a", "a1@t_b"
+        ebc = collection(tables=[TABLES[0], EmbeddingBagConfig(name="t_b", num_embeddings=7, embedding_dim=8, feature_names=["a1"])])
+    assert pooled_in_one_node(ebc, features) is None
+
+
+def test_a_batch_size_per_feature_is_left_to_the_module() -> None:
+    vbe = KeyedJaggedTensor(
+        keys=KEYS,
+        values=torch.tensor([1, 2, 3, 4, 5]),
+        lengths=torch.tensor([1, 1, 1, 1, 1]),
+        stride_per_key_per_rank=[[2], [2], [1]],
+        inverse_indices=(KEYS, torch.tensor([[0, 1], [0, 1], [0, 0]])),
+    )
+    assert pooled_in_one_node(collection(), vbe) is None
+
+
+@pytest.mark.parametrize("model_class", [DLRM, DeepFM])
+def test_the_zoo_trains_what_torchrecs_forward_trains(model_class: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    # DeepFM: its first-order weights are a collection of their own, looked up the same way.
+    def fit(one_node: bool) -> dict[str, torch.Tensor]:
+        calls = []
+        original = torchrec_lookup.pooled_in_one_node
+
+        def counted(ebc, features):
+            found = original(ebc, features) if one_node else None
+            calls.append(found is not None)
+            return found
+
+        monkeypatch.setattr("models.base.pooled_in_one_node", counted)
+        monkeypatch.setattr("models.first_order.pooled_in_one_node", counted)
+        torch.manual_seed(0)
+        data = tiny_synthetic()
+        model = model_class(tables=data.tables, num_dense_features=data.num_dense_features)
+        cpu_trainer(max_steps=6, limit_val_batches=0).fit(model, data)
+        assert calls and all(calls) == one_node
+        return model.state_dict()
+
+    one_node, per_feature = fit(True), fit(False)
+    # One feature a table: the same sums in the same order, so the same weights, bit for bit.
+    assert one_node.keys() == per_feature.keys()
+    for key in one_node:
+        assert torch.equal(one_node[key], per_feature[key]), key
