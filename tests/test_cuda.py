@@ -1,7 +1,8 @@
 """On a CUDA device: hotcache learns what auto learns there for every zoo model, and its
 checkpoints load on a machine without a GPU; the GPU path (PyTorch's kernel) is the one that
 ran, stays within its budget, makes as many host syncs per step for 26 tables as for 8, stages
-rows through pinned buffers, resumes exactly, and 2 GPUs learn what 1 learns.
+rows through pinned buffers, resumes exactly, and 2 GPUs learn what 1 learns; `auto`'s tables
+looked up in one autograd node give TorchRec's output and gradients there, with no host sync.
 
 On CUDA the strategy stages batches on its prefetch thread by default, so every hotcache
 case here runs with it. Marked ``cuda`` and skipped without a CUDA device: `make gpu-check`
@@ -255,3 +256,32 @@ def test_cpu_lookup_baseline_keeps_the_tables_on_the_host_and_learns_what_auto_l
     assert placement.devices == {"sparse_arch": {"cpu"}, "over_arch": {"cuda"}}
     expected = {key: value.cpu() for key, value in cuda_baselines["dlrm"][0].items()}
     torch.testing.assert_close({key: value.cpu() for key, value in model.state_dict().items()}, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_plain_tables_in_one_node_are_torchrecs_and_wait_for_no_device() -> None:
+    # `auto`'s lookup (the zoo's models under auto/ddp): one autograd node over TorchRec's tables.
+    from torchrec import EmbeddingBagCollection
+
+    from datamodules import SyntheticCTRDataModule
+    from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
+    from lightning_hotcache.rowwise import use_sparse_gradients
+
+    dm = SyntheticCTRDataModule(scale=0.001, num_embeddings_cap=500, batch_size=256, embedding_dim=16)
+    features = dm.source("train").batch(0, 256).sparse_features.to(torch.device("cuda"))
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=dm.tables, device=torch.device("cuda"))
+    use_sparse_gradients(ebc)
+    reference = EmbeddingBagCollection(tables=dm.tables, device=torch.device("cuda"))
+    reference.load_state_dict(ebc.state_dict())
+    use_sparse_gradients(reference)
+    upstream = torch.randn(256, 16 * len(dm.tables), device="cuda")
+    with _CountCudaSyncs() as syncs:
+        pooled = pooled_in_one_node(ebc, features)
+        pooled.backward(upstream)
+    assert syncs.count == 0
+    expected = reference(features).values()
+    expected.backward(upstream)
+    assert torch.equal(pooled, expected)
+    for name, bag in ebc.embedding_bags.items():
+        want = reference.embedding_bags[name].weight.grad
+        assert torch.equal(bag.weight.grad._indices(), want._indices()) and torch.equal(bag.weight.grad._values(), want._values())
