@@ -252,10 +252,16 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     def embed(self, sparse_features: KeyedJaggedTensor) -> Tensor:
         """Pooled embeddings, (B, F, D) in table/feature order."""
         check_not_empty(sparse_features)
-        pooled = pooled_in_one_node(self.sparse_arch.embedding_bag_collection, sparse_features)
+        tables = self.sparse_arch.embedding_bag_collection
+        pooled = pooled_in_one_node(tables, sparse_features)
         if pooled is None:  # a strategy's tables (hotcache, torchrec), or a batch of other keys
-            return self.sparse_arch(sparse_features)
-        return pooled.view(-1, self.num_sparse_features, self.embedding_dim)
+            keyed = tables(sparse_features)
+            names = self.sparse_arch.sparse_feature_names
+            # TorchRec's SparseArch splits the output by feature and concatenates it again in its
+            # own order, a copy and two ops per feature forward and back on the host; the tables'
+            # output is in that order already but where sharding reordered it.
+            pooled = keyed.values() if keyed.keys() == names else torch.cat([keyed[name] for name in names], dim=1)
+        return pooled.reshape(-1, self.num_sparse_features, self.embedding_dim)
 
     @override
     def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:

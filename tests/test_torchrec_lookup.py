@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import cpu_trainer, tiny_synthetic
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_configs import DataType, PoolingType
 
 from lightning_hotcache.embedding import torchrec_lookup
 from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
@@ -91,7 +91,17 @@ def _keyed_per_feature(ebc: EmbeddingBagCollection) -> EmbeddingBagCollection:
 
 @pytest.mark.parametrize(
     "case",
-    ["keys in another order", "a key more", "dense gradients", "a subclass", "two widths", "mixed pooling", "a shared feature"],
+    [
+        "keys in another order",
+        "a key more",
+        "dense gradients",
+        "a subclass",
+        "two widths",
+        "mixed pooling",
+        "a shared feature",
+        "half precision",
+        "max_norm",
+    ],
 )
 def test_what_it_does_not_reproduce_is_left_to_the_module(case: str) -> None:
     ebc, features = collection(), batch()
@@ -111,6 +121,10 @@ def test_what_it_does_not_reproduce_is_left_to_the_module(case: str) -> None:
         use_sparse_gradients(ebc)
     elif case == "a shared feature":  # TorchRec keys its outputs "a1@t_a", "a1@t_b"
         ebc = collection(tables=[TABLES[0], EmbeddingBagConfig(name="t_b", num_embeddings=7, embedding_dim=8, feature_names=["a1"])])
+    elif case == "half precision":
+        ebc = collection(tables=[EmbeddingBagConfig(**{**t.__dict__, "data_type": DataType.FP16}) for t in TABLES])
+    elif case == "max_norm":
+        ebc.embedding_bags["t_a"].max_norm = 1.0
     assert pooled_in_one_node(ebc, features) is None
 
 
@@ -151,3 +165,24 @@ def test_the_zoo_trains_what_torchrecs_forward_trains(model_class: type, monkeyp
     assert one_node.keys() == per_feature.keys()
     for key in one_node:
         assert torch.equal(one_node[key], per_feature[key]), key
+
+
+def test_a_strategys_tables_output_in_another_order_is_picked_out_by_name() -> None:
+    # Sharding may reorder a collection's outputs; in order (hot/cold tables) they pass as they are.
+    from torchrec import KeyedTensor
+
+    data = tiny_synthetic()
+    data.setup("fit")
+    model = DLRM(tables=data.tables, num_dense_features=data.num_dense_features)
+    features = data.source("train").batch(0, 16).sparse_features
+    plain = model.sparse_arch.embedding_bag_collection
+    expected = model.sparse_arch(features)  # TorchRec's SparseArch
+
+    class Reordered(torch.nn.Module):
+        def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+            keyed = plain(features)
+            keys = keyed.keys()[::-1]
+            return KeyedTensor.from_tensor_list(keys, [keyed[key] for key in keys])
+
+    model.sparse_arch.embedding_bag_collection = Reordered()
+    assert torch.equal(model.embed(features), expected)
