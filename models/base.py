@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lightning_hotcache.checkpoint import check_not_sharded
 from lightning_hotcache.collectives import broadcast_from_rank_zero
+from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
 from lightning_hotcache.global_batch import real_samples, share_mean
 from lightning_hotcache.guards import (
     NonFiniteLossAction,
@@ -43,7 +44,6 @@ from lightning_hotcache.guards import (
     check_not_empty,
     finite_loss_or_skip,
 )
-from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
 from lightning_hotcache.host_rows import release_helpers
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
 from lightning_hotcache.sparse_ddp import average_sparse_gradients, keep_out_of_ddp
