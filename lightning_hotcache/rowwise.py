@@ -22,8 +22,9 @@ from typing import Any, Callable, Iterable, Literal
 import torch
 from torch import Tensor
 
+from lightning_hotcache.stacked_tables import stacked_rows
 from lightning_hotcache.host_rows import put_rows
-from lightning_hotcache.sorting import sum_by_index, sum_stacked_rows
+from lightning_hotcache.sorting import sum_by_index, sum_by_stack_row, sum_stacked_rows
 
 RowWiseOptimizerName = Literal["sgd", "rowwise_adagrad", "adam"]
 # ``eps`` when none is given: the default of the optimizer each rule claims to be, so "the same
@@ -170,6 +171,7 @@ class _StateStack:
     (a checkpoint, ``load_state_dict``) is copied in at the next step."""
 
     def __init__(self, tables: list[Tensor], widths: dict[str, int], state: dict[Tensor, dict[str, Tensor]]) -> None:
+        self.tables = tables
         self.first_row = dict(zip(tables, itertools.accumulate((len(t) for t in tables), initial=0)))
         rows, device = sum(len(t) for t in tables), tables[0].device
         self.arrays = {key: torch.zeros(rows, width, dtype=torch.float32, device=device) for key, width in widths.items()}
@@ -233,16 +235,27 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         """One step for tables of one width and device from their sparse gradients (not
         coalesced): the gradient rows summed and the tables' rows stepped by one sort and one
         `update_rows` over the stack, so that the rule's kernels are launched once, not once per
-        table; the rule works row by row, so each row gets what `step_rows` gives it."""
+        table; the rule works row by row, so each row gets what `step_rows` gives it. Where the
+        tables are themselves one stack of rows in the state's order (`stack_tables`), their rows
+        are gathered and written with one op each, not one per table (and no per-table split,
+        which reads the split points on the host)."""
         stack = self._stacks[(tables[0].shape[1], tables[0].device)]
-        keys, summed, rows = sum_stacked_rows(
-            [g._indices()[0] for g in grads], [g._values() for g in grads], [stack.first_row[t] for t in tables], [len(t) for t in tables]
-        )
-        weights = torch.cat([table.index_select(0, r) for table, r in zip(tables, rows)])
+        indices, values = [g._indices()[0] for g in grads], [g._values() for g in grads]
+        first_rows = [stack.first_row[t] for t in tables]
+        weight_stack = stacked_rows(stack.tables)
+        if weight_stack is not None:
+            keys, summed = sum_by_stack_row(indices, values, first_rows)
+            weights = weight_stack.index_select(0, keys)
+        else:
+            keys, summed, rows = sum_stacked_rows(indices, values, first_rows, [len(t) for t in tables])
+            weights = torch.cat([table.index_select(0, r) for table, r in zip(tables, rows)])
         row_state = {key: array.index_select(0, keys) for key, array in stack.arrays.items()}
         self.config.update_rows(weights, row_state, summed.to(weights.dtype))
-        for table, r, stepped in zip(tables, rows, weights.split([len(r) for r in rows])):
-            put_rows(table, r, stepped)
+        if weight_stack is not None:
+            put_rows(weight_stack, keys, weights)
+        else:
+            for table, r, stepped in zip(tables, rows, weights.split([len(r) for r in rows])):
+                put_rows(table, r, stepped)
         for key, value in row_state.items():
             put_rows(stack.arrays[key], keys, value)
 

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from lightning_hotcache.cache.host import CHUNK_BYTES, RowsAt, rows_in
+from lightning_hotcache.stacked_tables import allocate_stacked
 
 
 def is_deferred(collection: EmbeddingBagCollection) -> bool:
@@ -149,7 +150,8 @@ def _block_seed(seed: int, salt: int, block: int) -> int:
 
 def materialize_tables(module: nn.Module, device: torch.device | str = "cpu", seed: int | None = None) -> bool:
     """Allocate and initialize the deferred tables of every EmbeddingBagCollection in ``module``
-    on ``device``, in place. ``seed=None`` draws one from the global RNG. Returns whether any
+    on ``device``, in place (a collection's tables as one stack where they can be:
+    `lightning_hotcache.stacked_tables`). ``seed=None`` draws one from the global RNG. Returns whether any
     table was deferred."""
     found = False
     for collection in module.modules():
@@ -157,7 +159,8 @@ def materialize_tables(module: nn.Module, device: torch.device | str = "cpu", se
             continue
         found = True
         seed = draw_seed() if seed is None else seed
-        collection.to_empty(device=device)
+        if not allocate_stacked(collection, torch.device(device)):
+            collection.to_empty(device=device)
         collection._device = torch.device(device)  # torchrec reads it in reset_parameters and sharding
         weights = {name: bag.weight for name, bag in collection.embedding_bags.items()}
         in_place = {name: w.device.type == "cpu" and w.is_contiguous() for name, w in weights.items()}

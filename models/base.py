@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 from abc import abstractmethod
 from dataclasses import asdict
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -32,7 +32,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from torchrec.datasets.utils import Batch
 from torchrec.models.dlrm import SparseArch
 from torchrec.modules.embedding_configs import PoolingType
-from typing_extensions import override
+from typing_extensions import Self, override
 
 from lightning_hotcache.checkpoint import check_not_sharded
 from lightning_hotcache.collectives import broadcast_from_rank_zero
@@ -47,6 +47,7 @@ from lightning_hotcache.guards import (
 from lightning_hotcache.host_rows import release_helpers
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
 from lightning_hotcache.sparse_ddp import average_sparse_gradients, keep_out_of_ddp
+from lightning_hotcache.stacked_tables import move_stacked_tables, stack_tables
 from lightning_hotcache.table_init import draw_seed, materialize_tables
 from models.first_order import FirstOrderArch
 
@@ -196,6 +197,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             use_sparse_gradients(self.sparse_arch)
         if self.uses_first_order:
             self.first_order_arch = FirstOrderArch(table_configs, num_dense_features, device=table_device)
+        stack_tables(self)  # one tensor of rows per collection: one op a step for all its tables
         self._embedding_optimizer: RowWiseOptimizer | None = None
         # This fit's plain tables and whether DDP left them out, found once at its start (see
         # `on_fit_start`; None outside a fit): the walk over the modules was ~2% of a step's host time.
@@ -292,6 +294,14 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         if not self.uses_embeddings:
             return first_order, first_order_norms
         return logits + first_order, squared_norms + first_order_norms
+
+    @override
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Self:
+        # Moves and casts take each collection's stack of tables whole: `nn.Module._apply` would
+        # move every table apart, into memory of its own.
+        if recurse:
+            move_stacked_tables(self, fn)
+        return super()._apply(fn, recurse)
 
     # ----------------------------------------------------------------- training
     @override

@@ -11,6 +11,7 @@ runs them on the lent GPU machine (``pytest -m cuda``). The cases and the check 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -25,7 +26,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import cpu_trainer
+from conftest import cpu_trainer, tiny_synthetic
 from torchrec import KeyedJaggedTensor
 from test_strategy import OPTIMIZER, assert_hotcache_matches_auto, data, fit, stats_paths  # noqa: F401 (stats_paths: a fixture)
 
@@ -50,7 +51,7 @@ TESTS = Path(__file__).parent
 VALIDATE_ON_CPU = """
 import json, sys
 import torch
-from conftest import cpu_trainer
+from conftest import cpu_trainer, tiny_synthetic
 from test_strategy import data
 from models import create_model
 
@@ -258,19 +259,25 @@ def test_cpu_lookup_baseline_keeps_the_tables_on_the_host_and_learns_what_auto_l
     torch.testing.assert_close({key: value.cpu() for key, value in model.state_dict().items()}, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_plain_tables_in_one_node_are_torchrecs_and_wait_for_no_device() -> None:
-    # `auto`'s lookup (the zoo's models under auto/ddp): one autograd node over TorchRec's tables.
+@pytest.mark.parametrize("stacked", [False, True], ids=["tables apart", "tables stacked"])
+def test_plain_tables_in_one_node_are_torchrecs_and_wait_for_no_device(stacked: bool) -> None:
+    # `auto`'s lookup (the zoo's models under auto/ddp): one autograd node over TorchRec's tables,
+    # one `embedding_bag` for all where they are one stack (the zoo's).
     from torchrec import EmbeddingBagCollection
 
     from datamodules import SyntheticCTRDataModule
     from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
     from lightning_hotcache.rowwise import use_sparse_gradients
+    from lightning_hotcache.stacked_tables import stack_tables, stacked_rows
 
     dm = SyntheticCTRDataModule(scale=0.001, num_embeddings_cap=500, batch_size=256, embedding_dim=16)
     features = dm.source("train").batch(0, 256).sparse_features.to(torch.device("cuda"))
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(tables=dm.tables, device=torch.device("cuda"))
     use_sparse_gradients(ebc)
+    if stacked:
+        stack_tables(ebc)
+    assert (stacked_rows(list(ebc.parameters())) is not None) == stacked
     reference = EmbeddingBagCollection(tables=dm.tables, device=torch.device("cuda"))
     reference.load_state_dict(ebc.state_dict())
     use_sparse_gradients(reference)
@@ -285,3 +292,24 @@ def test_plain_tables_in_one_node_are_torchrecs_and_wait_for_no_device() -> None
     for name, bag in ebc.embedding_bags.items():
         want = reference.embedding_bags[name].weight.grad
         assert torch.equal(bag.weight.grad._indices(), want._indices()) and torch.equal(bag.weight.grad._values(), want._values())
+
+
+def test_a_zoo_model_moved_to_the_gpu_keeps_its_tables_stacked_and_trains_as_on_the_cpu() -> None:
+    # `module.to("cuda")` moves each parameter apart; the zoo's models move each stack whole.
+    from lightning_hotcache.stacked_tables import stacked_rows
+    from models import DLRM
+
+    dm = tiny_synthetic()
+    dm.setup("fit")
+    torch.manual_seed(0)
+    model = DLRM(tables=dm.tables, num_dense_features=dm.num_dense_features)
+    reference = copy.deepcopy(model)
+    model.cuda()
+    weights = list(model.sparse_arch.embedding_bag_collection.parameters())
+    stack = stacked_rows(weights)
+    assert stack is not None and stack.is_cuda
+    batch = dm.source("train").batch(0, 64)
+    got = model(batch.dense_features.cuda(), batch.sparse_features.to(torch.device("cuda")))
+    torch.testing.assert_close(got.cpu(), reference(batch.dense_features, batch.sparse_features), rtol=1e-4, atol=1e-5)
+    model.cpu()
+    assert stacked_rows(weights) is not None and not stacked_rows(weights).is_cuda

@@ -17,6 +17,7 @@ from torchrec.modules.embedding_configs import DataType, PoolingType
 from lightning_hotcache.embedding import torchrec_lookup
 from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
 from lightning_hotcache.rowwise import use_sparse_gradients
+from lightning_hotcache.stacked_tables import stack_tables, stacked_rows
 from models import DLRM, DeepFM
 
 # t_a is read by two features; t_b by one.
@@ -28,13 +29,25 @@ KEYS = ["a1", "a2", "b"]
 BATCH = 6
 
 
-def collection(pooling: PoolingType = PoolingType.SUM, weighted: bool = False, tables=TABLES) -> EmbeddingBagCollection:
+def collection(
+    pooling: PoolingType = PoolingType.SUM, weighted: bool = False, tables=TABLES, stacked: bool = False
+) -> EmbeddingBagCollection:
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(**{**t.__dict__, "pooling": pooling}) for t in tables], is_weighted=weighted
     )
     use_sparse_gradients(ebc)
+    if stacked:
+        stack_tables(ebc)
     return ebc
+
+
+def unstacked(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every table in memory of its own, as TorchRec makes them."""
+    for bag in model.modules():
+        if isinstance(bag, torch.nn.EmbeddingBag):
+            bag.weight.data = bag.weight.data.clone()
+    return model
 
 
 def batch(seed: int = 0, weighted: bool = False, keys: list[str] = KEYS) -> KeyedJaggedTensor:
@@ -50,14 +63,23 @@ def batch(seed: int = 0, weighted: bool = False, keys: list[str] = KEYS) -> Keye
     return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights).sync()
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["tables apart", "tables stacked"])
 @pytest.mark.parametrize(
     ("pooling", "weighted"), [(PoolingType.SUM, False), (PoolingType.SUM, True), (PoolingType.MEAN, False)]
 )
-def test_output_and_gradients_are_torchrecs(pooling: PoolingType, weighted: bool) -> None:
-    ebc = collection(pooling, weighted)
-    reference = copy.deepcopy(ebc)
+def test_output_and_gradients_are_torchrecs(
+    pooling: PoolingType, weighted: bool, stacked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ebc = collection(pooling, weighted, stacked=stacked)
+    reference = unstacked(copy.deepcopy(ebc))
     features = batch(weighted=weighted)
+    lookups = []
+    original = torch.nn.functional.embedding_bag
+    monkeypatch.setattr(torch.nn.functional, "embedding_bag", lambda *a, **k: lookups.append(1) or original(*a, **k))
     pooled = pooled_in_one_node(ebc, features)
+    # Stacked tables: one lookup over the stack for every feature; else one a feature.
+    assert len(lookups) == (1 if stacked else len(KEYS))
+    monkeypatch.undo()
     expected = reference(features).values()
     assert pooled is not None and torch.equal(pooled, expected)
     upstream = torch.randn_like(expected)
@@ -142,7 +164,7 @@ def test_a_batch_size_per_feature_is_left_to_the_module() -> None:
 @pytest.mark.parametrize("model_class", [DLRM, DeepFM])
 def test_the_zoo_trains_what_torchrecs_forward_trains(model_class: type, monkeypatch: pytest.MonkeyPatch) -> None:
     # DeepFM: its first-order weights are a collection of their own, looked up the same way.
-    def fit(one_node: bool) -> dict[str, torch.Tensor]:
+    def fit(one_node: bool, stacked: bool = True) -> dict[str, torch.Tensor]:
         calls = []
         original = torchrec_lookup.pooled_in_one_node
 
@@ -156,15 +178,21 @@ def test_the_zoo_trains_what_torchrecs_forward_trains(model_class: type, monkeyp
         torch.manual_seed(0)
         data = tiny_synthetic()
         model = model_class(tables=data.tables, num_dense_features=data.num_dense_features)
+        if not stacked:
+            unstacked(model)
         cpu_trainer(max_steps=6, limit_val_batches=0).fit(model, data)
         assert calls and all(calls) == one_node
+        assert (stacked_rows(list(model.sparse_arch.embedding_bag_collection.parameters())) is not None) == stacked
         return model.state_dict()
 
-    one_node, per_feature = fit(True), fit(False)
-    # One feature a table: the same sums in the same order, so the same weights, bit for bit.
-    assert one_node.keys() == per_feature.keys()
-    for key in one_node:
-        assert torch.equal(one_node[key], per_feature[key]), key
+    # TorchRec's forward on tables apart (the row-wise step table by table) is the reference;
+    # the one-node lookup over the zoo's stacked tables (the step on the stack) and over tables
+    # apart give the same weights: one feature a table, the same sums in the same order.
+    reference = fit(False, stacked=False)
+    for one_node in (fit(True), fit(True, stacked=False)):
+        assert one_node.keys() == reference.keys()
+        for key in one_node:
+            assert torch.equal(one_node[key], reference[key]), key
 
 
 def test_a_strategys_tables_output_in_another_order_is_picked_out_by_name() -> None:

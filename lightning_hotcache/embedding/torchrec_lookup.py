@@ -31,6 +31,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
+from lightning_hotcache.stacked_tables import stacked_rows
+
 
 @dataclass(frozen=True)
 class _Plan:
@@ -40,6 +42,7 @@ class _Plan:
     bags: list[nn.EmbeddingBag]  # one per table
     table_of_feature: list[int]
     first_feature: list[int]  # per table, its first feature's position; one more: the end
+    first_row: list[int]  # per table, its first row in a stack of the tables (see stacked_tables)
     mode: str
 
 
@@ -74,7 +77,8 @@ def _plan(ebc: EmbeddingBagCollection) -> _Plan | None:
         return None
     tables = [k for k, config in enumerate(configs) for _ in config.feature_names]
     firsts = list(itertools.accumulate((len(config.feature_names) for config in configs), initial=0))
-    return _Plan(names, bags, tables, firsts, modes.pop())
+    first_rows = list(itertools.accumulate((config.num_embeddings for config in configs), initial=0))
+    return _Plan(names, bags, tables, firsts, first_rows, modes.pop())
 
 
 def pooled_in_one_node(ebc: nn.Module, features: KeyedJaggedTensor) -> Tensor | None:
@@ -106,10 +110,30 @@ class _PooledLookup(torch.autograd.Function):
         batch_size, num_features = features.stride(), len(plan.feature_names)
         ids, lengths, per_id = features.values(), features.lengths(), features.weights_or_none()
         starts = features.offset_per_key()  # on the host: the datamodules compute it with the batch
+        ctx.plan, ctx.starts, ctx.batch_size = plan, starts, batch_size
+        ctx.ids, ctx.lengths, ctx.per_id = ids, lengths, per_id
+        stack = stacked_rows(weights)
+        if stack is not None:
+            # Every bag of every feature in one `embedding_bag` over the stack, each id moved to
+            # its table's rows there; the bags come feature by feature, (F * B, D).
+            base_of_ids = torch.repeat_interleave(
+                _bag_first_rows(tuple(plan.first_row[t] for t in plan.table_of_feature), batch_size, ids.device),
+                lengths,
+                output_size=starts[-1],
+            )
+            pooled = torch.nn.functional.embedding_bag(
+                ids.long() + base_of_ids,
+                stack,
+                features.offsets().long(),
+                mode=plan.mode,
+                per_sample_weights=per_id,
+                include_last_offset=True,
+            )
+            return pooled.view(num_features, batch_size, -1).transpose(0, 1).reshape(batch_size, -1)
         # Every feature's offsets rebased to its own first id, (F, B + 1), in two ops, not F.
         bounds = features.offsets()[_feature_bounds(batch_size, num_features, ids.device)]
         local_offsets = bounds - bounds[:, :1]
-        pooled = [
+        pooled_per_feature = [
             torch.nn.functional.embedding_bag(
                 ids[starts[f] : starts[f + 1]],
                 weights[plan.table_of_feature[f]],
@@ -120,9 +144,7 @@ class _PooledLookup(torch.autograd.Function):
             )
             for f in range(num_features)
         ]
-        ctx.plan, ctx.starts, ctx.batch_size = plan, starts, batch_size
-        ctx.ids, ctx.lengths, ctx.per_id = ids, lengths, per_id
-        return torch.cat(pooled, dim=1)
+        return torch.cat(pooled_per_feature, dim=1)
 
     @staticmethod
     @once_differentiable
@@ -165,6 +187,12 @@ def _feature_bounds(batch_size: int, num_features: int, device: torch.device) ->
     """(F, B + 1): positions of each feature's offsets in the batch's offsets."""
     grid = torch.arange(num_features).unsqueeze(1) * batch_size + torch.arange(batch_size + 1)
     return grid.to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _bag_first_rows(first_row_of_feature: tuple[int, ...], batch_size: int, device: torch.device) -> Tensor:
+    """(F * B,): for bag (f, b), in the lengths' order, the first row of its feature's table in the stack."""
+    return torch.tensor(first_row_of_feature).repeat_interleave(batch_size).to(device)
 
 
 @functools.lru_cache(maxsize=16)
