@@ -8,7 +8,9 @@ budgets with two baselines:
 * ``plain``: torchrec's EmbeddingBagCollection with sparse gradients and our
   RowWiseOptimizer, the module called;
 * ``plain-one-node``: the same tables looked up as the zoo's models do under ``auto``/``ddp``
-  (`pooled_in_one_node`: one autograd node for the collection).
+  (`pooled_in_one_node`: one autograd node for the collection);
+* ``plain-stacked``: a copy of them laid out as the zoo's models lay them out (one stack of
+  rows, `lightning_hotcache.stacked_tables`), looked up the same way.
 
 Data: SyntheticCTRDataModule (26 Criteo-shaped Zipf features). Stats for the planner come
 from batches *before* the timed ones. Prints a table and JSON; writes
@@ -20,6 +22,7 @@ benchmarks/results/cache_micro.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from pathlib import Path
@@ -37,6 +40,7 @@ from lightning_hotcache import HotColdEmbeddingBagCollection, HotColdPlanner, Ro
 from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
 from lightning_hotcache.profiling import profile_batches
 from lightning_hotcache.rowwise import use_sparse_gradients
+from lightning_hotcache.stacked_tables import stack_tables
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -106,6 +110,18 @@ def main() -> None:
         plain_opt.step()
 
     steps["plain-one-node"] = one_node_step
+    # The zoo's tables as they are: one stack of rows (`stack_tables`), so one `embedding_bag`
+    # for every feature and one gather and write of the rows. Its own copy of the tables (two
+    # layouts cannot share memory), so where their pages landed counts too (see above).
+    stacked = copy.deepcopy(plain)
+    stack_tables(stacked)
+    stacked_opt = RowWiseOptimizer(list(stacked.parameters()), config)
+
+    def stacked_step(i: int) -> None:
+        pooled_in_one_node(stacked, timed[i]).backward(grads[i])
+        stacked_opt.step()
+
+    steps["plain-stacked"] = stacked_step
 
     # Memory each hotcache module added when built (its device tier and host store; this
     # CPU's "device" is host memory too, so RSS counts both).

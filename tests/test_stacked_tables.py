@@ -177,3 +177,16 @@ def test_a_tables_sparse_gradient_is_the_lookups_own_memory() -> None:
         patch.setattr(torch, "sparse_coo_tensor", sparse_coo_tensor)
         pooled_in_one_node(ebc, _batch(3)).sum().backward()
     assert [bag.weight.grad._values().data_ptr() for bag in ebc.embedding_bags.values()] == built
+
+
+def test_tables_turned_back_into_torchrecs_are_one_stack() -> None:
+    # `to_torchrec` after a hotcache fit: the zoo's model then runs `auto`'s stacked path.
+    from test_step_ops import _module
+
+    from lightning_hotcache.embedding import to_torchrec
+
+    hot_cold = _module(3)
+    plain = to_torchrec(hot_cold)
+    assert stacked_rows(list(plain.parameters())) is not None
+    for name, value in hot_cold.state_dict().items():
+        assert torch.equal(plain.state_dict()[name], value), name

@@ -52,15 +52,19 @@ from lightning_hotcache.embedding.staging import Staging
 from lightning_hotcache.embedding.update import FusedUpdate, OwnersUpdate, SummingUpdate
 from lightning_hotcache.planner import HotColdPlan
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
+from lightning_hotcache.stacked_tables import allocate_stacked
 from lightning_hotcache.table_init import draw_seed, initial_rows_of, is_deferred
 
 
 def plain_collection(
     tables: list[EmbeddingBagConfig], is_weighted: bool, state: dict[str, Tensor], device: torch.device | str = "cpu"
 ) -> EmbeddingBagCollection:
-    """A TorchRec EmbeddingBagCollection of ``tables`` on ``device``, holding ``state``."""
+    """A TorchRec EmbeddingBagCollection of ``tables`` on ``device``, holding ``state`` (its
+    tables one stack of rows where they can be: `lightning_hotcache.stacked_tables`)."""
     ebc = EmbeddingBagCollection(tables=tables, is_weighted=is_weighted, device=torch.device("meta"))
-    ebc = ebc.to_empty(device=device)  # no throwaway initialization of tables about to be overwritten
+    # No throwaway initialization of tables about to be overwritten.
+    if not allocate_stacked(ebc, torch.device(device)):
+        ebc = ebc.to_empty(device=device)
     ebc.load_state_dict(state)
     return ebc
 
