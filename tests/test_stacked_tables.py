@@ -204,3 +204,21 @@ def test_a_zoo_model_with_stacked_tables_exports() -> None:
     exported = torch.export.export(model, (batch.dense_features, batch.sparse_features), strict=False)
     expected = model(batch.dense_features, batch.sparse_features)
     torch.testing.assert_close(exported.module()(batch.dense_features, batch.sparse_features), expected)
+
+
+def test_the_row_step_on_the_stack_reads_the_device_once() -> None:
+    # Its distinct rows' count (a sort's output size); tables apart also read where each
+    # table's rows end among them, to split them (counted on the CPU as CUDA would wait).
+    from test_step_ops import _CountSyncPoints
+
+    reads = {}
+    for stacked in (True, False):
+        ebc = _collection(4, stacked)
+        optimizer = RowWiseOptimizer(ebc.parameters(), RowWiseOptimizerConfig("rowwise_adagrad"))
+        pooled_in_one_node(ebc, _batch(4)).sum().backward()
+        with _CountSyncPoints() as counter:
+            optimizer.step()
+        # `put_rows` writes host tables through numpy views: on the CPU only (CUDA's is index_copy_).
+        reads[stacked] = {name: count for name, count in counter.calls.items() if name != "numpy"}
+    assert reads[True] == {"aten._unique2.default": 1}
+    assert reads[False] == {"aten._unique2.default": 1, "tolist": 1}
