@@ -22,9 +22,9 @@ from typing import Any, Callable, Iterable, Literal
 import torch
 from torch import Tensor
 
-from lightning_hotcache.stacked_tables import stacked_rows
 from lightning_hotcache.host_rows import put_rows
 from lightning_hotcache.sorting import sum_by_index, sum_by_stack_row, sum_stacked_rows
+from lightning_hotcache.stacked_tables import stacked_rows
 
 RowWiseOptimizerName = Literal["sgd", "rowwise_adagrad", "adam"]
 # ``eps`` when none is given: the default of the optimizer each rule claims to be, so "the same

@@ -37,10 +37,10 @@ def stacked_rows(weights: Sequence[Tensor]) -> Tensor | None:
     if first.is_meta or first.dim() != 2 or not first.is_contiguous():
         return None
     try:
-        address, rows = first.data_ptr(), 0
+        address = first.data_ptr()
     except RuntimeError:  # a traced tensor (torch.export's fakes) has no memory: the tables trace apart
         return None
-    dim, item = first.shape[1], first.element_size()
+    dim, item, rows = first.shape[1], first.element_size(), 0
     for weight in weights:
         if (
             weight.data_ptr() != address
