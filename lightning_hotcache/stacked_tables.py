@@ -33,8 +33,8 @@ def stacked_rows(weights: Sequence[Tensor]) -> Tensor | None:
 
     Checked at every call from the weights' addresses (45 us for 26 tables on a 2-core Xeon; the
     per-table lookups, gathers and writes it saves took ~3 ms of host time a step in an H200
-    profile): a user may swap a table's
-    data between steps, and a stale stack would write rows to memory no table uses."""
+    profile): a user may swap a table's data between steps, and a stale stack would write rows
+    to memory no table uses."""
     first = weights[0]
     if first.is_meta or first.dim() != 2 or not first.is_contiguous():
         return None
