@@ -19,7 +19,6 @@ keeps them so across ``module.to(device)``, which otherwise moves each parameter
 
 from __future__ import annotations
 
-import itertools
 from typing import Callable, Sequence
 
 import torch
@@ -80,9 +79,8 @@ def _stackable(collection: nn.Module) -> list[nn.Parameter] | None:
 def _point_into(weights: Sequence[nn.Parameter], stack: Tensor) -> None:
     """Make each weight's data its rows of ``stack`` (the Parameter objects stay: optimizers and
     their state keep them)."""
-    bounds = itertools.accumulate((len(w) for w in weights), initial=0)
-    for weight, (start, end) in zip(weights, itertools.pairwise(bounds)):
-        weight.data = stack[start:end]
+    for weight, rows in zip(weights, stack.split([len(w) for w in weights])):
+        weight.data = rows
 
 
 @torch.no_grad()
@@ -108,10 +106,9 @@ def allocate_stacked(collection: EmbeddingBagCollection, device: torch.device) -
     if len(weights) < 2 or others_declared or len({(w.shape[1], w.dtype) for w in weights}) != 1:
         return False
     stack = torch.empty(sum(len(w) for w in weights), weights[0].shape[1], dtype=weights[0].dtype, device=device)
-    bounds = itertools.accumulate((len(w) for w in weights), initial=0)
-    for bag, weight, (start, end) in zip(collection.embedding_bags.values(), weights, itertools.pairwise(bounds)):
+    for bag, weight, rows in zip(collection.embedding_bags.values(), weights, stack.split([len(w) for w in weights])):
         # New parameters, as `nn.Module.to_empty` makes: a meta tensor's data cannot be set to memory.
-        bag.weight = nn.Parameter(stack[start:end], requires_grad=weight.requires_grad)
+        bag.weight = nn.Parameter(rows, requires_grad=weight.requires_grad)
     return True
 
 
@@ -128,5 +125,5 @@ def move_stacked_tables(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> No
                 continue
             moved = fn(stack)
             # To the meta device a parameter's data cannot be set: `_apply` makes new ones.
-            if not moved.is_meta and (moved.data_ptr() != stack.data_ptr() or moved.dtype != stack.dtype):
+            if moved is not stack and not moved.is_meta:
                 _point_into(weights, moved)

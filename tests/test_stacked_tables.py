@@ -60,7 +60,8 @@ def test_stacking_changes_no_value_name_or_parameter() -> None:
         assert torch.equal(value, before[name]), name
     # A state dict loaded in is copied into the stack, which stays.
     apart.load_state_dict({name: torch.zeros_like(value) for name, value in before.items()})
-    assert stacked_rows(parameters) is stack or torch.equal(stacked_rows(parameters), torch.zeros_like(stack))
+    loaded = stacked_rows(parameters)
+    assert loaded is not None and torch.equal(loaded, torch.zeros_like(stack))
 
 
 def test_the_zoos_tables_are_stacked_eager_and_deferred() -> None:

@@ -6,8 +6,9 @@ batch into one jagged tensor per feature (a cumulative sum and splits each), loo
 up as a module call that records an autograd node, and the backward runs one sparse
 `embedding_bag` backward per feature. `pooled_in_one_node` gives the same output from the same
 tables (``ebc(features).values()``, bit for bit) with one autograd node: the forward is one
-`embedding_bag` per feature on slices of the batch (the features' offsets rebased in two ops),
-the backward one gather of the pooled gradient's rows for every id of every feature, each
+`embedding_bag` for every feature where the tables are one stack of rows (the zoo's:
+`lightning_hotcache.stacked_tables`), else one per feature on slices of the batch (the
+features' offsets rebased in two ops); the backward one gather of the pooled gradient's rows for every id of every feature, each
 table's sparse gradient a view of it. The gradient rows are TorchRec's, bit for bit; a table
 read by several features lists them feature by feature, where autograd's accumulation of
 TorchRec's per-feature gradients interleaves them, so the row-wise optimizer sums such a
@@ -42,7 +43,7 @@ class _Plan:
     bags: list[nn.EmbeddingBag]  # one per table
     table_of_feature: list[int]
     first_feature: list[int]  # per table, its first feature's position; one more: the end
-    first_row: list[int]  # per table, its first row in a stack of the tables (see stacked_tables)
+    first_row_of_feature: tuple[int, ...]  # its table's first row in a stack of the tables (see stacked_tables)
     mode: str
 
 
@@ -78,7 +79,7 @@ def _plan(ebc: EmbeddingBagCollection) -> _Plan | None:
     tables = [k for k, config in enumerate(configs) for _ in config.feature_names]
     firsts = list(itertools.accumulate((len(config.feature_names) for config in configs), initial=0))
     first_rows = list(itertools.accumulate((config.num_embeddings for config in configs), initial=0))
-    return _Plan(names, bags, tables, firsts, first_rows, modes.pop())
+    return _Plan(names, bags, tables, firsts, tuple(first_rows[t] for t in tables), modes.pop())
 
 
 def pooled_in_one_node(ebc: nn.Module, features: KeyedJaggedTensor) -> Tensor | None:
@@ -117,7 +118,7 @@ class _PooledLookup(torch.autograd.Function):
             # Every bag of every feature in one `embedding_bag` over the stack, each id moved to
             # its table's rows there; the bags come feature by feature, (F * B, D).
             base_of_ids = torch.repeat_interleave(
-                _bag_first_rows(tuple(plan.first_row[t] for t in plan.table_of_feature), batch_size, ids.device),
+                _bag_first_rows(plan.first_row_of_feature, batch_size, ids.device),
                 lengths,
                 output_size=starts[-1],
             )
