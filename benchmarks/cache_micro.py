@@ -10,7 +10,8 @@ budgets with two baselines:
 * ``plain-one-node``: the same tables looked up as the zoo's models do under ``auto``/``ddp``
   (`pooled_in_one_node`: one autograd node for the collection);
 * ``plain-stacked``: a copy of them laid out as the zoo's models lay them out (one stack of
-  rows, `lightning_hotcache.stacked_tables`), looked up the same way.
+  rows, `lightning_hotcache.stacked_tables`), looked up the same way, the gradient rows handed
+  to the optimizer as one piece as a fit's zoo model hands them (no ``.grad`` per table).
 
 Data: SyntheticCTRDataModule (26 Criteo-shaped Zipf features). Stats for the planner come
 from batches *before* the timed ones. Prints a table and JSON; writes
@@ -118,7 +119,7 @@ def main() -> None:
     stacked_opt = RowWiseOptimizer(list(stacked.parameters()), config)
 
     def stacked_step(i: int) -> None:
-        pooled_in_one_node(stacked, timed[i]).backward(grads[i])
+        pooled_in_one_node(stacked, timed[i], stacked_opt.add_row_gradients).backward(grads[i])
         stacked_opt.step()
 
     steps["plain-stacked"] = stacked_step

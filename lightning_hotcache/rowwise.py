@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 import torch
 from torch import Tensor
+from typing_extensions import override
 
+from lightning_hotcache._compat import add_to_each
 from lightning_hotcache.host_rows import put_rows
-from lightning_hotcache.sorting import sum_by_index, sum_by_stack_row, sum_stacked_rows
+from lightning_hotcache.sorting import sum_by_index
 from lightning_hotcache.stacked_tables import stacked_rows
 
 RowWiseOptimizerName = Literal["sgd", "rowwise_adagrad", "adam"]
@@ -176,7 +178,25 @@ class _StateStack:
         rows, device = sum(len(t) for t in tables), tables[0].device
         self.arrays = {key: torch.zeros(rows, width, dtype=torch.float32, device=device) for key, width in widths.items()}
         self._views = {table: self._rows_of(table) for table in tables}
+        self._bounds = torch.tensor([*self.first_row.values(), rows], device=device)  # each table's first row; the end
         self.adopt(state)
+
+    def rows_of_tables(self, tables: Sequence[Tensor], rows: Tensor) -> Tensor:
+        """Rows ``rows`` of ``tables`` laid end to end (`RowWiseOptimizer.add_row_gradients`) as
+        rows of this stack."""
+        first = self.first_row[tables[0]]
+        if all(self.first_row[b] == self.first_row[a] + a.shape[0] for a, b in itertools.pairwise(tables)):
+            return rows + first if first else rows  # the zoo's: a collection's tables in its order
+        starts = list(itertools.accumulate((t.shape[0] for t in tables), initial=0))
+        ends = torch.tensor(starts[1:], device=rows.device)
+        shifts = torch.tensor([self.first_row[t] - start for t, start in zip(tables, starts)], device=rows.device)
+        return rows + shifts[torch.searchsorted(ends, rows, right=True)]
+
+    def split_by_table(self, rows: Tensor) -> list[Tensor]:
+        """Distinct ascending rows of this stack as each table's own rows, table by table
+        (reads the split points on the host)."""
+        bounds = torch.searchsorted(rows, self._bounds).tolist()
+        return add_to_each([rows[a:b] for a, b in itertools.pairwise(bounds)], [-first for first in self.first_row.values()])
 
     def _rows_of(self, table: Tensor) -> dict[str, Tensor]:
         first = self.first_row[table]
@@ -202,16 +222,39 @@ class _StateStack:
 class RowWiseOptimizer(torch.optim.Optimizer):
     """``torch.optim.Optimizer`` applying a `RowWiseOptimizerConfig` to embedding weights.
 
-    Needs sparse gradients (``nn.EmbeddingBag(sparse=True)``; see `use_sparse_gradients`):
-    a dense gradient cannot tell a row that was looked up with zero gradient from one that
-    was not looked up, and the two differ for Adam. Zeroes (drops) the gradients it used, so
-    a dense optimizer that sees the same parameters afterwards skips them.
+    Steps the tables' sparse gradients (``nn.EmbeddingBag(sparse=True)``; see
+    `use_sparse_gradients`): a dense gradient cannot tell a row that was looked up with zero
+    gradient from one that was not looked up, and the two differ for Adam. Zeroes (drops) the
+    gradients it used, so a dense optimizer that sees the same parameters afterwards skips
+    them. A lookup that has every table's gradient rows in one tensor may hand them over as
+    one piece instead (`add_row_gradients`), the tables then getting no ``.grad``.
     """
 
     def __init__(self, params: Iterable[Tensor], config: RowWiseOptimizerConfig | None = None) -> None:
         self.config = config or RowWiseOptimizerConfig()
         super().__init__(params, defaults={})
         self._stacks: dict[tuple[int, torch.device], _StateStack] = {}  # by width and device
+        self._handed_over: list[tuple[tuple[Tensor, ...], Tensor, Tensor]] = []  # see add_row_gradients
+
+    def add_row_gradients(self, tables: Sequence[Tensor], rows: Tensor, grads: Tensor) -> None:
+        """Take the sparse gradient of ``tables`` (of one width and device, all this optimizer's)
+        as one piece, stepped by the next `step` with any ``.grad``: gradient row ``grads[k]``
+        belongs to row ``rows[k]`` of the tables laid end to end (table ``j``'s row ``i`` is
+        row ``len(tables[0]) + ... + len(tables[j - 1]) + i``), duplicates not summed, as in an
+        uncoalesced sparse gradient.
+
+        Why: a collection's lookup (`lightning_hotcache.embedding.torchrec_lookup`) finds all
+        its tables' gradient rows in one gather; as ``.grad`` they become one sparse tensor and
+        one autograd accumulation per table, then one piece each for this step to take apart
+        and concatenate again: ~45 us of host time per table in an H200 profile, ~1.2 ms of a
+        26-table step that the host bounds. TorchRec's fused modules skip ``.grad`` the same way.
+        """
+        self._handed_over.append((tuple(tables), rows, grads))
+
+    @override
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._handed_over = []  # gradients too, only not in ``.grad``
+        super().zero_grad(set_to_none)
 
     def _state_stacks(self, params: Iterable[Tensor]) -> None:
         """Make the stacks holding the row state of ``params``'s widths and devices (on first
@@ -223,6 +266,11 @@ class RowWiseOptimizer(torch.optim.Optimizer):
             found = self._stacks.get(key)
             if found is None or param not in found.first_row:
                 tables = [p for group in self.param_groups for p in group["params"] if (p.shape[1], p.device) == key]
+                if not any(table is param for table in tables):
+                    raise ValueError(
+                        f"A gradient was handed to RowWiseOptimizer for a {tuple(param.shape)} table that is not one of "
+                        "its parameters: build the optimizer over every table the lookup steps."
+                    )
                 found = _StateStack(tables, self.config.state_widths(param.shape[1]), self.state)
                 # A stack these tables left (moved to another device) holds nothing of theirs now.
                 self._stacks = {k: old for k, old in self._stacks.items() if not old.first_row.keys() & found.first_row.keys()}
@@ -231,33 +279,30 @@ class RowWiseOptimizer(torch.optim.Optimizer):
                 found.adopt(self.state)
             adopted.add(key)
 
-    def _step_width(self, tables: list[Tensor], grads: list[Tensor]) -> None:
-        """One step for tables of one width and device from their sparse gradients (not
-        coalesced): the gradient rows summed and the tables' rows stepped by one sort and one
-        `update_rows` over the stack, so that the rule's kernels are launched once, not once per
-        table; the rule works row by row, so each row gets what `step_rows` gives it. Where the
-        tables are themselves one stack of rows in the state's order (`stack_tables`), their rows
-        are gathered and written with one op each, not one per table (and no per-table split,
+    def _step_width(self, stack: _StateStack, keys: list[Tensor], grads: list[Tensor]) -> None:
+        """One step for the tables of ``stack`` from gradient rows ``grads`` at the stack's rows
+        ``keys`` (not summed): the rows summed and stepped by one sort and one `update_rows`
+        over the stack, so that the rule's kernels are launched once, not once per table; the
+        rule works row by row, so each row gets what `step_rows` gives it. Where the tables are
+        themselves one stack of rows in the state's order (`stack_tables`), their rows are
+        gathered and written with one op each, not one per table (and no per-table split,
         which reads the split points on the host)."""
-        stack = self._stacks[(tables[0].shape[1], tables[0].device)]
-        indices, values = [g._indices()[0] for g in grads], [g._values() for g in grads]
-        first_rows = [stack.first_row[t] for t in tables]
+        rows, summed = sum_by_index(torch.cat(keys) if len(keys) > 1 else keys[0], torch.cat(grads) if len(grads) > 1 else grads[0])
         weight_stack = stacked_rows(stack.tables)
         if weight_stack is not None:
-            keys, summed = sum_by_stack_row(indices, values, first_rows)
-            weights = weight_stack.index_select(0, keys)
+            weights = weight_stack.index_select(0, rows)
         else:
-            keys, summed, rows = sum_stacked_rows(indices, values, first_rows, [len(t) for t in tables])
-            weights = torch.cat([table.index_select(0, r) for table, r in zip(tables, rows)])
-        row_state = {key: array.index_select(0, keys) for key, array in stack.arrays.items()}
+            own_rows = stack.split_by_table(rows)
+            weights = torch.cat([table.index_select(0, r) for table, r in zip(stack.tables, own_rows)])
+        row_state = {key: array.index_select(0, rows) for key, array in stack.arrays.items()}
         self.config.update_rows(weights, row_state, summed.to(weights.dtype))
         if weight_stack is not None:
-            put_rows(weight_stack, keys, weights)
+            put_rows(weight_stack, rows, weights)
         else:
-            for table, r, stepped in zip(tables, rows, weights.split([len(r) for r in rows])):
+            for table, r, stepped in zip(stack.tables, own_rows, weights.split([len(r) for r in own_rows])):
                 put_rows(table, r, stepped)
         for key, value in row_state.items():
-            put_rows(stack.arrays[key], keys, value)
+            put_rows(stack.arrays[key], rows, value)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -277,21 +322,32 @@ class RowWiseOptimizer(torch.optim.Optimizer):
                     )
                 taken.append((param, param.grad))
                 param.grad = None
-        self._state_stacks(param for param, _ in taken)
-        # A coalesced gradient (sparse_ddp's) is summed already. SGD is summed here too: adding
-        # every value's row straight into a large table at random rows made the zoo's embedding
-        # step 1.16-1.25x as long (benchmarks/cache_micro.py's `plain`, dim 16 and 64), as it
-        # made hotcache's (`step_read_rows`).
-        summed_here = [not g.is_coalesced() for _, g in taken]
-        by_width: dict[tuple[int, torch.device], list[tuple[Tensor, Tensor]]] = {}
-        for (param, grad), here in zip(taken, summed_here):
-            if here:
-                by_width.setdefault((param.shape[1], param.device), []).append((param, grad))
-            else:
+        handed_over, self._handed_over = self._handed_over, []
+        self._state_stacks(itertools.chain((param for param, _ in taken), (t for tables, _, _ in handed_over for t in tables)))
+        # Each width's gradient rows, keyed by their row in its state stack. A coalesced gradient
+        # (sparse_ddp's) is summed already. SGD is summed here too: adding every value's row
+        # straight into a large table at random rows made the zoo's embedding step 1.16-1.25x as
+        # long (benchmarks/cache_micro.py's `plain`, dim 16 and 64), as it made hotcache's
+        # (`step_read_rows`).
+        by_width: dict[tuple[int, torch.device], tuple[list[Tensor], list[Tensor], list[int]]] = {}
+        for param, grad in taken:
+            if grad.is_coalesced():
                 apply_sparse_update(self.config, param, self.state[param], grad)
-        for pairs in by_width.values():
-            # In the param groups' order, which is the stack's: its keys come out grouped by table.
-            self._step_width([param for param, _ in pairs], [grad for _, grad in pairs])
+                continue
+            indices, values, first_rows = by_width.setdefault((param.shape[1], param.device), ([], [], []))
+            indices.append(grad._indices()[0])
+            values.append(grad._values())
+            first_rows.append(self._stacks[(param.shape[1], param.device)].first_row[param])
+        pieces: dict[tuple[int, torch.device], tuple[list[Tensor], list[Tensor]]] = {}
+        for key, (indices, values, first_rows) in by_width.items():
+            pieces[key] = (add_to_each(indices, first_rows), values)  # one op, not one per table
+        for tables, rows, grads in handed_over:
+            key = (tables[0].shape[1], tables[0].device)
+            keys, values = pieces.setdefault(key, ([], []))
+            keys.append(self._stacks[key].rows_of_tables(tables, rows))
+            values.append(grads)
+        for key, (keys, values) in pieces.items():
+            self._step_width(self._stacks[key], keys, values)
         return loss
 
 

@@ -88,22 +88,14 @@ def sum_by_index(indices: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
     return distinct, summed.index_add_(0, inverse.to(rows.device), rows.to(torch.float32))
 
 
-def sum_by_stack_row(indices: Sequence[Tensor], rows: Sequence[Tensor], first_rows: Sequence[int]) -> tuple[Tensor, Tensor]:
-    """Tables of one width laid end to end, table ``k``'s row ``i`` being row ``first_rows[k] + i``
-    of the stack: the distinct stack rows ``indices`` read, ascending, and the sum of ``rows`` at
-    each, from one sort for all the tables."""
-    # Offsets added in one op, not one per table (26 kernels on CUDA).
-    keys = torch.cat(add_to_each(list(indices), list(first_rows)))
-    return sum_by_index(keys, torch.cat(list(rows)))
-
-
 def sum_stacked_rows(indices: Sequence[Tensor], rows: Sequence[Tensor], first_rows: Sequence[int], sizes: Sequence[int]) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Tables of one width laid end to end, table ``k``'s row ``i`` being row ``first_rows[k] + i``
     of the stack (``first_rows`` ascending): the distinct stack rows ``indices`` read (each
     ``indices[k]`` below ``sizes[k]``), ascending; the sum of ``rows`` at each; and per table its
     distinct own rows, in that order. One sort for all the tables, not one per table (26
     tables' coalescing was a tenth of a step across ranks)."""
-    distinct, summed = sum_by_stack_row(indices, rows, first_rows)
+    # Offsets added in one op, not one per table (26 kernels on CUDA).
+    distinct, summed = sum_by_index(torch.cat(add_to_each(list(indices), list(first_rows))), torch.cat(list(rows)))
     bounds = [*first_rows, first_rows[-1] + sizes[-1]]
     per_table = torch.searchsorted(distinct, torch.tensor(bounds, device=distinct.device)).tolist()
     own_rows = add_to_each([distinct[a:b] for a, b in itertools.pairwise(per_table)], [-first for first in first_rows])

@@ -36,7 +36,7 @@ from typing_extensions import Self, override
 
 from lightning_hotcache.checkpoint import check_not_sharded
 from lightning_hotcache.collectives import broadcast_from_rank_zero
-from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
+from lightning_hotcache.embedding.torchrec_lookup import GradientRowsSink, pooled_in_one_node
 from lightning_hotcache.global_batch import real_samples, share_mean
 from lightning_hotcache.guards import (
     NonFiniteLossAction,
@@ -255,7 +255,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         """Pooled embeddings, (B, F, D) in table/feature order."""
         check_not_empty(sparse_features)
         tables = self.sparse_arch.embedding_bag_collection
-        pooled = pooled_in_one_node(tables, sparse_features)
+        pooled = pooled_in_one_node(tables, sparse_features, self._gradient_rows_to())
         if pooled is None:  # a strategy's tables (hotcache, torchrec), or a batch of other keys
             keyed = tables(sparse_features)
             names = self.sparse_arch.sparse_feature_names
@@ -264,6 +264,16 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             # output is in that order already but where sharding reordered it.
             pooled = keyed.values() if keyed.keys() == names else torch.cat([keyed[name] for name in names], dim=1)
         return pooled.reshape(-1, self.num_sparse_features, self.embedding_dim)
+
+    def _gradient_rows_to(self) -> GradientRowsSink | None:
+        """Where a lookup hands its tables' gradient rows over as one piece: the row-wise
+        optimizer, in a fit that steps the tables in this process alone (see
+        `RowWiseOptimizer.add_row_gradients`: no ``.grad`` per table, ~45 us of host time each a
+        step on a GPU's host). Under DDP (`sparse_ddp`), and outside a fit, each table's sparse
+        gradient goes to its ``.grad``, as TorchRec's forward gives it."""
+        if self._fit_tables and not self._fit_tables_outside_ddp and torch.is_grad_enabled():
+            return self.embedding_optimizer.add_row_gradients
+        return None
 
     @override
     def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
@@ -288,7 +298,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             squared_norms = pooled.square().sum(dim=(1, 2))
             if not self.uses_first_order:
                 return logits, squared_norms
-        weights = self.first_order_arch.lookup(sparse_features)
+        weights = self.first_order_arch.lookup(sparse_features, self._gradient_rows_to())
         first_order = self.first_order_arch.logits(dense_features, weights)
         first_order_norms = self.first_order_arch.squared_norms(weights)
         if not self.uses_embeddings:
@@ -423,6 +433,9 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         self._fit_tables, self._fit_tables_outside_ddp = self.embedding_parameters(), self._tables_outside_ddp()
         if self._fit_tables_outside_ddp:
             broadcast_from_rank_zero(self._fit_tables)
+        if self._embedding_optimizer is not None:
+            # A fit stopped between a backward and its step left that batch's gradients: not this fit's.
+            self._embedding_optimizer.zero_grad()
 
     @override
     def on_fit_end(self) -> None:

@@ -1,6 +1,7 @@
 """The row-wise embedding rule: FBGEMM's math where FBGEMM has a CPU kernel, a reference elsewhere."""
 
 import copy
+import itertools
 from collections import Counter
 
 import pytest
@@ -300,3 +301,65 @@ def test_a_step_from_sorted_reads_with_repeats_equals_one_from_distinct_rows(nam
 def test_sorted_reads_of_no_rows() -> None:
     reads = sorted_reads(torch.empty(0, dtype=torch.int64))
     assert reads.rows.numel() == reads.inverse.numel() == reads.segment.numel() == 0
+
+
+def _gradients_of(bags: list[torch.nn.EmbeddingBag], step: int) -> None:
+    ids, offsets, weights = _bags_with_duplicates(1, seed=step)[0]
+    for bag in bags:
+        (bag(ids, offsets) * weights[:, : bag.embedding_dim]).sum().backward()
+
+
+@pytest.mark.parametrize("order", ["the optimizer's", "another"])
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad", "adam"])
+def test_gradient_rows_handed_over_step_as_the_tables_sparse_gradients(name: str, order: str) -> None:
+    # A lookup may hand several tables' gradient rows over as one piece (numbered as the tables
+    # laid end to end, in the order it names them) instead of each table's .grad: the same
+    # step, here beside a table of another width and one of the same width left to .grad.
+    config = RowWiseOptimizerConfig(name=name, lr=0.1)
+    torch.manual_seed(0)
+    bags = [torch.nn.EmbeddingBag(ROWS + k, dim, mode="sum", sparse=True) for k, dim in enumerate((DIM, DIM, 4, DIM))]
+    handed = copy.deepcopy(bags)
+    reference, optimizer = (RowWiseOptimizer([bag.weight for bag in b], config) for b in (bags, handed))
+    together = [handed[3], handed[0]] if order == "another" else [handed[0], handed[1]]
+    for step in range(3):
+        _gradients_of(bags, step)
+        reference.step()
+        _gradients_of(handed, step)
+        for piece in range(2):  # as two backwards would hand them over
+            firsts = itertools.accumulate((len(bag.weight) for bag in together), initial=0)
+            rows, grads = [], []
+            for bag, first in zip(together, firsts):
+                grad = bag.weight.grad
+                half = len(grad._indices()[0]) // 2
+                span = slice(0, half) if piece == 0 else slice(half, None)
+                rows.append(grad._indices()[0][span] + first)
+                grads.append(grad._values()[span])
+            optimizer.add_row_gradients([bag.weight for bag in together], torch.cat(rows), torch.cat(grads))
+        for bag in together:
+            bag.weight.grad = None
+        optimizer.step()
+        for want, got in zip(bags, handed):
+            assert torch.equal(got.weight, want.weight)
+    wanted, got = reference.state_dict()["state"], optimizer.state_dict()["state"]
+    assert wanted.keys() == got.keys()
+    for table in wanted:
+        for key in wanted[table]:
+            assert torch.equal(got[table][key], wanted[table][key]), (table, key)
+
+
+def test_handed_over_gradients_are_dropped_by_zero_grad() -> None:
+    bag = torch.nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True)
+    before = bag.weight.detach().clone()
+    optimizer = RowWiseOptimizer([bag.weight], RowWiseOptimizerConfig("sgd"))
+    optimizer.add_row_gradients([bag.weight], torch.tensor([1, 1, 3]), torch.ones(3, DIM))
+    optimizer.zero_grad()
+    optimizer.step()
+    assert torch.equal(bag.weight, before)
+
+
+def test_a_gradient_handed_over_for_another_table_is_a_clear_error() -> None:
+    bags = [torch.nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True) for _ in range(2)]
+    optimizer = RowWiseOptimizer([bags[0].weight], RowWiseOptimizerConfig("sgd"))
+    optimizer.add_row_gradients([bags[1].weight], torch.tensor([1]), torch.ones(1, DIM))
+    with pytest.raises(ValueError, match=r"not one of its parameters"):
+        optimizer.step()

@@ -7,6 +7,7 @@ a table taken out of the stack is looked up and stepped where it is.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -136,7 +137,7 @@ def test_auto_steps_on_the_stack_as_on_tables_apart(optimizer: str) -> None:
             assert torch.equal(got[key], want[key]), key
 
 
-def _ops_of_a_step(num_tables: int, stacked: bool) -> int:
+def _ops_of_a_step(num_tables: int, stacked: bool, hand_over: bool = False) -> int:
     ebc = _collection(num_tables, stacked)
     optimizer = RowWiseOptimizer(ebc.parameters(), RowWiseOptimizerConfig("rowwise_adagrad"))
     counts = []
@@ -144,22 +145,25 @@ def _ops_of_a_step(num_tables: int, stacked: bool) -> int:
         features = _batch(num_tables, seed=step)
         counter = _CountOps()
         with counter:
-            pooled_in_one_node(ebc, features).sum().backward()
+            pooled_in_one_node(ebc, features, optimizer.add_row_gradients if hand_over else None).sum().backward()
             optimizer.step()
         counts.append(counter.count)
     return max(counts[1:])  # the first step builds the optimizer's state
 
 
 def test_autos_step_ops_do_not_grow_with_stacked_tables() -> None:
-    # Lookup, backward and row-wise step of `auto`'s plain tables: the same kernels for 8 tables
-    # as for 26. What a table adds is its sparse gradient: built over views of one gather (no
-    # kernel), checked for coalescing (metadata), and cloned by autograd's accumulation under a
-    # dispatch mode only (the mode holds references; without one the gradient is taken as it
-    # is). With the tables apart each also adds a lookup and a gather of its rows.
+    # Lookup, backward and row-wise step of `auto`'s plain tables, their gradient rows handed to
+    # the optimizer as one piece (a fit's way): the same kernels for 8 tables as for 26, and
+    # nothing else either. As each table's .grad, a table adds its sparse gradient: built over
+    # views of one gather (no kernel), checked for coalescing (metadata), and cloned by
+    # autograd's accumulation under a dispatch mode only (the mode holds references; without
+    # one the gradient is taken as it is). With the tables apart each also adds a lookup and a
+    # gather of its rows.
     per_table_gradient = 3
+    assert _ops_of_a_step(26, stacked=True, hand_over=True) == _ops_of_a_step(8, stacked=True, hand_over=True)
     grown = _ops_of_a_step(26, stacked=True) - _ops_of_a_step(8, stacked=True)
     grown_apart = _ops_of_a_step(26, stacked=False) - _ops_of_a_step(8, stacked=False)
-    assert grown <= per_table_gradient * (26 - 8)
+    assert 0 < grown <= per_table_gradient * (26 - 8)
     assert grown_apart >= (per_table_gradient + 2) * (26 - 8)
 
 
@@ -213,13 +217,14 @@ def test_the_row_step_on_the_stack_reads_the_device_once() -> None:
     from test_step_ops import _CountSyncPoints
 
     reads = {}
-    for stacked in (True, False):
+    for stacked, hand_over in itertools.product((True, False), (True, False)):
         ebc = _collection(4, stacked)
         optimizer = RowWiseOptimizer(ebc.parameters(), RowWiseOptimizerConfig("rowwise_adagrad"))
-        pooled_in_one_node(ebc, _batch(4)).sum().backward()
+        pooled_in_one_node(ebc, _batch(4), optimizer.add_row_gradients if hand_over else None).sum().backward()
         with _CountSyncPoints() as counter:
             optimizer.step()
         # `put_rows` writes host tables through numpy views: on the CPU only (CUDA's is index_copy_).
-        reads[stacked] = {name: count for name, count in counter.calls.items() if name != "numpy"}
-    assert reads[True] == {"aten._unique2.default": 1}
-    assert reads[False] == {"aten._unique2.default": 1, "tolist": 1}
+        reads[stacked, hand_over] = {name: count for name, count in counter.calls.items() if name != "numpy"}
+    for hand_over in (True, False):
+        assert reads[True, hand_over] == {"aten._unique2.default": 1}
+        assert reads[False, hand_over] == {"aten._unique2.default": 1, "tolist": 1}

@@ -8,12 +8,14 @@ up as a module call that records an autograd node, and the backward runs one spa
 tables (``ebc(features).values()``, bit for bit) with one autograd node: the forward is one
 `embedding_bag` for every feature where the tables are one stack of rows (the zoo's:
 `lightning_hotcache.stacked_tables`), else one per feature on slices of the batch (the
-features' offsets rebased in two ops); the backward one gather of the pooled gradient's rows for every id of every feature, each
-table's sparse gradient a view of it. The gradient rows are TorchRec's, bit for bit; a table
-read by several features lists them feature by feature, where autograd's accumulation of
-TorchRec's per-feature gradients interleaves them, so the row-wise optimizer sums such a
-table's duplicate rows in another order (the last bits of a sum). The module itself is untouched: its
-parameters, state dict, sharders and checkpoints stay TorchRec's.
+features' offsets rebased in two ops); the backward one gather of the pooled gradient's rows
+for every id of every feature, handed to the row-wise optimizer as one piece where the caller
+asks (a fit's zoo model: no ``.grad`` per table), else each table's sparse gradient a view of
+it. The gradient rows are TorchRec's, bit for bit; a table read by several features lists
+them feature by feature, where autograd's accumulation of TorchRec's per-feature gradients
+interleaves them, so the row-wise optimizer sums such a table's duplicate rows in another
+order (the last bits of a sum). The module itself is untouched: its parameters, state dict,
+sharders and checkpoints stay TorchRec's.
 
 Written here because neither TorchRec (its fused collections need FBGEMM's CUDA build and keep
 their own optimizer) nor torch (``nn.EmbeddingBag`` is one table) looks up a collection of
@@ -25,7 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +35,11 @@ from torch.autograd.function import once_differentiable
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
 from lightning_hotcache.stacked_tables import stacked_rows
+
+
+# Takes a collection's gradient rows as one piece: (its tables, each id's row in the tables laid
+# end to end, each id's gradient row); `RowWiseOptimizer.add_row_gradients`.
+GradientRowsSink = Callable[[Sequence[Tensor], Tensor, Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -82,11 +89,18 @@ def _plan(ebc: EmbeddingBagCollection) -> _Plan | None:
     return _Plan(names, bags, tables, firsts, tuple(first_rows[t] for t in tables), modes.pop())
 
 
-def pooled_in_one_node(ebc: nn.Module, features: KeyedJaggedTensor) -> Tensor | None:
+def pooled_in_one_node(
+    ebc: nn.Module, features: KeyedJaggedTensor, gradient_rows_to: GradientRowsSink | None = None
+) -> Tensor | None:
     """``ebc(features).values()``, (B, F * D), in one autograd node, where ``ebc`` is TorchRec's
     plain `EmbeddingBagCollection` with sparse gradients and the batch's keys are its features in
     order (the zoo's datamodules' batches); None otherwise (sharded or hot/cold collections,
-    variable batch sizes, other key orders): the caller runs the module then."""
+    variable batch sizes, other key orders): the caller runs the module then.
+
+    With ``gradient_rows_to`` (a `RowWiseOptimizer.add_row_gradients` over the tables), the
+    backward hands it every table's gradient rows as one piece, where all the tables take
+    gradients, and the tables get no ``.grad`` from this lookup; otherwise each table's
+    sparse gradient goes to its ``.grad``."""
     plan = _plan(ebc) if isinstance(ebc, EmbeddingBagCollection) else None
     if (
         plan is None
@@ -98,32 +112,32 @@ def pooled_in_one_node(ebc: nn.Module, features: KeyedJaggedTensor) -> Tensor | 
     ):
         return None
     weights = [bag.weight for bag in plan.bags]
-    return _PooledLookup.apply(plan, features, *weights)
+    return _PooledLookup.apply(plan, features, gradient_rows_to, *weights)
 
 
 class _PooledLookup(torch.autograd.Function):
     """Forward: every feature's bags pooled from its table, side by side. Backward: each id's
     gradient row (its bag's, scaled as the pooling and the id's weight scale it) in one gather,
-    and per table a sparse gradient over its features' ids."""
+    handed over as one piece (``gradient_rows_to``) or, per table, as a sparse gradient over
+    its features' ids."""
 
     @staticmethod
-    def forward(ctx: Any, plan: _Plan, features: KeyedJaggedTensor, *weights: Tensor) -> Tensor:
+    def forward(
+        ctx: Any, plan: _Plan, features: KeyedJaggedTensor, gradient_rows_to: GradientRowsSink | None, *weights: Tensor
+    ) -> Tensor:
         batch_size, num_features = features.stride(), len(plan.feature_names)
         ids, lengths, per_id = features.values(), features.lengths(), features.weights_or_none()
         starts = features.offset_per_key()  # on the host: the datamodules compute it with the batch
         ctx.plan, ctx.starts, ctx.batch_size = plan, starts, batch_size
         ctx.ids, ctx.lengths, ctx.per_id = ids, lengths, per_id
         stack = stacked_rows(weights)
+        rows = _rows_end_to_end(plan, features) if stack is not None or gradient_rows_to is not None else None
+        ctx.gradient_rows_to, ctx.weights, ctx.rows = gradient_rows_to, weights, rows if gradient_rows_to else None
         if stack is not None:
             # Every bag of every feature in one `embedding_bag` over the stack, each id moved to
             # its table's rows there; the bags come feature by feature, (F * B, D).
-            base_of_ids = torch.repeat_interleave(
-                _bag_first_rows(plan.first_row_of_feature, batch_size, ids.device),
-                lengths,
-                output_size=starts[-1],
-            )
             pooled = torch.nn.functional.embedding_bag(
-                ids.long() + base_of_ids,
+                rows,
                 stack,
                 features.offsets().long(),
                 mode=plan.mode,
@@ -169,9 +183,12 @@ class _PooledLookup(torch.autograd.Function):
         every_id = pooled_grads.index_select(0, rows_of_ids)
         for scale in scales:
             every_id.mul_(scale)
+        if ctx.gradient_rows_to is not None and all(ctx.needs_input_grad[3:]):
+            ctx.gradient_rows_to(ctx.weights, ctx.rows, every_id)
+            return (None, None, None, *[None] * len(plan.bags))
         table_grads: list[Tensor | None] = []
         for table, ((first, end), bag) in enumerate(zip(spans, plan.bags)):
-            needed = ctx.needs_input_grad[2 + table]
+            needed = ctx.needs_input_grad[3 + table]
             table_grads.append(
                 torch.sparse_coo_tensor(
                     ctx.ids[first:end].unsqueeze(0), every_id[first:end], bag.weight.shape, is_coalesced=False, check_invariants=False
@@ -179,7 +196,19 @@ class _PooledLookup(torch.autograd.Function):
                 if needed
                 else None
             )
-        return (None, None, *table_grads)
+        return (None, None, None, *table_grads)
+
+
+def _rows_end_to_end(plan: _Plan, features: KeyedJaggedTensor) -> Tensor:
+    """Each id's row in the collection's tables laid end to end: its table's first row there
+    added, for every feature in one op."""
+    batch_size, starts = features.stride(), features.offset_per_key()
+    first_rows = torch.repeat_interleave(
+        _bag_first_rows(plan.first_row_of_feature, batch_size, features.values().device),
+        features.lengths(),
+        output_size=starts[-1],
+    )
+    return features.values().long() + first_rows
 
 
 # Kept per shape (a batch's shape repeats every step; the last batch of an epoch adds one).
