@@ -305,7 +305,17 @@ class RowWiseOptimizer(torch.optim.Optimizer):
             put_rows(stack.arrays[key], rows, value)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], Any] | None = None,
+        reduce_rows: Callable[[list[tuple[Tensor, Tensor]]], list[tuple[Tensor, Tensor]]] | None = None,
+    ) -> Any:
+        """One step from the tables' sparse ``.grad`` and the gradient rows handed over.
+
+        ``reduce_rows`` (e.g. `sparse_ddp.average_row_gradients`, over processes) gets, for
+        every width and device of this optimizer's tables in a fixed order (a width without
+        gradient rows as an empty one), its rows in the tables laid end to end and their
+        gradient rows, and returns what to step instead."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -323,7 +333,10 @@ class RowWiseOptimizer(torch.optim.Optimizer):
                 taken.append((param, param.grad))
                 param.grad = None
         handed_over, self._handed_over = self._handed_over, []
-        self._state_stacks(itertools.chain((param for param, _ in taken), (t for tables, _, _ in handed_over for t in tables)))
+        if reduce_rows is None:
+            self._state_stacks(itertools.chain((param for param, _ in taken), (t for tables, _, _ in handed_over for t in tables)))
+        else:  # every width, so that every process reduces the same ones
+            self._state_stacks(p for group in self.param_groups for p in group["params"])
         # Each width's gradient rows, keyed by their row in its state stack. A coalesced gradient
         # (sparse_ddp's) is summed already. SGD is summed here too: adding every value's row
         # straight into a large table at random rows made the zoo's embedding step 1.16-1.25x as
@@ -331,7 +344,7 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         # (`step_read_rows`).
         by_width: dict[tuple[int, torch.device], tuple[list[Tensor], list[Tensor], list[int]]] = {}
         for param, grad in taken:
-            if grad.is_coalesced():
+            if grad.is_coalesced() and reduce_rows is None:
                 apply_sparse_update(self.config, param, self.state[param], grad)
                 continue
             indices, values, first_rows = by_width.setdefault((param.shape[1], param.device), ([], [], []))
@@ -346,6 +359,15 @@ class RowWiseOptimizer(torch.optim.Optimizer):
             keys, values = pieces.setdefault(key, ([], []))
             keys.append(self._stacks[key].rows_of_tables(tables, rows))
             values.append(grads)
+        if reduce_rows is not None:
+            widths = list(dict.fromkeys((p.shape[1], p.device) for group in self.param_groups for p in group["params"]))
+            found = [pieces.get(key, ([], [])) for key in widths]
+            reduced = reduce_rows([
+                (torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64, device=device),
+                 torch.cat(values) if values else torch.empty(0, width, device=device))
+                for (width, device), (keys, values) in zip(widths, found)
+            ])  # fmt: skip
+            pieces = {key: ([rows], [values]) for key, (rows, values) in zip(widths, reduced) if len(rows)}
         for key, (keys, values) in pieces.items():
             self._step_width(self._stacks[key], keys, values)
         return loss

@@ -8,8 +8,10 @@ or SIGSEGV inside ``loss.backward()``, about once in a few thousand steps; repro
 a plain ``nn.EmbeddingBag(sparse=True)`` model under ``DistributedDataParallel``, no
 Lightning, no library code), while the same gradients reduced by a synchronous collective
 after backward ran 12,000 steps clean. So the tables stay out of DDP (`keep_out_of_ddp`) and
-`average_sparse_gradients` averages their gradients right before the row-wise step, with
-dense all-gathers that every backend has. Left out of DDP, they are also left out of the
+their gradients are averaged right before the row-wise step, with dense all-gathers that
+every backend has: the zoo's models average each width's gradient rows inside the step
+(`average_row_gradients`, `RowWiseOptimizer.step`'s ``reduce_rows``; their tables get no
+``.grad``), a user's model its tables' sparse ``.grad`` (`average_sparse_gradients`). Left out of DDP, they are also left out of the
 broadcast of rank 0's weights DDP makes when it wraps the model: the zoo's models broadcast
 them at fit start (`collectives.broadcast_from_rank_zero`), so ranks seeded apart still train
 one model.
@@ -37,16 +39,48 @@ def keep_out_of_ddp(module: nn.Module, parameters: Iterable[Tensor]) -> None:
     set_ddp_ignored_parameters(module, [name for name, p in module.named_parameters() if id(p) in ids])
 
 
+# Gradient rows of one width: each row's index (repeats allowed) and its gradient row.
+GradientRows = tuple[Tensor, Tensor]
+
+
+@torch.no_grad()
+def average_row_gradients(pieces: Sequence[GradientRows], group: dist.ProcessGroup | None = None) -> list[GradientRows]:
+    """For each ``(rows, gradient rows)`` (every rank passes as many, of the same widths, in the
+    same order; a rank may have no rows), the distinct rows over the ranks of ``group``,
+    ascending, and the mean over the ranks of each one's summed gradient rows: what DDP's
+    averaging of the sparse gradients gives, coalesced. One all-gather of the rows' counts for
+    all, then two per piece (row indices, gradient rows). Dense all-gathers rather than a
+    sparse all-reduce: every backend has them (NCCL has no sparse all-reduce). Summed by
+    `sum_by_index` (no sparse COO coalesce)."""
+    if not pieces:
+        return []
+    counts = _all_gather(torch.tensor([len(rows) for rows, _ in pieces], device=pieces[0][0].device), group)
+    world = len(counts)
+    averaged = []
+    for (rows, values), sizes in zip(pieces, torch.stack(counts, dim=1).tolist()):  # sizes: [rank]
+        longest = max(sizes)
+        padded_rows = rows.new_zeros(longest)
+        padded_rows[: len(rows)] = rows
+        padded_values = values.new_zeros(longest, values.shape[1])
+        padded_values[: len(values)] = values
+        every_rows = _all_gather(padded_rows, group)
+        every_values = _all_gather(padded_values, group)
+        distinct, summed = sum_by_index(
+            torch.cat([r[:n] for r, n in zip(every_rows, sizes)]), torch.cat([v[:n] for v, n in zip(every_values, sizes)])
+        )
+        averaged.append((distinct, summed.div_(world).to(values.dtype)))
+    return averaged
+
+
 @torch.no_grad()
 def average_sparse_gradients(parameters: Sequence[Tensor], group: dist.ProcessGroup | None = None) -> None:
     """Replace each parameter's sparse gradient with its mean over the ranks of ``group``.
 
     Every rank must pass the same parameters in the same order (a rank whose gradient is
     None takes part with an empty one). Tables of one width and dtype travel together,
-    stacked by row offset: one all-gather of the rows' counts for all widths, then two per
-    width (row indices, gradient rows), however many tables. Dense all-gathers rather than a
-    sparse all-reduce: every backend has them (NCCL has no sparse all-reduce). Each result
-    is coalesced (rows sorted, repeats summed, by `sum_by_index`: no sparse COO coalesce).
+    stacked by row offset (`average_row_gradients`), however many tables. Each result is
+    coalesced. The zoo's models average their tables' gradient rows inside the row-wise
+    step instead (`RowWiseOptimizer.step`'s ``reduce_rows``), where they need no ``.grad``.
     """
     by_width: dict[tuple[int, torch.dtype], list[Tensor]] = defaultdict(list)
     for param in parameters:
@@ -56,25 +90,9 @@ def average_sparse_gradients(parameters: Sequence[Tensor], group: dist.ProcessGr
                 "parameter (build its table with nn.EmbeddingBag(sparse=True))"
             )
         by_width[(param.shape[1], param.dtype)].append(param)
-    if not by_width:
-        return
     stacks = [_stack_gradients(params) for params in by_width.values()]
-    counts = _all_gather(torch.tensor([len(indices) for _, indices, _ in stacks], device=stacks[0][1].device), group)
-    world = len(counts)
-    sizes_by_width = torch.stack(counts, dim=1).tolist()  # [width group][rank]
-    for params, (offsets, indices, values), sizes in zip(by_width.values(), stacks, sizes_by_width):
-        width = params[0].shape[1]
-        longest = max(sizes)
-        padded_indices = indices.new_zeros(longest)
-        padded_indices[: len(indices)] = indices
-        padded_values = values.new_zeros(longest, width)
-        padded_values[: len(values)] = values
-        every_indices = _all_gather(padded_indices, group)
-        every_values = _all_gather(padded_values, group)
-        rows, row_values = sum_by_index(
-            torch.cat([i[:n] for i, n in zip(every_indices, sizes)]), torch.cat([v[:n] for v, n in zip(every_values, sizes)])
-        )
-        row_values = row_values.div_(world).to(params[0].dtype)
+    averaged = average_row_gradients([(indices, values) for _, indices, values in stacks], group)
+    for params, (offsets, _, _), (rows, row_values) in zip(by_width.values(), stacks, averaged):
         bounds = torch.searchsorted(rows, torch.tensor(offsets, device=rows.device)).tolist()
         for param, offset, start, end in zip(params, offsets, bounds, bounds[1:]):
             if param.grad is None and start == end:

@@ -46,7 +46,7 @@ from lightning_hotcache.guards import (
 )
 from lightning_hotcache.host_rows import release_helpers
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
-from lightning_hotcache.sparse_ddp import average_sparse_gradients, keep_out_of_ddp
+from lightning_hotcache.sparse_ddp import average_row_gradients, keep_out_of_ddp
 from lightning_hotcache.stacked_tables import move_stacked_tables, stack_tables
 from lightning_hotcache.table_init import draw_seed, materialize_tables
 from models.first_order import FirstOrderArch
@@ -214,7 +214,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         self.assemble()
         # Recorded now: strategies later swap the tables for other module types at these paths.
         self._embedding_paths = [p for p, m in self.named_modules() if isinstance(m, EmbeddingBagCollection)]
-        # Under plain DDP the model averages its tables' sparse gradients itself (see sparse_ddp).
+        # Under plain DDP the model averages its tables' gradient rows itself (see sparse_ddp).
         keep_out_of_ddp(self, self.embedding_parameters())
 
     # ------------------------------------------------------------ architecture
@@ -267,11 +267,10 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
 
     def _gradient_rows_to(self) -> GradientRowsSink | None:
         """Where a lookup hands its tables' gradient rows over as one piece: the row-wise
-        optimizer, in a fit that steps the tables in this process alone (see
-        `RowWiseOptimizer.add_row_gradients`: no ``.grad`` per table, ~45 us of host time each a
-        step on a GPU's host). Under DDP (`sparse_ddp`), and outside a fit, each table's sparse
-        gradient goes to its ``.grad``, as TorchRec's forward gives it."""
-        if self._fit_tables and not self._fit_tables_outside_ddp and torch.is_grad_enabled():
+        optimizer, in a fit that steps the plain tables (see `RowWiseOptimizer.add_row_gradients`:
+        no ``.grad`` per table, ~45 us of host time each a step on a GPU's host). Outside a fit
+        each table's sparse gradient goes to its ``.grad``, as TorchRec's forward gives it."""
+        if self._fit_tables and torch.is_grad_enabled():
             return self.embedding_optimizer.add_row_gradients
         return None
 
@@ -456,9 +455,8 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             )
         if not self._fit_tables:
             return
-        if self._fit_tables_outside_ddp:
-            average_sparse_gradients(self._fit_tables)  # DDP left them out (keep_out_of_ddp)
-        self.embedding_optimizer.step()
+        # DDP left the tables out (keep_out_of_ddp): their gradient rows are averaged in the step.
+        self.embedding_optimizer.step(reduce_rows=average_row_gradients if self._fit_tables_outside_ddp else None)
 
     def _plain_table_weights(self) -> dict[str, Tensor]:
         """``"<module path>.<table>"`` -> weight of every plain table (the row-state key format)."""

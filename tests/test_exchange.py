@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 
 from lightning_hotcache.cache.exchange import RowSharding, fetch_rows, route_to_owners, send_rows_along
 from lightning_hotcache.sorting import sum_rows_by_index
-from lightning_hotcache.sparse_ddp import average_sparse_gradients
+from lightning_hotcache.rowwise import RowWiseOptimizer, RowWiseOptimizerConfig
+from lightning_hotcache.sparse_ddp import average_row_gradients, average_sparse_gradients
 
 
 def _parts(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -83,6 +84,33 @@ def _averaged_sparse_gradients(rank: int) -> None:
         assert torch.equal(param.grad.to_dense(), expected), (t, param.grad.to_dense(), expected)
 
 
+def _row_gradients_averaged_in_the_step(rank: int) -> None:
+    # The zoo's way under DDP: rank 0 hands the width-4 tables' rows over as one piece, rank 1
+    # has none of that width (it takes part with an empty one); the width-2 table's come as
+    # .grad on both. The step averages each width over the ranks, as one process stepping the
+    # mean gradient does (SGD: a first Adagrad or Adam step does not tell a sum from a mean).
+    config = RowWiseOptimizerConfig("sgd", lr=0.1)
+    every = [_sparse_gradients(r) for r in range(2)]
+    sent = [every[0][:3], [None, None, every[1][2]]]  # per rank, per table: what it steps from
+    tables, reference = ([torch.nn.Parameter(torch.ones(shape)) for shape in GRADIENT_SHAPES] for _ in range(2))
+    optimizer = RowWiseOptimizer(tables, config)
+    mine = every[rank]
+    if rank == 0:
+        rows = torch.cat([mine[0]._indices()[0], mine[1]._indices()[0] + GRADIENT_SHAPES[0][0]])
+        optimizer.add_row_gradients(tables[:2], rows, torch.cat([mine[0]._values(), mine[1]._values()]))
+    tables[2].grad = mine[2]
+    optimizer.step(reduce_rows=average_row_gradients)
+    for table, param in enumerate(reference[:3]):
+        parts = [grads[table] for grads in sent if grads[table] is not None]
+        param.grad = torch.sparse_coo_tensor(
+            torch.cat([g._indices() for g in parts], dim=1), torch.cat([g._values() for g in parts]) / 2, param.shape
+        )
+    RowWiseOptimizer(reference, config).step()
+    for table, (got, want) in enumerate(zip(tables, reference)):
+        assert torch.equal(got, want), (table, got, want)
+        assert got.grad is None, table
+
+
 def _tables_kept_out_of_ddp(rank: int) -> None:
     # DeepFM has both kinds of tables: the embeddings and the first-order weights.
     from torchrec import EmbeddingBagCollection
@@ -108,6 +136,7 @@ def _tables_kept_out_of_ddp(rank: int) -> None:
 TWO_PROCESS_CHECKS = {
     "test_row_collectives_on_two_processes": _collectives,
     "test_sparse_gradients_averaged_over_two_processes": _averaged_sparse_gradients,
+    "test_row_gradients_averaged_in_the_step_over_two_processes": _row_gradients_averaged_in_the_step,
     "test_zoo_tables_are_kept_out_of_ddp": _tables_kept_out_of_ddp,
 }
 
@@ -172,6 +201,10 @@ def test_rows_summed_by_index_table_by_table() -> None:
 
 
 def test_sparse_gradients_averaged_over_two_processes(two_process_failures: dict[str, str], request: pytest.FixtureRequest) -> None:
+    _passed_on_two_processes(two_process_failures, request)
+
+
+def test_row_gradients_averaged_in_the_step_over_two_processes(two_process_failures: dict[str, str], request: pytest.FixtureRequest) -> None:
     _passed_on_two_processes(two_process_failures, request)
 
 
