@@ -1,4 +1,4 @@
-"""Data-parallel scaling on this CPU: 1, 2 and 4 processes (gloo), hotcache vs torchrec.
+"""Data-parallel scaling on this CPU: 1, 2 and 4 processes (gloo), hotcache and ddp vs torchrec.
 
 DLRM (row-wise Adagrad on the tables, Adam on the dense layers) on SyntheticCTRDataModule at
 ``--scale`` times the Criteo Kaggle cardinalities, ``--batch-size`` samples per process per
@@ -44,7 +44,8 @@ RESULTS = Path(__file__).parent / "results"
 # "/fbgemm": the lookup on FBGEMM's kernel, which `auto` took on a CPU until row-wise Adagrad
 # moved to the PyTorch path there (same exchange, same bytes; benchmarks/README.md, "The device
 # tier's kernel on a CPU").
-STRATEGIES = ("torchrec", "hotcache@1", "hotcache@0.1", "hotcache@0.1/fbgemm")
+# ``ddp``: Lightning's, every table replicated and averaged by the zoo's row-wise step (sparse_ddp).
+STRATEGIES = ("torchrec", "hotcache@1", "hotcache@0.1", "hotcache@0.1/fbgemm", "ddp")
 
 
 def loopback_bytes() -> int:
@@ -57,8 +58,8 @@ def loopback_bytes() -> int:
 
 
 def make_strategy(name: str, procs: int) -> Any:
-    if name == "torchrec":
-        return "torchrec"
+    if name in ("torchrec", "ddp"):
+        return name
     budget, _, kernel = name.split("@")[1].partition("/")
     return HotCacheStrategy(
         device_budget=float(budget), profile_batches=20, process_group_backend="gloo", kernel=kernel or "auto"
