@@ -121,7 +121,7 @@ first=$?
 # at every budget against auto, a checkpoint written on the GPU loading on the CPU, and the
 # CPU-lookup baseline, `auto`'s one-node lookup over stacked tables and a zoo model moved to
 # the GPU whole (skipped on a CPU: the dry run checks that they are found).
-stage 2 cuda-tests "$PYTHON" -m pytest -q -rP -m cuda tests/test_cuda.py -k "gpu_path or dlrm- or checkpoint_written_on_cuda or cpu_lookup or whole_training_step or in_one_node or moved_to_the_gpu"
+stage 2 cuda-tests "$PYTHON" -m pytest -q -rP -m cuda tests/test_cuda.py -k "gpu_path or dlrm- or checkpoint_written_on_cuda or cpu_lookup or whole_training_step or in_one_node or moved_to_the_gpu or hands_its_gradient_rows"
 second=$?
 # shellcheck disable=SC2086  # the benchmarks' settings, split as on a command line
 stage 3 gpu-benchmark "$PYTHON" benchmarks/gpu.py $BENCH_ARGS --out "$OUT/gpu.json"

@@ -313,3 +313,27 @@ def test_a_zoo_model_moved_to_the_gpu_keeps_its_tables_stacked_and_trains_as_on_
     torch.testing.assert_close(got.cpu(), reference(batch.dense_features, batch.sparse_features), rtol=1e-4, atol=1e-5)
     model.cpu()
     assert stacked_rows(weights) is not None and not stacked_rows(weights).is_cuda
+
+
+class _TableGradientsAtTheStep(pl.Callback):
+    """Each step's table gradients as the row-wise step finds them (`.grad`; None when the
+    lookup handed its rows over as one piece)."""
+
+    def __init__(self) -> None:
+        self.grads: list[list[torch.Tensor | None]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        self.grads.append([p.grad for p in pl_module.embedding_parameters()])
+
+
+@pytest.mark.parametrize("name", ["dlrm", "deepfm"])
+def test_auto_on_cuda_hands_its_gradient_rows_over_and_learns_what_the_cpu_learns(name: str) -> None:
+    # `auto` on a GPU: the lookup's gradient rows reach the row-wise step as one piece (no
+    # sparse .grad per table: host time on the step's critical path), and the model learns
+    # what a CPU fit learns, to float rounding.
+    seen = _TableGradientsAtTheStep()
+    on_gpu, _, _ = fit(name, "auto", callbacks=[seen], **CUDA)
+    on_cpu, _, _ = fit(name, "auto")
+    assert seen.grads and all(grad is None for grads in seen.grads for grad in grads)
+    got = {key: value.cpu() for key, value in on_gpu.state_dict().items()}
+    torch.testing.assert_close(got, on_cpu.state_dict(), rtol=1e-4, atol=1e-5)
