@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_hotcache._compat import add_to_each
 from lightning_hotcache.host_rows import put_rows
-from lightning_hotcache.sorting import sum_by_index
+from lightning_hotcache.sorting import split_stack_rows, sum_by_index
 from lightning_hotcache.stacked_tables import stacked_rows
 
 RowWiseOptimizerName = Literal["sgd", "rowwise_adagrad", "adam"]
@@ -37,6 +37,8 @@ DEFAULT_EPS: dict[str, float] = {"sgd": 1e-10, "rowwise_adagrad": 1e-10, "adam":
 # One format for every strategy, so training resumes under another strategy than it started.
 ROW_STATE_KEY = "embedding_row_state"
 ROWWISE_OPTIMIZERS: tuple[str, ...] = ("sgd", "rowwise_adagrad", "adam")
+# Gradient rows of tables of one width: each one's row (repeats allowed), and the rows themselves.
+GradientRows = tuple[Tensor, Tensor]
 
 
 @dataclass(frozen=True)
@@ -175,10 +177,9 @@ class _StateStack:
     def __init__(self, tables: list[Tensor], widths: dict[str, int], state: dict[Tensor, dict[str, Tensor]]) -> None:
         self.tables = tables
         self.first_row = dict(zip(tables, itertools.accumulate((len(t) for t in tables), initial=0)))
-        rows, device = sum(len(t) for t in tables), tables[0].device
-        self.arrays = {key: torch.zeros(rows, width, dtype=torch.float32, device=device) for key, width in widths.items()}
+        self.num_rows, device = sum(len(t) for t in tables), tables[0].device
+        self.arrays = {key: torch.zeros(self.num_rows, width, dtype=torch.float32, device=device) for key, width in widths.items()}
         self._views = {table: self._rows_of(table) for table in tables}
-        self._bounds = torch.tensor([*self.first_row.values(), rows], device=device)  # each table's first row; the end
         self.adopt(state)
 
     def rows_of_tables(self, tables: Sequence[Tensor], rows: Tensor) -> Tensor:
@@ -191,12 +192,6 @@ class _StateStack:
         ends = torch.tensor(starts[1:], device=rows.device)
         shifts = torch.tensor([self.first_row[t] - start for t, start in zip(tables, starts)], device=rows.device)
         return rows + shifts[torch.searchsorted(ends, rows, right=True)]
-
-    def split_by_table(self, rows: Tensor) -> list[Tensor]:
-        """Distinct ascending rows of this stack as each table's own rows, table by table
-        (reads the split points on the host)."""
-        bounds = torch.searchsorted(rows, self._bounds).tolist()
-        return add_to_each([rows[a:b] for a, b in itertools.pairwise(bounds)], [-first for first in self.first_row.values()])
 
     def _rows_of(self, table: Tensor) -> dict[str, Tensor]:
         first = self.first_row[table]
@@ -286,13 +281,16 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         rule works row by row, so each row gets what `step_rows` gives it. Where the tables are
         themselves one stack of rows in the state's order (`stack_tables`), their rows are
         gathered and written with one op each, not one per table (and no per-table split,
-        which reads the split points on the host)."""
+        which reads the split points on the host). SGD is summed here too: adding every value's
+        row straight into a large table at random rows made the zoo's embedding step 1.16-1.25x
+        as long (benchmarks/cache_micro.py's `plain`, dim 16 and 64), as it made hotcache's
+        (`step_read_rows`)."""
         rows, summed = sum_by_index(torch.cat(keys) if len(keys) > 1 else keys[0], torch.cat(grads) if len(grads) > 1 else grads[0])
         weight_stack = stacked_rows(stack.tables)
         if weight_stack is not None:
             weights = weight_stack.index_select(0, rows)
         else:
-            own_rows = stack.split_by_table(rows)
+            own_rows = split_stack_rows(rows, list(stack.first_row.values()), stack.num_rows)
             weights = torch.cat([table.index_select(0, r) for table, r in zip(stack.tables, own_rows)])
         row_state = {key: array.index_select(0, rows) for key, array in stack.arrays.items()}
         self.config.update_rows(weights, row_state, summed.to(weights.dtype))
@@ -308,7 +306,7 @@ class RowWiseOptimizer(torch.optim.Optimizer):
     def step(  # type: ignore[override]
         self,
         closure: Callable[[], Any] | None = None,
-        reduce_rows: Callable[[list[tuple[Tensor, Tensor]]], list[tuple[Tensor, Tensor]]] | None = None,
+        reduce_rows: Callable[[list[GradientRows]], list[GradientRows]] | None = None,
     ) -> Any:
         """One step from the tables' sparse ``.grad`` and the gradient rows handed over.
 
@@ -320,6 +318,28 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        taken = self._take_sparse_gradients()
+        handed_over, self._handed_over = self._handed_over, []
+        if reduce_rows is None:
+            self._state_stacks(itertools.chain((param for param, _ in taken), (t for tables, _, _ in handed_over for t in tables)))
+            summed = [grad.is_coalesced() for _, grad in taken]  # sparse_ddp's: each table's summed already
+            for (param, grad), done in zip(taken, summed):
+                if done:
+                    apply_sparse_update(self.config, param, self.state[param], grad)
+            taken = [pair for pair, done in zip(taken, summed) if not done]
+        else:  # every width, so that every process reduces the same ones
+            self._state_stacks(p for group in self.param_groups for p in group["params"])
+        by_width = self._rows_by_width(taken, handed_over)
+        if reduce_rows is not None:
+            widths = list(dict.fromkeys((p.shape[1], p.device) for group in self.param_groups for p in group["params"]))
+            joined = [_joined(*by_width.get(key, ([], [])), width=key[0], device=key[1]) for key in widths]
+            by_width = {key: ([rows], [grads]) for key, (rows, grads) in zip(widths, reduce_rows(joined)) if len(rows)}
+        for key, (rows, grads) in by_width.items():
+            self._step_width(self._stacks[key], rows, grads)
+        return loss
+
+    def _take_sparse_gradients(self) -> list[tuple[Tensor, Tensor]]:
+        """The tables' sparse ``.grad`` (each table with one), taken: ``.grad`` is None after."""
         taken: list[tuple[Tensor, Tensor]] = []
         for group in self.param_groups:
             for param in group["params"]:
@@ -332,45 +352,35 @@ class RowWiseOptimizer(torch.optim.Optimizer):
                     )
                 taken.append((param, param.grad))
                 param.grad = None
-        handed_over, self._handed_over = self._handed_over, []
-        if reduce_rows is None:
-            self._state_stacks(itertools.chain((param for param, _ in taken), (t for tables, _, _ in handed_over for t in tables)))
-        else:  # every width, so that every process reduces the same ones
-            self._state_stacks(p for group in self.param_groups for p in group["params"])
-        # Each width's gradient rows, keyed by their row in its state stack. A coalesced gradient
-        # (sparse_ddp's) is summed already. SGD is summed here too: adding every value's row
-        # straight into a large table at random rows made the zoo's embedding step 1.16-1.25x as
-        # long (benchmarks/cache_micro.py's `plain`, dim 16 and 64), as it made hotcache's
-        # (`step_read_rows`).
-        by_width: dict[tuple[int, torch.device], tuple[list[Tensor], list[Tensor], list[int]]] = {}
+        return taken
+
+    def _rows_by_width(
+        self, taken: list[tuple[Tensor, Tensor]], handed_over: list[tuple[tuple[Tensor, ...], Tensor, Tensor]]
+    ) -> dict[tuple[int, torch.device], tuple[list[Tensor], list[Tensor]]]:
+        """Per width and device: the gradient rows of ``taken`` (sparse gradients, not summed)
+        and ``handed_over``, each piece as (its rows in the width's state stack, gradient rows),
+        in that order (per table, the order of the param groups: the stack's)."""
+        by_width: dict[tuple[int, torch.device], tuple[list[Tensor], list[Tensor]]] = {}
+        grouped: dict[tuple[int, torch.device], list[tuple[Tensor, Tensor]]] = {}
         for param, grad in taken:
-            if grad.is_coalesced() and reduce_rows is None:
-                apply_sparse_update(self.config, param, self.state[param], grad)
-                continue
-            indices, values, first_rows = by_width.setdefault((param.shape[1], param.device), ([], [], []))
-            indices.append(grad._indices()[0])
-            values.append(grad._values())
-            first_rows.append(self._stacks[(param.shape[1], param.device)].first_row[param])
-        pieces: dict[tuple[int, torch.device], tuple[list[Tensor], list[Tensor]]] = {}
-        for key, (indices, values, first_rows) in by_width.items():
-            pieces[key] = (add_to_each(indices, first_rows), values)  # one op, not one per table
+            grouped.setdefault((param.shape[1], param.device), []).append((param, grad))
+        for key, pairs in grouped.items():
+            first_rows = [self._stacks[key].first_row[param] for param, _ in pairs]
+            rows = add_to_each([grad._indices()[0] for _, grad in pairs], first_rows)  # one op, not one per table
+            by_width[key] = (rows, [grad._values() for _, grad in pairs])
         for tables, rows, grads in handed_over:
             key = (tables[0].shape[1], tables[0].device)
-            keys, values = pieces.setdefault(key, ([], []))
-            keys.append(self._stacks[key].rows_of_tables(tables, rows))
+            stack_rows, values = by_width.setdefault(key, ([], []))
+            stack_rows.append(self._stacks[key].rows_of_tables(tables, rows))
             values.append(grads)
-        if reduce_rows is not None:
-            widths = list(dict.fromkeys((p.shape[1], p.device) for group in self.param_groups for p in group["params"]))
-            found = [pieces.get(key, ([], [])) for key in widths]
-            reduced = reduce_rows([
-                (torch.cat(keys) if keys else torch.empty(0, dtype=torch.int64, device=device),
-                 torch.cat(values) if values else torch.empty(0, width, device=device))
-                for (width, device), (keys, values) in zip(widths, found)
-            ])  # fmt: skip
-            pieces = {key: ([rows], [values]) for key, (rows, values) in zip(widths, reduced) if len(rows)}
-        for key, (keys, values) in pieces.items():
-            self._step_width(self._stacks[key], keys, values)
-        return loss
+        return by_width
+
+
+def _joined(rows: list[Tensor], grads: list[Tensor], width: int, device: torch.device) -> GradientRows:
+    """Pieces of gradient rows as one (an empty one of ``width`` where there are none)."""
+    if not rows:
+        return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, width, device=device)
+    return torch.cat(rows), torch.cat(grads)
 
 
 def use_sparse_gradients(module: torch.nn.Module) -> list[Tensor]:

@@ -96,10 +96,15 @@ def sum_stacked_rows(indices: Sequence[Tensor], rows: Sequence[Tensor], first_ro
     tables' coalescing was a tenth of a step across ranks)."""
     # Offsets added in one op, not one per table (26 kernels on CUDA).
     distinct, summed = sum_by_index(torch.cat(add_to_each(list(indices), list(first_rows))), torch.cat(list(rows)))
-    bounds = [*first_rows, first_rows[-1] + sizes[-1]]
-    per_table = torch.searchsorted(distinct, torch.tensor(bounds, device=distinct.device)).tolist()
-    own_rows = add_to_each([distinct[a:b] for a, b in itertools.pairwise(per_table)], [-first for first in first_rows])
-    return distinct, summed, own_rows
+    return distinct, summed, split_stack_rows(distinct, first_rows, first_rows[-1] + sizes[-1])
+
+
+def split_stack_rows(rows: Tensor, first_rows: Sequence[int], end: int) -> list[Tensor]:
+    """Distinct ascending ``rows`` of a stack of tables (table ``k``'s first row
+    ``first_rows[k]``, ascending; the last one's end ``end``) as each table's own rows, table
+    by table. Reads where each table's rows end on the host."""
+    bounds = torch.searchsorted(rows, torch.tensor([*first_rows, end], device=rows.device)).tolist()
+    return add_to_each([rows[a:b] for a, b in itertools.pairwise(bounds)], [-first for first in first_rows])
 
 
 def sum_rows_by_index(indices: Sequence[Tensor], rows: Sequence[Tensor], sizes: Sequence[int]) -> list[tuple[Tensor, Tensor]]:

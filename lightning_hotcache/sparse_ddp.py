@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from lightning_hotcache import collectives
 from lightning_hotcache._compat import set_ddp_ignored_parameters
+from lightning_hotcache.rowwise import GradientRows
 from lightning_hotcache.sorting import sum_by_index
 
 
@@ -37,10 +38,6 @@ def keep_out_of_ddp(module: nn.Module, parameters: Iterable[Tensor]) -> None:
     (their gradients are then the caller's to reduce, e.g. with `average_sparse_gradients`)."""
     ids = {id(p) for p in parameters}
     set_ddp_ignored_parameters(module, [name for name, p in module.named_parameters() if id(p) in ids])
-
-
-# Gradient rows of one width: each row's index (repeats allowed) and its gradient row.
-GradientRows = tuple[Tensor, Tensor]
 
 
 @torch.no_grad()

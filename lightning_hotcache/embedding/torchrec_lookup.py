@@ -132,7 +132,8 @@ class _PooledLookup(torch.autograd.Function):
         ctx.ids, ctx.lengths, ctx.per_id = ids, lengths, per_id
         stack = stacked_rows(weights)
         rows = _rows_end_to_end(plan, features) if stack is not None or gradient_rows_to is not None else None
-        ctx.gradient_rows_to, ctx.weights, ctx.rows = gradient_rows_to, weights, rows if gradient_rows_to else None
+        ctx.gradient_rows_to, ctx.weights = gradient_rows_to, weights
+        ctx.rows = None if gradient_rows_to is None else rows
         if stack is not None:
             # Every bag of every feature in one `embedding_bag` over the stack, each id moved to
             # its table's rows there; the bags come feature by feature, (F * B, D).
