@@ -274,7 +274,7 @@ class RowWiseOptimizer(torch.optim.Optimizer):
                 found.adopt(self.state)
             adopted.add(key)
 
-    def _step_width(self, stack: _StateStack, keys: list[Tensor], grads: list[Tensor]) -> None:
+    def _step_width(self, stack: _StateStack, keys: Tensor, grads: Tensor) -> None:
         """One step for the tables of ``stack`` from gradient rows ``grads`` at the stack's rows
         ``keys`` (not summed): the rows summed and stepped by one sort and one `update_rows`
         over the stack, so that the rule's kernels are launched once, not once per table; the
@@ -285,7 +285,7 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         row straight into a large table at random rows made the zoo's embedding step 1.16-1.25x
         as long (benchmarks/cache_micro.py's `plain`, dim 16 and 64), as it made hotcache's
         (`step_read_rows`)."""
-        rows, summed = sum_by_index(torch.cat(keys) if len(keys) > 1 else keys[0], torch.cat(grads) if len(grads) > 1 else grads[0])
+        rows, summed = sum_by_index(keys, grads)
         weight_stack = stacked_rows(stack.tables)
         if weight_stack is not None:
             weights = weight_stack.index_select(0, rows)
@@ -312,8 +312,8 @@ class RowWiseOptimizer(torch.optim.Optimizer):
 
         ``reduce_rows`` (e.g. `sparse_ddp.average_row_gradients`, over processes) gets, for
         every width and device of this optimizer's tables in a fixed order (a width without
-        gradient rows as an empty one), its rows in the tables laid end to end and their
-        gradient rows, and returns what to step instead."""
+        gradient rows as an empty one), the rows' indices in the width's tables laid end to end
+        in the param groups' order and their gradient rows, and returns what to step instead."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -332,9 +332,11 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         by_width = self._rows_by_width(taken, handed_over)
         if reduce_rows is not None:
             widths = list(dict.fromkeys((p.shape[1], p.device) for group in self.param_groups for p in group["params"]))
-            joined = [_joined(*by_width.get(key, ([], [])), width=key[0], device=key[1]) for key in widths]
-            by_width = {key: ([rows], [grads]) for key, (rows, grads) in zip(widths, reduce_rows(joined)) if len(rows)}
-        for key, (rows, grads) in by_width.items():
+            reduced = reduce_rows([_joined(*by_width.get(key, ([], [])), width=key[0], device=key[1]) for key in widths])
+            joined = {key: (rows, grads) for key, (rows, grads) in zip(widths, reduced) if len(rows)}
+        else:
+            joined = {key: _joined(rows, grads, width=key[0], device=key[1]) for key, (rows, grads) in by_width.items()}
+        for key, (rows, grads) in joined.items():
             self._step_width(self._stacks[key], rows, grads)
         return loss
 
@@ -377,9 +379,12 @@ class RowWiseOptimizer(torch.optim.Optimizer):
 
 
 def _joined(rows: list[Tensor], grads: list[Tensor], width: int, device: torch.device) -> GradientRows:
-    """Pieces of gradient rows as one (an empty one of ``width`` where there are none)."""
+    """Pieces of gradient rows as one (an empty one of ``width`` where there are none; a lone
+    piece as it is, not copied)."""
     if not rows:
         return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, width, device=device)
+    if len(rows) == 1:
+        return rows[0], grads[0]
     return torch.cat(rows), torch.cat(grads)
 
 
