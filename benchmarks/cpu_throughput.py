@@ -55,6 +55,8 @@ def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
         "hit_rate": moved["hits"] / moved["lookups"] if moved["lookups"] else None,
         "fetched_rows_per_step": moved["fetched_rows"] / steps,
+        # 0 while the caches fill (nothing is evicted yet): a long run's steps write back.
+        "written_back_rows_per_step": moved["written_back_rows"] / steps,
         # With the prefetch thread (`+thread`): steps whose batch was not staged in time. Inline
         # staging (the CPU's default) runs between steps, so every fetch is on the loop's path.
         "staging_waits_per_step": moved["staging_waits"] / steps,
@@ -65,6 +67,12 @@ def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
         out["device_mib"] = plan.device_bytes / 2**20
         out["budget_mib"] = plan.budget_bytes / 2**20
     return out
+
+
+def _rows_moved(result: dict[str, Any]) -> str:
+    """Rows fetched and written back a step (``-`` where no cache moved any)."""
+    fetched, written = result.get("fetched_rows_per_step", 0), result.get("written_back_rows_per_step", 0)
+    return "-" if not (fetched or written) else f"{fetched:,.0f} / {written:,.0f}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,13 +120,13 @@ def main(argv: list[str] | None = None) -> None:
     add_ratios(results, ("auto", "torchrec"))
     # "paired": the median over rounds of the ratio within a round (see report.add_ratios).
     print(f"{'strategy':<32}{'samples/s':>12}{'x auto':>9}{'x torchrec':>12}{'paired':>8}{'hit rate':>10}{'waits/step':>12}"
-          f"{'wait ms/step':>14}{'peak RSS MiB':>14}  rounds")  # fmt: skip
+          f"{'wait ms/step':>14}{'rows in/out a step':>20}{'peak RSS MiB':>14}  rounds")  # fmt: skip
     for name, r in results.items():
         paired = r.get("x_torchrec_paired", r.get("x_auto_paired", float("nan")))
         hit_rate = "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.3f}"
         print(
             f"{name:<32}{r['samples_per_s']:>12.0f}{r['x_auto']:>9.2f}{r['x_torchrec']:>12.2f}{paired:>8.2f}{hit_rate:>10}"
-            f"{r['staging_waits_per_step']:>12.2f}{r['staging_wait_ms_per_step']:>14.2f}{r['peak_rss_mib']:>14.0f}"
+            f"{r['staging_waits_per_step']:>12.2f}{r['staging_wait_ms_per_step']:>14.2f}{_rows_moved(r):>20}{r['peak_rss_mib']:>14.0f}"
             f"  {' '.join(f'{x:.0f}' for x in r['rounds'])}"
         )
     rows = sum(t.num_embeddings for t in SyntheticCTRDataModule(scale=args.scale).tables)

@@ -22,13 +22,14 @@ SMOKE = ["--device", "cpu", "--scale", "0.001", "--steps", "5", "--rounds", "1"]
 
 def test_smoke_mode_reports_every_strategy(tmp_path, monkeypatch) -> None:
     # Each job in this process (the script gives every run a process of its own, seconds of
-    # imports each); small batches, so that the 1% budget splits tables and rows move.
+    # imports each); small batches, so that the 1% budget splits tables, and a profile of two
+    # of them, so that the trained batches read rows the caches did not start with: rows move.
     def job_here(script, settings, name, wrapper=()):
         return gpu.main([*settings, "--job", name])
 
     monkeypatch.setattr(report, "job_in_process", job_here)
     out = tmp_path / "gpu.json"
-    gpu.main([*SMOKE, "--batch-size", "64", "--out", str(out)])
+    gpu.main([*SMOKE, "--batch-size", "64", "--profile-batches", "2", "--out", str(out)])
     written = json.loads(out.read_text())
     # Where it ran: the processor by name and the SIMD level torch's CPU kernels dispatch to.
     capabilities = {"DEFAULT", "NO AVX", "AVX2", "AVX512", "SVE256", "VSX", "Z VECTOR"}  # get_cpu_capability's
@@ -51,7 +52,7 @@ def test_smoke_mode_reports_every_strategy(tmp_path, monkeypatch) -> None:
 def test_the_lookahead_policy_runs_when_named(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(report, "job_in_process", lambda script, settings, name, wrapper=(): gpu.main([*settings, "--job", name]))
     out = tmp_path / "gpu.json"
-    gpu.main([*SMOKE, "--batch-size", "64", "--strategies", "auto", "hotcache@0.01+lookahead", "--out", str(out)])
+    gpu.main([*SMOKE, "--batch-size", "64", "--profile-batches", "2", "--strategies", "auto", "hotcache@0.01+lookahead", "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     assert list(results) == ["auto", "hotcache@0.01+lookahead"] and 0 < results["hotcache@0.01+lookahead"]["hit_rate"] < 1
     assert gpu.strategies(gpu.parse_args(SMOKE))["hotcache@0.01+lookahead"]().cache_policy == "lookahead"
