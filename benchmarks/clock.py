@@ -77,11 +77,11 @@ def timed_trainer(strategy: Any, max_steps: int, clock: StepClock, accelerator: 
 
 def cache_counters(model: nn.Module) -> dict[str, int]:
     """Running totals summed over every hotcache table of ``model`` (zeros without one): lookups,
-    hits, rows fetched, written back and read ahead, and the bytes those rows (with their optimizer state)
+    hits, rows fetched, evicted, written back and read ahead, and the bytes those rows (with their optimizer state)
     moved host -> device and device -> host."""
     from lightning_hotcache.embedding import hot_cold_modules
 
-    out = dict.fromkeys(("lookups", "hits", "fetched_rows", "written_back_rows", "read_ahead_rows", "h2d_bytes", "d2h_bytes"), 0)
+    out = dict.fromkeys(("lookups", "hits", "fetched_rows", "evicted_rows", "written_back_rows", "read_ahead_rows", "h2d_bytes", "d2h_bytes"), 0)
     for module in hot_cold_modules(model).values():
         for cache in module.caches.values():
             c = cache.counters
@@ -89,8 +89,26 @@ def cache_counters(model: nn.Module) -> dict[str, int]:
             out["lookups"] += c.lookups
             out["hits"] += c.hits
             out["fetched_rows"] += c.fetched_rows
+            out["evicted_rows"] += c.evicted_rows
             out["written_back_rows"] += c.written_back_rows
             out["read_ahead_rows"] += c.read_ahead_rows
             out["h2d_bytes"] += c.fetched_rows * row_bytes
             out["d2h_bytes"] += c.written_back_rows * row_bytes
     return out
+
+
+# What a results table says under a run whose caches were still filling (`still_filling`).
+FILLING_NOTE = (
+    "* the caches were still filling: fewer rows were evicted than fetched in the timed steps (a full cache evicts one "
+    "for each), so they measured fewer victims and write-backs than a long run's steps pay; time more steps "
+    "(--steps, --warmup) for the steady state."
+)
+
+
+def still_filling(moved: dict[str, float]) -> bool:
+    """Whether the caches were (partly) filling over a window (differences of
+    `cache_counters`): a full cache evicts a row for every row it fetches, so where fewer than
+    9 in 10 fetched rows evicted one, the dynamic slots were still taking rows in and the window
+    measured fewer victims and write-backs than a steady state pays every step (every 10% GPU
+    figure before 2026-11-29: its timed steps evicted nothing)."""
+    return moved["fetched_rows"] > 0 and moved["evicted_rows"] < 0.9 * moved["fetched_rows"]

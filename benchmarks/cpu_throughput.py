@@ -5,7 +5,10 @@ layers) on SyntheticCTRDataModule at ``--scale`` (default 1.0: 33.8M rows) for `
 process, ``--rounds`` times over (each round in another rotation of the order); samples/s is measured between the end of
 the warm-up steps and the last step (set-up, table init and profiling excluded), and the
 median round is reported, with ratios to ``auto`` and to ``torchrec`` (the fused FBGEMM
-baseline). Every run is a process of its own: its peak RSS is then that strategy's alone
+baseline), and hotcache's hit rate and rows fetched and written back a step over the same
+steps, the hit rate marked ``*`` where the caches were still filling then (fewer rows evicted
+than fetched: at 10% the default window, steps 20-300, is half filling; ``--steps 520 --warmup
+240`` times a full cache). Every run is a process of its own: its peak RSS is then that strategy's alone
 (and memory one fit leaves behind, as TorchRec's CPU sharding does, cannot starve the next).
 Prints a table and writes benchmarks/results/cpu_throughput.json.
 
@@ -28,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from clock import StepClock, cache_counters, timed_trainer
+from clock import FILLING_NOTE, StepClock, cache_counters, still_filling, timed_trainer
 from report import add_ratios, rounds_of_jobs, write_report
 
 from datamodules import SyntheticCTRDataModule
@@ -55,8 +58,8 @@ def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
         "hit_rate": moved["hits"] / moved["lookups"] if moved["lookups"] else None,
         "fetched_rows_per_step": moved["fetched_rows"] / steps,
-        # 0 while the caches fill (nothing is evicted yet): a long run's steps write back.
         "written_back_rows_per_step": moved["written_back_rows"] / steps,
+        "caches_filling": still_filling(moved),
         # With the prefetch thread (`+thread`): steps whose batch was not staged in time. Inline
         # staging (the CPU's default) runs between steps, so every fetch is on the loop's path.
         "staging_waits_per_step": moved["staging_waits"] / steps,
@@ -123,12 +126,14 @@ def main(argv: list[str] | None = None) -> None:
           f"{'wait ms/step':>14}{'rows in/out a step':>20}{'peak RSS MiB':>14}  rounds")  # fmt: skip
     for name, r in results.items():
         paired = r.get("x_torchrec_paired", r.get("x_auto_paired", float("nan")))
-        hit_rate = "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.3f}"
+        hit_rate = "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.3f}{'*' if r.get('caches_filling') else ''}"
         print(
             f"{name:<32}{r['samples_per_s']:>12.0f}{r['x_auto']:>9.2f}{r['x_torchrec']:>12.2f}{paired:>8.2f}{hit_rate:>10}"
             f"{r['staging_waits_per_step']:>12.2f}{r['staging_wait_ms_per_step']:>14.2f}{_rows_moved(r):>20}{r['peak_rss_mib']:>14.0f}"
             f"  {' '.join(f'{x:.0f}' for x in r['rounds'])}"
         )
+    if any(r.get("caches_filling") for r in results.values()):
+        print(FILLING_NOTE)
     rows = sum(t.num_embeddings for t in SyntheticCTRDataModule(scale=args.scale).tables)
     write_report("cpu_throughput", args, results, rows=rows)
 

@@ -7,7 +7,10 @@ strategy, every run a process of its own, ``--rounds`` times over; the median ro
 reported. Per run: samples/s between the end of the warm-up steps and the last step (set-up,
 table init and profiling excluded); the cache's hit rate and the bytes its rows (with their
 optimizer state) moved host -> device and back per step over the same steps (the batches'
-own transfer, the same for every strategy, is not counted); how long a step waited, on
+own transfer, the same for every strategy, is not counted), and whether the caches were still
+filling then (fewer rows evicted than fetched: the table marks the hit rate with ``*``; the
+first ``--profile-batches`` steps read the profiled rows, all static at 10%, so a 10% cache
+fills only after them, by ~step 65 at scale 1.0); how long a step waited, on
 average, for hotcache's prefetch thread to stage its batch (0: staging keeps up), and that
 thread's own time per batch (waiting for the reader thread, which reads it from the loader and
 announces it; staging it, wall and CPU) and the reader's time announcing it; the peak device memory
@@ -77,7 +80,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from clock import StepClock, cache_counters, timed_trainer
+from clock import FILLING_NOTE, StepClock, cache_counters, still_filling, timed_trainer
 from report import add_ratios, rounds_of_jobs, write_report
 
 from torch import Tensor
@@ -225,7 +228,7 @@ def _cap_device_memory(args: argparse.Namespace) -> int | None:
 
 
 def _does_not_fit(error: BaseException, cap: int | None) -> dict[str, Any]:
-    keys = ("hit_rate", "fetched_rows_per_step", "h2d_bytes_per_step", "d2h_bytes_per_step", "staging_waits_per_step",
+    keys = ("hit_rate", "fetched_rows_per_step", "evicted_rows_per_step", "caches_filling", "h2d_bytes_per_step", "d2h_bytes_per_step", "staging_waits_per_step",
             "staging_wait_ms_per_step", "reading_ms_per_batch", "staging_ms_per_batch", "staging_cpu_ms_per_batch", "announcing_ms_per_batch",
             "device_peak_bytes", "peak_rss_mib")  # fmt: skip
     return {
@@ -271,6 +274,8 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
         "samples_per_s": clock.samples_per_s,
         "hit_rate": moved["hits"] / moved["lookups"] if moved["lookups"] else None,
         "fetched_rows_per_step": moved["fetched_rows"] / steps,
+        "evicted_rows_per_step": moved["evicted_rows"] / steps,
+        "caches_filling": still_filling(moved),
         "h2d_bytes_per_step": moved["h2d_bytes"] / steps,
         "d2h_bytes_per_step": moved["d2h_bytes"] / steps,
         # Steps whose batch the prefetch thread had not staged in time, and the wait per step.
@@ -319,13 +324,15 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         if "does_not_fit" in r:
             print(f"{name:<16}{'does not fit':>12}  {r['does_not_fit']}")
             continue
-        hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
+        hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}{'*' if r.get('caches_filling') else ''}"
         print(
             f"{name:<16}{r['samples_per_s']:>12,.0f}{r['x_auto']:>8.2f}{r['x_cpu-lookup']:>14.2f}{hit:>10}{_mib(r['h2d_bytes_per_step']):>14}"
             f"{_mib(r['d2h_bytes_per_step']):>14}{r['staging_wait_ms_per_step']:>22.2f}{_thread_ms(r):>46}{_mib(r['device_peak_bytes']):>17}"
             f"{_mib(r.get('cache_device_bytes')):>11}"
             f"{r['peak_rss_mib']:>14,.0f}  {' '.join(f'{x:,.0f}' for x in r['rounds'])}"
         )
+    if any(r.get("caches_filling") for r in results.values()):
+        print(FILLING_NOTE)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -24,10 +24,6 @@ same device memory:
   baseline the window is measured against (``model closed``: the share of the distance from
   it to ``belady`` that the window wins).
 
-Every cache here starts with its dynamic slots empty (a cold start), as Belady's does: the
-strategy's caches start with the plan's next hottest rows since (`DeviceCache.warm`), which
-adds hits in a trace's first batches only; the policies are compared from the same start.
-
 The share closed depends on the trace's length against the window: Belady sees the whole
 trace, so a window as long as the trace closes all of it. Measure windows on traces several
 times their length (``--trace-batches``).

@@ -169,9 +169,6 @@ class TablePlan:
         cache_slots: dynamic cache slots (0 for tables wholly on the device).
         device_bytes: what this table costs on the device (rows, state, bookkeeping).
         expected_hit_rate: fraction of lookups expected to find their row on the device.
-        warm_ids: ids the dynamic slots hold before the first batch, hottest first: the
-            profile's next-hottest after ``static_ids``, at most ``cache_slots`` (see
-            `DeviceCache.warm`); empty under the ``static`` policy and in plans saved before.
     """
 
     name: str
@@ -181,7 +178,6 @@ class TablePlan:
     cache_slots: int
     device_bytes: int
     expected_hit_rate: float
-    warm_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
     @property
     def on_device(self) -> bool:
@@ -190,15 +186,13 @@ class TablePlan:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["static_ids"] = "all" if self.on_device else self.static_ids.tolist()
-        data["warm_ids"] = self.warm_ids.tolist()
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "TablePlan":
         ids = data["static_ids"]
         static = np.arange(data["num_embeddings"]) if ids == "all" else np.asarray(ids, dtype=np.int64)
-        warm = np.asarray(data.get("warm_ids", []), dtype=np.int64)  # plans saved before warm starts lack them
-        return cls(**{**data, "static_ids": static, "warm_ids": warm})
+        return cls(**{**data, "static_ids": static})
 
 
 @dataclass(eq=False)
@@ -504,14 +498,11 @@ class HotColdPlanner:
                 continue
             assert stats is not None
             k = static_rows[t.name]
+            ids, _ = stats.top_ids(t.name, k)
             reach = k if self.cache_policy == "static" else k + slots[t.name]
-            # The rows the expected hit rate counts on: the hot ones static, the next ones the
-            # dynamic slots start with (a static policy's slots are emptied after every batch).
-            ranked = stats.top_ids(t.name, reach)[0].astype(np.int64)
-            ids = ranked[:k]
-            plans.append(TablePlan(t.name, t.num_embeddings, t.embedding_dim, np.sort(ids),
+            plans.append(TablePlan(t.name, t.num_embeddings, t.embedding_dim, np.sort(ids.astype(np.int64)),
                                    slots[t.name], self._split_bytes(t, len(ids), slots[t.name]),
-                                   _expected_hit_rate(stats, t, reach), warm_ids=ranked[k:]))  # fmt: skip
+                                   _expected_hit_rate(stats, t, reach)))  # fmt: skip
         device_tables = [t for t in tables if t.name in on_device]
         window = self.window_bytes(plans, stats)
         available = _available_host_memory()

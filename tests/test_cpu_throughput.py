@@ -21,3 +21,5 @@ def test_a_job_trains_the_tables_of_its_scale(capsys) -> None:
     # A tenth of those tables' bytes: each row's 16 floats and its row-wise Adagrad state (one float).
     assert result["budget_mib"] * 2**20 == pytest.approx(0.1 * rows * (16 + 1) * 4, abs=1)
     assert 0 < result["hit_rate"] < 1 and result["fetched_rows_per_step"] > 0 and result["samples_per_s"] > 0
+    # Eight steps cannot fill a tenth of the tables' cache: said, not passed off as a steady state.
+    assert result["caches_filling"] and result["written_back_rows_per_step"] == 0

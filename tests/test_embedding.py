@@ -9,9 +9,7 @@ import torch
 from test_embedding_exactness import TABLES, UPSTREAM, make_plan, zipf_batches
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
-from lightning_hotcache import RowWiseOptimizerConfig
-from lightning_hotcache.cache import CacheCapacityError, CacheCounters, DeviceCache, HostStore
-from lightning_hotcache.cache.group import TableInGroup
+from lightning_hotcache.cache import CacheCapacityError, DeviceCache, HostStore
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection
 from lightning_hotcache.embedding.batch import concat_spans, put_spans
 
@@ -110,63 +108,6 @@ def test_cold_cache_fills_empty_slots_before_evicting_anything(policy: str) -> N
     resident = cache.slot_map.lookup(torch.arange(1, 12)) >= 0
     assert cache.counters.evicted_rows == 1 and int(resident[1:3].sum()) == 1 and bool(resident[[0, *range(3, 11)]].all())
     assert torch.equal(cache.weight[slots], host.weight[[1, 11]])
-
-
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
-def test_warm_rows_fill_free_slots_clean_unread_and_uncounted(policy: str) -> None:
-    """The plan's warm rows are on the device before the first batch: their host rows, in
-    never-used slots, hottest first up to the free slots; not locked, not changed, not read,
-    and no lookup or fetch counted. A batch then hits them, and a miss evicts one (nothing
-    to write back)."""
-    sgd = RowWiseOptimizerConfig(name="sgd")
-    host = HostStore("t", 100, 4, sgd.state_widths(4))
-    host.load("weight", torch.arange(400, dtype=torch.float32).view(100, 4))
-    cache = DeviceCache("t", 100, 4, sgd, torch.tensor([0]), 4, policy, host, torch.device("cpu"))
-    # Repeats, a static id and more rows than slots: 0 and the second 9 are skipped, 50 does not fit.
-    assert cache.warm(torch.tensor([9, 0, 30, 9, 2, 41, 50])) == 4
-    warm = torch.tensor([2, 9, 30, 41])
-    slots = cache.slot_map.lookup(warm)
-    assert bool((slots >= 1).all()) and int(cache.slot_map.lookup(torch.tensor([50]))) == -1
-    assert torch.equal(cache.weight[slots], host.weight[warm])
-    assert cache.num_locked() == 0 and not bool(cache.dirty.any()) and int(cache.frequency[slots].sum()) == 0
-    assert cache.counters == CacheCounters()
-    cache.release(cache.acquire(torch.tensor([2, 41]))[1])
-    assert (cache.counters.lookups, cache.counters.hits, cache.counters.fetched_rows) == (2, 2, 0)
-    slots, ticket = cache.acquire(torch.tensor([77]))  # the cache is full: a warm row goes
-    assert torch.equal(cache.weight[slots], host.weight[[77]])
-    assert (cache.counters.evicted_rows, cache.counters.written_back_rows) == (1, 0)
-    assert cache.warm(torch.tensor([60])) == 0  # no never-used slot left
-
-
-def test_warm_ids_outside_the_table_are_a_clear_error_and_static_caches_warm_nothing() -> None:
-    sgd = RowWiseOptimizerConfig(name="sgd")
-    host = HostStore("t", 10, 2, sgd.state_widths(2))
-    cache = DeviceCache("t", 10, 2, sgd, torch.tensor([0]), 3, "lfu", host, torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"Table 't': warm ids must lie in \[0, 10\), got 12.*plan again"):
-        cache.warm(torch.tensor([1, 12]))
-    static = DeviceCache("t", 10, 2, sgd, torch.tensor([0]), 3, "static", host, torch.device("cpu"))
-    assert static.warm(torch.tensor([1, 2])) == 0 and int((static.id_of_slot >= 0).sum()) == 1
-
-
-@pytest.mark.parametrize("fraction", [0.05, 0.01])
-def test_a_module_starts_with_its_plans_warm_rows_holding_the_tables_values(fraction: float) -> None:
-    """Every split table's warm ids (a stack's too) are cached from the start, holding the
-    values the module was built from (refreshed when the tables were loaded)."""
-    torch.manual_seed(0)
-    plan = make_plan(zipf_batches(), fraction, 0, "lfu", warm=True)
-    ebc = EmbeddingBagCollection(tables=TABLES)
-    m = HotColdEmbeddingBagCollection.from_ebc(ebc, plan, cache_policy="lfu")
-    split = [t for t in plan.tables if not t.on_device]
-    assert all(len(t.warm_ids) for t in split)
-    for t in split:
-        cache = m.caches[t.name]
-        stack, start = (cache.group, cache.start) if isinstance(cache, TableInGroup) else (cache, 0)
-        warm = torch.as_tensor(t.warm_ids)
-        slots = stack.cached_slots(warm + start)
-        assert bool((slots >= 0).all())
-        torch.testing.assert_close(stack.weight[slots], ebc.embedding_bags[t.name].weight.detach()[warm], rtol=0, atol=0)
-        assert cache.counters == CacheCounters()
-    assert any(isinstance(m.caches[t.name], TableInGroup) for t in split)
 
 
 def test_reserved_victims_go_in_lfu_order_and_never_a_row_read_since_the_scan() -> None:

@@ -60,23 +60,17 @@ SUM_TABLES = [EmbeddingBagConfig(**{**t.__dict__, "pooling": PoolingType.SUM}) f
 KERNEL_TABLES = {"fbgemm": SUM_TABLES, "pytorch": TABLES}
 
 
-def make_plan(batches, fraction: float | None, depth: int, policy: str, tables=TABLES, warm: bool = False) -> HotColdPlan:
-    """fraction: share of each table's rows kept static (hottest first); None: the minimum (no
-    static rows). ``warm``: the dynamic slots start with the next hottest rows read, as the
-    planner's do; off by default, since these plans profile the very batches the tests train
-    on, and a cache warmed from them would hardly miss (nothing evicted) at 10% and 1%."""
+def make_plan(batches, fraction: float | None, depth: int, policy: str, tables=TABLES) -> HotColdPlan:
+    """fraction: share of each table's rows kept static (hottest first); None: the minimum (no static rows)."""
     plans = []
     for table in tables:
         ids = [torch.cat([b[f].values() for f in table.feature_names]) for b in batches]
         counts = torch.bincount(torch.cat(ids), minlength=table.num_embeddings)
         max_unique = max(len(i.unique()) for i in ids)
         k = 0 if fraction is None else int(fraction * table.num_embeddings)
-        ranked = torch.argsort(counts, descending=True, stable=True).numpy()
-        static = ranked[:k]
+        static = torch.argsort(counts, descending=True, stable=True)[:k].numpy()
         slots = (depth + 1) * max_unique
-        warm_ids = ranked[k : k + slots] if warm and policy != "static" else np.empty(0, np.int64)
-        warm_ids = warm_ids[counts.numpy()[warm_ids] > 0]
-        plans.append(TablePlan(table.name, table.num_embeddings, table.embedding_dim, static, slots, 0, 0.0, warm_ids=warm_ids))
+        plans.append(TablePlan(table.name, table.num_embeddings, table.embedding_dim, static, slots, 0, 0.0))
     return HotColdPlan(plans, budget_bytes=1, prefetch_depth=depth, cache_policy=policy)
 
 
@@ -159,26 +153,6 @@ def test_same_tables_and_state_as_torchrec(budget, policy, optimizer, storage, d
     if budget == "minimum":
         counters = module.caches["t_user"].counters
         assert counters.evicted_rows > 0 and counters.fetched_rows > 0  # the cache really cycled
-
-
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
-@pytest.mark.parametrize("kernel", list(KERNEL_TABLES))
-def test_a_warm_start_trains_what_torchrec_trains(policy, optimizer, kernel, tmp_path) -> None:
-    """Dynamic slots that start with the next hottest rows (`DeviceCache.warm`) hold the
-    tables' values and evict them as any row: the same tables and state as TorchRec's, at a
-    budget where the cache cycles."""
-    config = RowWiseOptimizerConfig(name=optimizer, lr=0.05)
-    tables = KERNEL_TABLES[kernel]
-    batches = zipf_batches()
-    plan = make_plan(batches, BUDGETS["minimum"], 2, policy, tables, warm=True)
-    assert len(plan.table("t_user").warm_ids) == plan.table("t_user").cache_slots
-    reference = train_reference(config, batches, UPSTREAM, tables)
-    chosen = "fbgemm" if kernel == "fbgemm" and optimizer in FUSED_OPTIMIZERS else "pytorch"
-    module = train_hotcache(config, batches, UPSTREAM, plan, policy, tmp_path, 2, tables, kernel=chosen)
-    assert_same(module, reference)
-    counters = module.caches["t_user"].counters
-    assert counters.evicted_rows > 0 and counters.hits > 0
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])

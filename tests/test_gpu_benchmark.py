@@ -14,6 +14,7 @@ import pytest
 import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # appended: shadows nothing
+import clock  # noqa: E402
 import gpu  # noqa: E402
 import report  # noqa: E402
 
@@ -22,14 +23,13 @@ SMOKE = ["--device", "cpu", "--scale", "0.001", "--steps", "5", "--rounds", "1"]
 
 def test_smoke_mode_reports_every_strategy(tmp_path, monkeypatch) -> None:
     # Each job in this process (the script gives every run a process of its own, seconds of
-    # imports each); small batches, so that the 1% budget splits tables, and a profile of two
-    # of them, so that the trained batches read rows the caches did not start with: rows move.
+    # imports each); small batches, so that the 1% budget splits tables and rows move.
     def job_here(script, settings, name, wrapper=()):
         return gpu.main([*settings, "--job", name])
 
     monkeypatch.setattr(report, "job_in_process", job_here)
     out = tmp_path / "gpu.json"
-    gpu.main([*SMOKE, "--batch-size", "64", "--profile-batches", "2", "--out", str(out)])
+    gpu.main([*SMOKE, "--batch-size", "64", "--out", str(out)])
     written = json.loads(out.read_text())
     # Where it ran: the processor by name and the SIMD level torch's CPU kernels dispatch to.
     capabilities = {"DEFAULT", "NO AVX", "AVX2", "AVX512", "SVE256", "VSX", "Z VECTOR"}  # get_cpu_capability's
@@ -47,12 +47,30 @@ def test_smoke_mode_reports_every_strategy(tmp_path, monkeypatch) -> None:
     split = results["hotcache@0.01"]
     assert split["cache_device_bytes"] < split["table_bytes"]
     assert 0 < split["hit_rate"] < 1 and split["h2d_bytes_per_step"] > 0
+    assert isinstance(split["caches_filling"], bool) and split["evicted_rows_per_step"] >= 0
+
+
+def test_a_window_without_evictions_is_reported_as_a_filling_cache(capsys) -> None:
+    """Rows fetched and fewer evicted (a full cache evicts one for each): the caches were
+    still filling, wholly or partly; about as many evicted, or none fetched (everything on the
+    device): a steady state."""
+    assert clock.still_filling({"fetched_rows": 100, "evicted_rows": 0})
+    assert clock.still_filling({"fetched_rows": 100, "evicted_rows": 60})
+    assert not clock.still_filling({"fetched_rows": 100, "evicted_rows": 95})
+    assert not clock.still_filling({"fetched_rows": 0, "evicted_rows": 0})
+    row = {"samples_per_s": 1.0, "x_auto": 1.0, "x_cpu-lookup": 1.0, "hit_rate": 0.9, "h2d_bytes_per_step": 0, "d2h_bytes_per_step": 0,
+           "staging_wait_ms_per_step": 0.0, "device_peak_bytes": None, "peak_rss_mib": 1, "rounds": [1.0]}  # fmt: skip
+    gpu.print_table({"hotcache@0.1": row | {"caches_filling": False}})
+    assert "0.900 " in capsys.readouterr().out
+    gpu.print_table({"hotcache@0.1": row | {"caches_filling": True}})
+    printed = capsys.readouterr().out
+    assert "0.900*" in printed and printed.rstrip().endswith(clock.FILLING_NOTE)
 
 
 def test_the_lookahead_policy_runs_when_named(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(report, "job_in_process", lambda script, settings, name, wrapper=(): gpu.main([*settings, "--job", name]))
     out = tmp_path / "gpu.json"
-    gpu.main([*SMOKE, "--batch-size", "64", "--profile-batches", "2", "--strategies", "auto", "hotcache@0.01+lookahead", "--out", str(out)])
+    gpu.main([*SMOKE, "--batch-size", "64", "--strategies", "auto", "hotcache@0.01+lookahead", "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     assert list(results) == ["auto", "hotcache@0.01+lookahead"] and 0 < results["hotcache@0.01+lookahead"]["hit_rate"] < 1
     assert gpu.strategies(gpu.parse_args(SMOKE))["hotcache@0.01+lookahead"]().cache_policy == "lookahead"

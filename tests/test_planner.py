@@ -132,24 +132,6 @@ def test_split_prefers_coverage_per_byte_and_respects_budget() -> None:
     assert skewed.cache_slots >= plan.batches_in_flight * st.unique_rows_per_batch("skewed")[1]
 
 
-@pytest.mark.parametrize("policy", ["lfu", "lru", "lookahead", "static"])
-def test_dynamic_slots_start_with_the_next_hottest_rows(policy: str) -> None:
-    """A split table's warm ids are the profile's ranking right after its static ids, as many
-    as it has dynamic slots (the rows its expected hit rate counts as cached); none under the
-    static policy, whose slots are emptied after every batch."""
-    st = stats()
-    plan = HotColdPlanner(0.1, SGD, prefetch_depth=1, cache_policy=policy).plan(TABLES, st)
-    for t in (plan.table(n) for n in ("skewed", "flat")):
-        assert not t.on_device
-        if policy == "static":
-            assert len(t.warm_ids) == 0
-            continue
-        ranked, _ = st.top_ids(t.name, len(t.static_ids) + t.cache_slots)
-        assert np.array_equal(t.warm_ids, ranked[len(t.static_ids) :]) and 0 < len(t.warm_ids) <= t.cache_slots
-        assert not set(t.warm_ids.tolist()) & set(t.static_ids.tolist())
-    assert len(plan.table("small").warm_ids) == 0  # whole on the device
-
-
 def test_more_budget_never_lowers_hit_rates() -> None:
     st = stats()
     rates = [
@@ -216,12 +198,6 @@ def test_json_round_trip_and_checks(tmp_path) -> None:
     plan.save(tmp_path / "plan.json")
     loaded = HotColdPlan.load(tmp_path / "plan.json", TABLES)
     assert loaded.to_dict() == plan.to_dict()
-    assert np.array_equal(loaded.table("skewed").warm_ids, plan.table("skewed").warm_ids) and len(plan.table("skewed").warm_ids)
-    # A plan saved before warm starts (no warm_ids) loads with none: its dynamic slots start empty.
-    older = plan.to_dict()
-    for table in older["tables"]:
-        del table["warm_ids"]
-    assert all(len(t.warm_ids) == 0 for t in HotColdPlan.from_dict(older).tables)
     other = [EmbeddingBagConfig(name="small", num_embeddings=51, embedding_dim=8, feature_names=["s"])]
     with pytest.raises(ValueError, match="51x8 in the model but 50x8 in the plan"):
         HotColdPlan.load(tmp_path / "plan.json", other)

@@ -47,7 +47,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -362,48 +361,6 @@ class DeviceCache:
             assert self.window is not None
             self.window.installed(slots, acquire.next_reads)
         return Acquired(slots[acquire.inverse], acquire.ticket, slots, acquire.inverse)
-
-    @torch.no_grad()
-    def warm(self, ids: Tensor) -> int:
-        """Fill never-used dynamic slots with rows ``ids`` (hottest first; those on the device
-        already, repeated, or beyond the free slots are skipped) before any batch, read from
-        the host store as a miss reads them; returns how many were placed.
-
-        An empty cache makes every row a batch reads miss until the slots fill: ~100 steps of
-        batches of 8,192 at 10% of the Criteo Kaggle tables, so a benchmark's first hundred
-        steps, and a run's, measured a cache with no evictions and no write-backs. The planner
-        passes the profile's next-hottest rows after the static ones (`TablePlan.warm_ids`),
-        those its expected hit rate counts as cached. The rows come in clean and unread
-        (frequency 0, so LFU drops them before anything read since), unlocked, and counted
-        neither as lookups nor as fetches; a later `load_rows` refreshes them as it does every
-        cached row. The ``static`` policy empties its dynamic slots after every batch: nothing
-        to warm."""
-        if self.identity or self.policy == "static" or len(ids) == 0:
-            return 0
-        ids = on_cpu(torch.as_tensor(ids), torch.int64)
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= self.num_embeddings:
-            raise ValueError(
-                f"Table {self.name!r}: warm ids must lie in [0, {self.num_embeddings}), got {low if low < 0 else high}. "
-                "The plan does not belong to these tables: plan again."
-            )
-        ids = ids[self.slot_map.lookup(ids) < 0]
-        first = torch.from_numpy(np.unique(ids.numpy(), return_index=True)[1])  # the first of each repeated id
-        ids = ids[first.sort().values][: self.num_dynamic - self._never_used_from].sort().values
-        if not len(ids):
-            return 0
-        victims = self._choose_victims(len(ids))  # never-used slots: nothing is evicted
-        rows = self._read_own(ids)
-        at = self._upload.to_device(victims)
-        for key, tensor in self.slots.items():
-            put_rows(tensor, at, rows[key])
-        dense = self._dense_map()
-        if dense is None:
-            self.slot_map.assign(ids, victims, ascending=True)
-        # Ticket 0: released before any batch is issued, so the slots are not locked.
-        directory.install(torch.empty(len(ids), dtype=torch.int64), torch.arange(len(ids)), victims, ids, self.id_of_slot,
-                          self.frequency, self.last_used, 0, slot_of_id=dense)  # fmt: skip
-        return len(ids)
 
     def count_lookups(self, count: int) -> None:
         """Lookups served without an `acquire` (a table wholly on the device, read at its rows)."""

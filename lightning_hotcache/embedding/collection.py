@@ -200,23 +200,10 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 self._region(table.name),
             )
             self.caches[table.name] = self._caches[table.name] = cache
-        self._warm_caches()
         self.caches = {t.name: self.caches[t.name] for t in self._tables}  # in table order
         self._caches = {key: self._caches[key] for key in self.layout.cache_keys}  # in layout order
         self._staging = Staging(self.layout, self._caches, self.device)
         self._lookup, self._update = self._step_parts()
-
-    def _warm_caches(self) -> None:
-        """Each cache's dynamic slots start with the plan's warm rows (`DeviceCache.warm`); a
-        stack's are its tables' ids offset to where each table starts in it. Their values are
-        refreshed when the tables are initialized or loaded (`DeviceCache.load_rows`)."""
-        for key, cache in self._caches.items():
-            members = self.layout.stacks.get(key)
-            if members is None:
-                cache.warm(torch.as_tensor(self.plan.table(key).warm_ids, dtype=torch.int64))
-                continue
-            starts = [self.layout.id_starts[t.name] for t in members]
-            cache.warm(torch.cat([torch.as_tensor(self.plan.table(t.name).warm_ids, dtype=torch.int64) + s for t, s in zip(members, starts)]))
 
     def _step_parts(self) -> tuple[Callable[[Any], Tensor], Any]:
         """The lookup and the update of this configuration (kernel x processes)."""
