@@ -112,3 +112,17 @@ def still_filling(moved: dict[str, float]) -> bool:
     measured fewer victims and write-backs than a steady state pays every step (every 10% GPU
     figure before 2026-11-29: its timed steps evicted nothing)."""
     return moved["fetched_rows"] > 0 and moved["evicted_rows"] < 0.9 * moved["fetched_rows"]
+
+
+def hit_rate_text(result: dict[str, Any]) -> str:
+    """A result's hit rate as a results table shows it: ``-`` without a cache, marked ``*``
+    where its caches were still filling (`FILLING_NOTE`)."""
+    if result.get("hit_rate") is None:
+        return "-"
+    return f"{result['hit_rate']:.3f}{'*' if result.get('caches_filling') else ''}"
+
+
+def print_filling_note(results: dict[str, dict[str, Any]]) -> None:
+    """`FILLING_NOTE`, under a results table where a result's caches were still filling."""
+    if any(r.get("caches_filling") for r in results.values()):
+        print(FILLING_NOTE)

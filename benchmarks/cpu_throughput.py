@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from clock import FILLING_NOTE, StepClock, cache_counters, still_filling, timed_trainer
+from clock import StepClock, cache_counters, hit_rate_text, print_filling_note, still_filling, timed_trainer
 from report import add_ratios, rounds_of_jobs, write_report
 
 from datamodules import SyntheticCTRDataModule
@@ -126,14 +126,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{'wait ms/step':>14}{'rows in/out a step':>20}{'peak RSS MiB':>14}  rounds")  # fmt: skip
     for name, r in results.items():
         paired = r.get("x_torchrec_paired", r.get("x_auto_paired", float("nan")))
-        hit_rate = "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.3f}{'*' if r.get('caches_filling') else ''}"
+        hit_rate = hit_rate_text(r)
         print(
             f"{name:<32}{r['samples_per_s']:>12.0f}{r['x_auto']:>9.2f}{r['x_torchrec']:>12.2f}{paired:>8.2f}{hit_rate:>10}"
             f"{r['staging_waits_per_step']:>12.2f}{r['staging_wait_ms_per_step']:>14.2f}{_rows_moved(r):>20}{r['peak_rss_mib']:>14.0f}"
             f"  {' '.join(f'{x:.0f}' for x in r['rounds'])}"
         )
-    if any(r.get("caches_filling") for r in results.values()):
-        print(FILLING_NOTE)
+    print_filling_note(results)
     rows = sum(t.num_embeddings for t in SyntheticCTRDataModule(scale=args.scale).tables)
     write_report("cpu_throughput", args, results, rows=rows)
 

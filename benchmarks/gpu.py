@@ -80,7 +80,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from clock import FILLING_NOTE, StepClock, cache_counters, still_filling, timed_trainer
+from clock import StepClock, cache_counters, hit_rate_text, print_filling_note, still_filling, timed_trainer
 from report import add_ratios, rounds_of_jobs, write_report
 
 from torch import Tensor
@@ -324,15 +324,14 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         if "does_not_fit" in r:
             print(f"{name:<16}{'does not fit':>12}  {r['does_not_fit']}")
             continue
-        hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}{'*' if r.get('caches_filling') else ''}"
+        hit = hit_rate_text(r)
         print(
             f"{name:<16}{r['samples_per_s']:>12,.0f}{r['x_auto']:>8.2f}{r['x_cpu-lookup']:>14.2f}{hit:>10}{_mib(r['h2d_bytes_per_step']):>14}"
             f"{_mib(r['d2h_bytes_per_step']):>14}{r['staging_wait_ms_per_step']:>22.2f}{_thread_ms(r):>46}{_mib(r['device_peak_bytes']):>17}"
             f"{_mib(r.get('cache_device_bytes')):>11}"
             f"{r['peak_rss_mib']:>14,.0f}  {' '.join(f'{x:,.0f}' for x in r['rounds'])}"
         )
-    if any(r.get("caches_filling") for r in results.values()):
-        print(FILLING_NOTE)
+    print_filling_note(results)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

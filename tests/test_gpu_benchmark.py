@@ -58,6 +58,7 @@ def test_a_window_without_evictions_is_reported_as_a_filling_cache(capsys) -> No
     assert clock.still_filling({"fetched_rows": 100, "evicted_rows": 60})
     assert not clock.still_filling({"fetched_rows": 100, "evicted_rows": 95})
     assert not clock.still_filling({"fetched_rows": 0, "evicted_rows": 0})
+    assert clock.hit_rate_text({"hit_rate": None, "caches_filling": False}) == "-"  # no cache (auto)
     row = {"samples_per_s": 1.0, "x_auto": 1.0, "x_cpu-lookup": 1.0, "hit_rate": 0.9, "h2d_bytes_per_step": 0, "d2h_bytes_per_step": 0,
            "staging_wait_ms_per_step": 0.0, "device_peak_bytes": None, "peak_rss_mib": 1, "rounds": [1.0]}  # fmt: skip
     gpu.print_table({"hotcache@0.1": row | {"caches_filling": False}})
