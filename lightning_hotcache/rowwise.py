@@ -285,7 +285,7 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         row straight into a large table at random rows made the zoo's embedding step 1.16-1.25x
         as long (benchmarks/cache_micro.py's `plain`, dim 16 and 64), as it made hotcache's
         (`step_read_rows`)."""
-        rows, summed = sum_by_index(keys, grads)
+        rows, summed = sum_by_index(keys, grads, stack.num_rows)
         weight_stack = stacked_rows(stack.tables)
         if weight_stack is not None:
             weights = weight_stack.index_select(0, rows)

@@ -12,6 +12,13 @@ small integers, is a radix sort in numpy (23 vs 122 us for 8k ids). From 32768 i
 Kaggle tables, 9 against 33 ms for 262k (AMD EPYC, 2 cores), where 32767 ids take 1.5 ms.
 Both give exactly torch's results. Tensors on other devices use torch's own ops.
 
+The distinct rows of a table whose size is known (`distinct_rows`: a device table's reads,
+gradient rows summed by row) need no sort at all while the table is small beside the ids:
+each row is marked in a bitmap of the table's rows and numbered by the marks below it, three
+passes without the GIL. 0.27 against torch's 1.7 ms for 53k Zipf ids of a 3.4M-row table
+(a 10% cache's device table at scale 1.0), 0.77 against 1.5 for 24M rows; 6.3 against 1.6
+for 34M rows, where the bitmap's fresh pages cost more than the sort (2-core Intel Xeon).
+
 Summing gradient rows by index (`sum_by_index`) is a sparse COO gradient's ``coalesce``
 without the COO: the distinct indices and an ``index_add_`` of the rows into them. On CPU (AMD
 EPYC, 2 cores) it took 1.5 / 5.0 / 24 ms where ``coalesce`` took 3.7 / 10.1 / 60 ms for 53k Zipf
@@ -30,6 +37,7 @@ import torch
 from torch import Tensor
 
 from lightning_hotcache._compat import add_to_each
+from lightning_hotcache.compiled import without_gil
 
 
 # A batch's ids as `unique` with counts finds them: the distinct ids ascending, each id's
@@ -39,6 +47,11 @@ Distinct = tuple[Tensor, Tensor, Tensor]
 # torch's CPU sort of integers is FBGEMM's radix sort (parallel under OpenMP) from this many
 # values on: `at::internal::GRAIN_SIZE` (ATen's SortingKernel.cpp, `can_use_radix_sort`).
 RADIX_SORT_FROM = 32768
+
+# `distinct_rows` marks rows in a bitmap for tables up to this many rows (a 2 MiB bitmap) and
+# up to 32 bitmap words per id; beyond either a pass over the bitmap costs more than a sort.
+MARKS_UP_TO_ROWS = 1 << 24
+MARK_WORDS_PER_ID = 32
 
 
 def unique(ids: Tensor, return_counts: bool = False) -> tuple[Tensor, ...]:
@@ -50,6 +63,55 @@ def unique(ids: Tensor, return_counts: bool = False) -> tuple[Tensor, ...]:
     distinct, inverse = torch.from_numpy(found[0]), torch.from_numpy(found[1].reshape(-1).astype(np.int64, copy=False))
     if return_counts:
         return distinct, inverse, torch.from_numpy(found[2].astype(np.int64, copy=False))
+    return distinct, inverse
+
+
+def distinct_rows(rows: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """``torch.unique(rows, sorted=True, return_inverse=True)`` of 1-D int64 ``rows``, every one
+    of them in ``[0, num_rows)`` (a row out of it is a ``ValueError``): the distinct rows
+    ascending and each row's position among them."""
+    words = (num_rows + 63) // 64
+    if rows.device.type != "cpu" or rows.dim() != 1 or rows.dtype != torch.int64 or num_rows > MARKS_UP_TO_ROWS or words > MARK_WORDS_PER_ID * len(rows):
+        return torch.unique(rows, sorted=True, return_inverse=True)
+    distinct, inverse = _distinct_marked(rows.numpy(), num_rows)
+    if len(inverse) and inverse[0] < 0:  # the compiled loop's flag: a row outside the table
+        outside = rows[(rows < 0) | (rows >= num_rows)]
+        raise ValueError(f"row {outside[0].item()} is outside the table's {num_rows} rows")
+    return torch.from_numpy(distinct), torch.from_numpy(inverse)
+
+
+@without_gil
+def _popcount(word):  # type: ignore[no-untyped-def]
+    """Set bits of a uint64 (numba has no popcount of its own)."""
+    word = word - ((word >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    word = (word & np.uint64(0x3333333333333333)) + ((word >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    word = (word + (word >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return np.int64((word * np.uint64(0x0101010101010101)) >> np.uint64(56))
+
+
+@without_gil
+def _distinct_marked(rows, num_rows):  # type: ignore[no-untyped-def]
+    """`distinct_rows` by a bitmap: mark every row, count the marks before each word, then a
+    row's position is that count plus the marks below it in its word (-1 first where a row is
+    outside the table, and nothing else written)."""
+    one = np.uint64(1)
+    marks = np.zeros((num_rows + 63) // 64, np.uint64)
+    for row in rows:
+        if row < 0 or row >= num_rows:
+            return np.empty(0, np.int64), np.full(len(rows), -1, np.int64)
+        marks[row >> 6] |= one << np.uint64(row & 63)
+    before = np.empty(len(marks), np.int64)
+    total = 0
+    for word in range(len(marks)):
+        before[word] = total
+        total += _popcount(marks[word])
+    distinct = np.empty(total, np.int64)
+    inverse = np.empty(len(rows), np.int64)
+    for i in range(len(rows)):
+        row = rows[i]
+        position = before[row >> 6] + _popcount(marks[row >> 6] & ((one << np.uint64(row & 63)) - one))
+        inverse[i] = position
+        distinct[position] = row
     return distinct, inverse
 
 
@@ -77,13 +139,17 @@ def lowest_first(values: Tensor, count: int) -> Tensor:
     return torch.from_numpy(lowest[np.argsort(found[lowest])])
 
 
-def sum_by_index(indices: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+def sum_by_index(indices: Tensor, rows: Tensor, num_rows: int | None = None) -> tuple[Tensor, Tensor]:
     """The distinct ``indices`` (ascending) and the float32 sum of ``rows`` at each: what
-    coalescing a sparse gradient with these indices and values gives."""
+    coalescing a sparse gradient with these indices and values gives (``num_rows``: the
+    indices' bound, where known: `distinct_rows` then finds them)."""
     # torch's unique, not `unique`'s numpy path: what coalescing sorts with, so never slower than
     # it; numpy's was 2.4 vs 0.5 ms for 53k Zipf ids on an AMD EPYC (AVX-512), against the Intel
     # figures above.
-    distinct, inverse = torch.unique(indices, sorted=True, return_inverse=True)
+    if num_rows is None:
+        distinct, inverse = torch.unique(indices, sorted=True, return_inverse=True)
+    else:
+        distinct, inverse = distinct_rows(indices, num_rows)
     summed = torch.zeros(len(distinct), rows.shape[1], dtype=torch.float32, device=rows.device)
     return distinct, summed.index_add_(0, inverse.to(rows.device), rows.to(torch.float32))
 
@@ -95,8 +161,9 @@ def sum_stacked_rows(indices: Sequence[Tensor], rows: Sequence[Tensor], first_ro
     distinct own rows, in that order. One sort for all the tables, not one per table (26
     tables' coalescing was a tenth of a step across ranks)."""
     # Offsets added in one op, not one per table (26 kernels on CUDA).
-    distinct, summed = sum_by_index(torch.cat(add_to_each(list(indices), list(first_rows))), torch.cat(list(rows)))
-    return distinct, summed, split_stack_rows(distinct, first_rows, first_rows[-1] + sizes[-1])
+    end = first_rows[-1] + sizes[-1]
+    distinct, summed = sum_by_index(torch.cat(add_to_each(list(indices), list(first_rows))), torch.cat(list(rows)), end)
+    return distinct, summed, split_stack_rows(distinct, first_rows, end)
 
 
 def split_stack_rows(rows: Tensor, first_rows: Sequence[int], end: int) -> list[Tensor]:

@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_hotcache.sorting import RADIX_SORT_FROM, group_by_owner, lowest_first, sum_by_index, unique
+from lightning_hotcache import sorting
+from lightning_hotcache.sorting import (
+    MARK_WORDS_PER_ID,
+    MARKS_UP_TO_ROWS,
+    RADIX_SORT_FROM,
+    distinct_rows,
+    group_by_owner,
+    lowest_first,
+    sum_by_index,
+    unique,
+)
 
 
 @pytest.mark.parametrize("ids", [[], [7], [5, 3, 5, 5, 0, 3, 2**40], list(range(100, 0, -1)) * 3], ids=["empty", "one", "repeats", "descending"])
@@ -24,6 +34,56 @@ def test_unique_of_random_ids_and_of_a_strided_view(size: int) -> None:
     ids = torch.randint(0, 2 * size, (size,), generator=torch.Generator().manual_seed(0))
     for view in (ids, ids[::3]):
         assert all(torch.equal(a, b) for a, b in zip(unique(view, return_counts=True), torch.unique(view, return_inverse=True, return_counts=True)))
+
+
+@pytest.mark.parametrize(
+    ("rows", "num_rows"),
+    [([0], 1), ([63, 64, 0, 63, 127, 128], 129), ([5, 5, 5], 6), (list(range(199, -1, -2)) * 2, 200)],
+    ids=["one-row-table", "word-edges", "one-distinct", "descending"],
+)
+def test_distinct_rows_is_torchs_unique(rows: list[int], num_rows: int) -> None:
+    rows = torch.tensor(rows, dtype=torch.int64)
+    for ours, torchs in zip(distinct_rows(rows, num_rows), torch.unique(rows, sorted=True, return_inverse=True)):
+        assert ours.dtype == torchs.dtype == torch.int64
+        assert torch.equal(ours, torchs)
+
+
+@pytest.mark.parametrize("num_rows", [1_000, 3_400_017, MARKS_UP_TO_ROWS + 1])
+def test_distinct_rows_of_zipf_rows_marked_or_sorted(num_rows: int) -> None:
+    # A table small beside the ids is marked in a bitmap, the largest ones sorted: both are torch's.
+    g = torch.Generator().manual_seed(num_rows)
+    rows = (torch.empty(53_248).exponential_(generator=g).pow_(3).mul_(100).long() * 7919) % num_rows
+    rows[:2] = torch.tensor([0, num_rows - 1])
+    for view in (rows, rows[::3]):
+        assert all(torch.equal(a, b) for a, b in zip(distinct_rows(view, num_rows), torch.unique(view, sorted=True, return_inverse=True)))
+
+
+@pytest.mark.parametrize("bad", [-1, 640])
+def test_distinct_rows_names_a_row_outside_the_table(bad: int) -> None:
+    rows = torch.tensor([3, bad, 7], dtype=torch.int64)
+    assert (640 + 63) // 64 <= MARK_WORDS_PER_ID * len(rows)  # the bitmap's path, which checks
+    with pytest.raises(ValueError, match=f"row {bad} is outside the table's 640 rows"):
+        distinct_rows(rows, 640)
+
+
+def test_distinct_rows_marks_only_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
+    marked = []
+    real = sorting._distinct_marked
+    monkeypatch.setattr(sorting, "_distinct_marked", lambda *args: marked.append(args[1]) or real(*args))
+    rows = torch.arange(1_000, dtype=torch.int64)
+    distinct_rows(rows, 64 * MARK_WORDS_PER_ID * 1_000)  # the bitmap's words: 32 per id
+    distinct_rows(rows, 64 * MARK_WORDS_PER_ID * 1_000 + 64)  # one word more: sorted
+    distinct_rows(rows[:0], 10)  # nothing to mark
+    distinct_rows(rows.int(), 1_000)  # not int64: torch's
+    assert marked == [64 * MARK_WORDS_PER_ID * 1_000]
+
+
+def test_sum_by_index_with_a_bound_is_the_same_sum() -> None:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 300, (2_000,), generator=g)
+    rows = torch.randn(2_000, 4, generator=g)
+    for a, b in zip(sum_by_index(ids, rows, 300), sum_by_index(ids, rows)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("world", [1, 2, 200, 40_000])

@@ -48,7 +48,7 @@ from lightning_hotcache.embedding.batch import (
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.guards import check_not_empty
 from lightning_hotcache.host_rows import on_cpu
-from lightning_hotcache.sorting import Distinct, unique
+from lightning_hotcache.sorting import Distinct, distinct_rows, unique
 
 
 # A batch's ids as staging finds them (`Staging._ids`): the features checked and in the
@@ -198,15 +198,13 @@ class Staging:
             if self.sorts_reads_on_device:
                 reads = [sorted_reads(_rows_in(on_the_device, spans)) for spans in spans_of_tables]
             else:
-                reads = [self._distinct_reads(_rows_in(indices, spans)) for spans in spans_of_tables]
+                reads = [self._distinct_reads(_rows_in(indices, spans), rows) for spans, rows in zip(spans_of_tables, self.layout.device_rows)]
         return StagedBatch(arriving, ours, on_the_device, tickets, read, reads=reads)
 
-    def _distinct_reads(self, rows: Tensor) -> TableReads:
-        """A device table's reads found on the host: the distinct ``rows`` (every value's row),
-        and each value's place among them."""
-        # torch's unique, not `unique`'s numpy path: with the inverse of 200k ids numpy's was
-        # slower on an AMD EPYC (see `sum_by_index`).
-        distinct, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+    def _distinct_reads(self, rows: Tensor, num_rows: int) -> TableReads:
+        """A device table's reads found on the host: the distinct ``rows`` (every value's row,
+        of the table's ``num_rows``), and each value's place among them."""
+        distinct, inverse = distinct_rows(rows, num_rows)
         return TableReads(to_device(distinct, self.device), to_device(inverse, self.device))
 
     def take(self, features: KeyedJaggedTensor, training: bool) -> StagedBatch:
