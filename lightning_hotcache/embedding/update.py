@@ -39,7 +39,7 @@ from lightning_hotcache.cache.exchange import (
     send_rows_along,
 )
 from lightning_hotcache.cache.owned_rows import OwnedRows
-from lightning_hotcache.sorting import sum_rows_by_index
+from lightning_hotcache.sorting import sum_bag_rows, sum_rows_by_index
 from lightning_hotcache.embedding.batch import StagedBatch, concat_spans, runs_of
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.embedding.staging import Staging
@@ -91,8 +91,8 @@ class SummingUpdate:
     """PyTorch, one process: the lookup's backward hands over the output's gradient, and each
     device table's rows (a width: its stack and its whole tables) get the rule from their
     summed gradient. Staging found the batch's distinct rows and each value's place among them
-    on the host (`TableReads`), so a width's step is a fixed number of ops (gradient rows of its
-    values, one ``index_add_``, gather-step-scatter) with no sort, no sparse tensor and nothing
+    on the host (`TableReads`), so a width's step is a fixed number of ops (its values' gradient
+    rows summed at their distinct rows, `sum_bag_rows`; gather-step-scatter) with no sort, no sparse tensor and nothing
     for the host to wait on."""
 
     def __init__(
@@ -124,8 +124,8 @@ class SummingUpdate:
 
     def on_output_gradient(self, staged: StagedBatch, grad: Tensor) -> None:
         for table, state, features, reads in zip(self.tables, self._states, self._features, staged.reads):
-            rows = features.value_gradients(staged.ours, grad, self.is_weighted)
-            step_read_rows(self.optimizer, table["weight"], state, reads.rows, reads.inverse, rows, reads.segment)
+            summed = features.summed_gradients(staged.ours, grad, self.is_weighted, reads.inverse, len(reads.rows))
+            step_read_rows(self.optimizer, table["weight"], state, reads.rows, summed, reads.segment)
         self.staging.finish(staged)  # changed: written back on eviction
 
 
@@ -158,9 +158,10 @@ class _TableFeatures:
             torch.tensor(mean, device=device) if any(mean) else None, all(mean),
         )  # fmt: skip
 
-    def value_gradients(self, ours: KeyedJaggedTensor, grad: Tensor, is_weighted: bool) -> Tensor:
-        """The gradient row of each value of these features in ``ours``, features end to end,
-        from the output's gradient ``grad`` (batch, sum of dims)."""
+    def summed_gradients(self, ours: KeyedJaggedTensor, grad: Tensor, is_weighted: bool, inverse: Tensor, num_rows: int) -> Tensor:
+        """The summed gradient row of each of the ``num_rows`` distinct rows these features read
+        in ``ours`` (``inverse``: each value's, features end to end), from the output's gradient
+        ``grad`` (batch, sum of dims): a value's gradient row is its bag's (times its weight)."""
         batch, count = ours.stride(), len(self.features)
         if self.columns is None:
             per_bag = grad[:, self.first_column : self.first_column + count * self.dim]
@@ -176,12 +177,8 @@ class _TableFeatures:
             if not self.all_mean:
                 scale = torch.where(self.mean.repeat_interleave(batch, output_size=count * batch), scale, 1.0)
             per_bag = per_bag * scale[:, None]
-        num_values = sum(b - a for a, b in spans)
-        bag_of_value = torch.repeat_interleave(torch.arange(count * batch, device=grad.device), bag_lengths, output_size=num_values)
-        rows = per_bag.index_select(0, bag_of_value)
-        if is_weighted:
-            rows = rows * concat_spans(ours.weights(), spans).to(grad.device, grad.dtype)[:, None]
-        return rows
+        weights = concat_spans(ours.weights(), spans).to(grad.device, grad.dtype) if is_weighted else None
+        return sum_bag_rows(per_bag, bag_lengths, inverse, num_rows, weights)
 
 
 @dataclass(frozen=True)
@@ -263,10 +260,9 @@ class OwnersUpdate:
         with self.staging.locked():
             reads: _Reads = staged.exchange
             summed = []
-            for read, value_rows in zip(reads.tables, self.value_gradients(staged.ours, grad)):
-                rows = torch.zeros(len(read.keys), value_rows.shape[1], dtype=torch.float32, device=value_rows.device)
-                # DDP's average (``alpha`` of index_add_ would scale each add: 3x slower on CPU).
-                summed.append(rows.index_add_(0, read.inverse, value_rows).mul_(1 / self.sharding.world))
+            for read, features in zip(reads.tables, self._features):
+                rows = features.summed_gradients(staged.ours, grad, self.is_weighted, read.inverse, len(read.keys))
+                summed.append(rows.mul_(1 / self.sharding.world))  # DDP's average
             in_flight = send_rows_along(reads.route, [rows[read.remote] for read, rows in zip(reads.tables, summed)], self.sharding)
             self.settle()  # two backwards in a row (no forward between) apply in order
             self._pending = (reads, summed, in_flight)
@@ -287,9 +283,3 @@ class OwnersUpdate:
             totals = sum_rows_by_index(keys, rows, [o.num_keys for o in self.owned])
             for owned, (distinct, total) in zip(self.owned, totals):
                 owned.apply(distinct, total, self.optimizer)
-
-    def value_gradients(self, ours: KeyedJaggedTensor, grad: Tensor) -> list[Tensor]:
-        """Per device table, the gradient row of every value of its features that ``ours``
-        read (features end to end, repeats not summed), from the output's gradient ``grad``:
-        what FBGEMM's backward forms before it updates."""
-        return [features.value_gradients(ours, grad, self.is_weighted) for features in self._features]
