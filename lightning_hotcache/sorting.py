@@ -163,9 +163,9 @@ def sum_bag_rows(per_bag: Tensor, bag_lengths: Tensor, inverse: Tensor, num_rows
     gathered and then added (1.1 against 3.4 ms for 53k values of dim 16, 1.2 against 8.0
     weighted; 2-core Intel Xeon)."""
     summed = torch.zeros(num_rows, per_bag.shape[1], dtype=torch.float32, device=per_bag.device)
-    bag_ends = bag_lengths.cumsum(0)
     on_cpu = per_bag.device.type == "cpu" and per_bag.dtype == torch.float32 and inverse.device.type == "cpu"
-    if on_cpu and (weights is None or weights.dtype == torch.float32) and len(bag_ends):
+    if on_cpu and (weights is None or weights.dtype == torch.float32) and len(bag_lengths):
+        bag_ends = bag_lengths.cumsum(0)
         if int(bag_ends[-1]) != len(inverse):
             raise ValueError(f"the bags hold {int(bag_ends[-1])} values, but {len(inverse)} have a row")
         weights_view = _NO_WEIGHTS if weights is None else weights.numpy()
