@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_hotcache._compat import add_to_each
 from lightning_hotcache.host_rows import put_rows
-from lightning_hotcache.sorting import split_stack_rows, sum_by_index
+from lightning_hotcache.sorting import sort_with_repeats, split_stack_rows, sum_by_index
 from lightning_hotcache.stacked_tables import stacked_rows
 
 RowWiseOptimizerName = Literal["sgd", "rowwise_adagrad", "adam"]
@@ -37,6 +37,8 @@ DEFAULT_EPS: dict[str, float] = {"sgd": 1e-10, "rowwise_adagrad": 1e-10, "adam":
 # One format for every strategy, so training resumes under another strategy than it started.
 ROW_STATE_KEY = "embedding_row_state"
 ROWWISE_OPTIMIZERS: tuple[str, ...] = ("sgd", "rowwise_adagrad", "adam")
+# Devices where a stack's row step sorts its rows with repeats kept (`RowWiseOptimizer._step_width`).
+SORTS_WITH_REPEATS_ON = frozenset({"cuda"})
 # Gradient rows of tables of one width: each one's row (repeats allowed), and the rows themselves.
 GradientRows = tuple[Tensor, Tensor]
 
@@ -280,8 +282,17 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         row straight into a large table at random rows made the zoo's embedding step 1.16-1.25x
         as long (benchmarks/cache_micro.py's `plain`, dim 16 and 64), as it made hotcache's
         (`step_read_rows`)."""
-        rows, summed = sum_by_index(keys, grads, stack.num_rows)
         weight_stack = stacked_rows(stack.tables)
+        if weight_stack is not None and keys.device.type in SORTS_WITH_REPEATS_ON:
+            # The distinct rows' count (``unique``'s output size) would make the host wait for
+            # the device: every key's row is stepped instead, sorted with repeats kept, each
+            # repeat from its distinct row's sum (they write the same values), as hotcache's
+            # PyTorch path does on CUDA (`embedding.batch.sorted_reads`).
+            ordered, inverse, segment = sort_with_repeats(keys)
+            summed = torch.zeros(len(keys), grads.shape[1], dtype=torch.float32, device=grads.device)
+            step_read_rows(self.config, weight_stack, stack.arrays, ordered, summed.index_add_(0, inverse, grads.to(torch.float32)), segment)
+            return
+        rows, summed = sum_by_index(keys, grads, stack.num_rows)
         if weight_stack is not None:
             weights = weight_stack.index_select(0, rows)
         else:

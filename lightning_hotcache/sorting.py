@@ -154,6 +154,17 @@ def sum_by_index(indices: Tensor, rows: Tensor, num_rows: int | None = None) -> 
     return distinct, summed.index_add_(0, inverse.to(rows.device), rows.to(torch.float32))
 
 
+def sort_with_repeats(rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``rows`` sorted with repeats kept, each row's place among the distinct ones (as
+    ``unique``'s inverse), and the distinct row of each sorted one: ops whose sizes are known
+    on the host, so that on CUDA none waits for the device, as ``unique`` would (its size)."""
+    ordered, order = torch.sort(rows)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    torch.ne(ordered[1:], ordered[:-1], out=starts[1:])
+    segment = starts.cumsum(0).sub_(1)
+    return ordered, torch.empty_like(segment).scatter_(0, order, segment), segment
+
+
 def sum_bag_rows(per_bag: Tensor, bag_lengths: Tensor, inverse: Tensor, num_rows: int, weights: Tensor | None = None) -> Tensor:
     """The float32 sum of every value's gradient row at its distinct row (``inverse``: each
     value's, below ``num_rows``), where values come bag after bag (``bag_lengths``) and a value's

@@ -15,7 +15,7 @@ from conftest import tiny_synthetic
 from test_step_ops import _CountOps
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
-from lightning_hotcache import sorting
+from lightning_hotcache import rowwise, sorting
 from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
 from lightning_hotcache.rowwise import RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
 from lightning_hotcache.stacked_tables import stack_tables, stacked_rows
@@ -120,8 +120,13 @@ def test_a_table_taken_out_of_the_stack_is_looked_up_and_stepped_where_it_is() -
     assert not torch.equal(own, left_behind) and torch.equal(stack[ROWS : 2 * ROWS + 1], left_behind)
 
 
+@pytest.mark.parametrize("sort", ["distinct", "with-repeats"])
 @pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
-def test_auto_steps_on_the_stack_as_on_tables_apart(optimizer: str) -> None:
+def test_auto_steps_on_the_stack_as_on_tables_apart(optimizer: str, sort: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "with-repeats": the stack's rows sorted as on CUDA (`SORTS_WITH_REPEATS_ON`), every read
+    # row stepped, repeats from their distinct row's sum.
+    if sort == "with-repeats":
+        monkeypatch.setattr(rowwise, "SORTS_WITH_REPEATS_ON", frozenset({"cpu"}))
     results = []
     for stacked in (True, False):
         ebc = _collection(4, stacked)
@@ -150,6 +155,11 @@ def _ops_of_a_step(num_tables: int, stacked: bool, hand_over: bool = False) -> i
             optimizer.step()
         counts.append(counter.count)
     return max(counts[1:])  # the first step builds the optimizer's state
+
+
+def test_autos_step_ops_do_not_grow_with_stacked_tables_sorted_as_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rowwise, "SORTS_WITH_REPEATS_ON", frozenset({"cpu"}))
+    assert _ops_of_a_step(26, stacked=True, hand_over=True) == _ops_of_a_step(8, stacked=True, hand_over=True)
 
 
 def test_autos_step_ops_do_not_grow_with_stacked_tables() -> None:
@@ -212,22 +222,27 @@ def test_a_zoo_model_with_stacked_tables_exports() -> None:
     torch.testing.assert_close(exported.module()(batch.dense_features, batch.sparse_features), expected)
 
 
-def test_the_row_step_on_the_stack_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Its distinct rows' count (a sort's output size); tables apart also read where each
-    # table's rows end among them, to split them (counted on the CPU as CUDA would wait, with
-    # the sort CUDA takes: no CPU bitmap of the rows).
+def test_the_row_step_on_the_stack_waits_for_no_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Counted on the CPU as CUDA would wait. On CUDA a stack's rows are sorted with repeats
+    # kept (`SORTS_WITH_REPEATS_ON`): nothing is read. Sorted to distinct rows (the CPU's way,
+    # its bitmap of the rows aside), the step reads their count (a sort's output size); tables
+    # apart also read where each table's rows end among them, to split them, on every device.
     from test_step_ops import _CountSyncPoints
 
     monkeypatch.setattr(sorting, "MARKS_UP_TO_ROWS", 0)
     reads = {}
-    for stacked, hand_over in itertools.product((True, False), (True, False)):
+    for repeats, stacked, hand_over in itertools.product((True, False), repeat=3):
         ebc = _collection(4, stacked)
         optimizer = RowWiseOptimizer(ebc.parameters(), RowWiseOptimizerConfig("rowwise_adagrad"))
         pooled_in_one_node(ebc, _batch(4), optimizer.add_row_gradients if hand_over else None).sum().backward()
-        with _CountSyncPoints() as counter:
+        with monkeypatch.context() as patch, _CountSyncPoints() as counter:
+            if repeats:
+                patch.setattr(rowwise, "SORTS_WITH_REPEATS_ON", frozenset({"cpu"}))
             optimizer.step()
         # `put_rows` writes host tables through numpy views: on the CPU only (CUDA's is index_copy_).
-        reads[stacked, hand_over] = {name: count for name, count in counter.calls.items() if name != "numpy"}
+        reads[repeats, stacked, hand_over] = {name: count for name, count in counter.calls.items() if name != "numpy"}
     for hand_over in (True, False):
-        assert reads[True, hand_over] == {"aten._unique2.default": 1}
-        assert reads[False, hand_over] == {"aten._unique2.default": 1, "tolist": 1}
+        assert reads[True, True, hand_over] == {}
+        assert reads[False, True, hand_over] == {"aten._unique2.default": 1}
+        for repeats in (True, False):
+            assert reads[repeats, False, hand_over] == {"aten._unique2.default": 1, "tolist": 1}

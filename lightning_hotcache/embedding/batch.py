@@ -18,6 +18,7 @@ from torch import Tensor
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from lightning_hotcache.compiled import without_gil
+from lightning_hotcache.sorting import sort_with_repeats
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,7 @@ class TableReads:
 def sorted_reads(rows: Tensor) -> TableReads:
     """`TableReads` of ``rows`` (every value's row) found where they are, in ops of fixed sizes:
     on a CUDA device none waits for the device, as ``unique`` would (its size)."""
-    ordered, order = torch.sort(rows)
-    starts = torch.ones_like(ordered, dtype=torch.bool)
-    torch.ne(ordered[1:], ordered[:-1], out=starts[1:])
-    segment = starts.cumsum(0).sub_(1)
-    return TableReads(ordered, torch.empty_like(segment).scatter_(0, order, segment), segment)
+    return TableReads(*sort_with_repeats(rows))
 
 
 @dataclass
