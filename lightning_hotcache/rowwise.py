@@ -290,7 +290,8 @@ class RowWiseOptimizer(torch.optim.Optimizer):
             # PyTorch path does on CUDA (`embedding.batch.sorted_reads`).
             ordered, inverse, segment = sort_with_repeats(keys)
             summed = torch.zeros(len(keys), grads.shape[1], dtype=torch.float32, device=grads.device)
-            step_read_rows(self.config, weight_stack, stack.arrays, ordered, summed.index_add_(0, inverse, grads.to(torch.float32)), segment)
+            summed.index_add_(0, inverse, grads.to(torch.float32))
+            step_read_rows(self.config, weight_stack, stack.arrays, ordered, summed, segment)
             return
         rows, summed = sum_by_index(keys, grads, stack.num_rows)
         if weight_stack is not None:

@@ -71,7 +71,8 @@ def distinct_rows(rows: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     of them in ``[0, num_rows)`` (a row out of it is a ``ValueError``): the distinct rows
     ascending and each row's position among them."""
     words = (num_rows + 63) // 64
-    if rows.device.type != "cpu" or rows.dim() != 1 or rows.dtype != torch.int64 or num_rows > MARKS_UP_TO_ROWS or words > MARK_WORDS_PER_ID * len(rows):
+    markable = rows.device.type == "cpu" and rows.dim() == 1 and rows.dtype == torch.int64
+    if not markable or num_rows > MARKS_UP_TO_ROWS or words > MARK_WORDS_PER_ID * len(rows):
         return torch.unique(rows, sorted=True, return_inverse=True)
     distinct, inverse = _distinct_marked(rows.numpy(), num_rows)
     if len(inverse) and inverse[0] < 0:  # the compiled loop's flag: a row outside the table
@@ -183,7 +184,8 @@ def sum_bag_rows(per_bag: Tensor, bag_lengths: Tensor, inverse: Tensor, num_rows
         if not _sum_bags(per_bag.numpy(), bag_ends.numpy(), inverse.to(torch.int64).numpy(), weights_view, summed.numpy()):
             raise ValueError(f"a value's distinct row is outside the {num_rows} rows summed into")
         return summed
-    rows = per_bag.index_select(0, torch.repeat_interleave(torch.arange(len(bag_lengths), device=per_bag.device), bag_lengths, output_size=len(inverse)))
+    bag_of_value = torch.repeat_interleave(torch.arange(len(bag_lengths), device=per_bag.device), bag_lengths, output_size=len(inverse))
+    rows = per_bag.index_select(0, bag_of_value)
     if weights is not None:
         rows = rows * weights.to(rows.dtype)[:, None]
     return summed.index_add_(0, inverse, rows.to(torch.float32))

@@ -198,7 +198,8 @@ class Staging:
             if self.sorts_reads_on_device:
                 reads = [sorted_reads(_rows_in(on_the_device, spans)) for spans in spans_of_tables]
             else:
-                reads = [self._distinct_reads(_rows_in(indices, spans), rows) for spans, rows in zip(spans_of_tables, self.layout.device_rows)]
+                tables = zip(spans_of_tables, self.layout.device_rows)
+                reads = [self._distinct_reads(_rows_in(indices, spans), num_rows) for spans, num_rows in tables]
         return StagedBatch(arriving, ours, on_the_device, tickets, read, reads=reads)
 
     def _distinct_reads(self, rows: Tensor, num_rows: int) -> TableReads:
