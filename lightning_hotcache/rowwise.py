@@ -37,7 +37,8 @@ DEFAULT_EPS: dict[str, float] = {"sgd": 1e-10, "rowwise_adagrad": 1e-10, "adam":
 # One format for every strategy, so training resumes under another strategy than it started.
 ROW_STATE_KEY = "embedding_row_state"
 ROWWISE_OPTIMIZERS: tuple[str, ...] = ("sgd", "rowwise_adagrad", "adam")
-# Devices where a stack's row step sorts its rows with repeats kept (`RowWiseOptimizer._step_width`).
+# Devices where a row step sorts its rows with repeats kept rather than sizing the distinct ones,
+# which would make the host wait (`RowWiseOptimizer._step_width`, hotcache's `SummingUpdate`).
 SORTS_WITH_REPEATS_ON = frozenset({"cuda"})
 # Gradient rows of tables of one width: each one's row (repeats allowed), and the rows themselves.
 GradientRows = tuple[Tensor, Tensor]

@@ -43,7 +43,7 @@ from lightning_hotcache.sorting import sum_bag_rows, sum_rows_by_index
 from lightning_hotcache.embedding.batch import StagedBatch, concat_spans, runs_of
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.embedding.staging import Staging
-from lightning_hotcache.rowwise import RowWiseOptimizerConfig, step_read_rows
+from lightning_hotcache.rowwise import SORTS_WITH_REPEATS_ON, RowWiseOptimizerConfig, step_read_rows
 
 
 def _weak_call(obj: object, method: str) -> Callable[..., None]:
@@ -110,8 +110,9 @@ class SummingUpdate:
         self._features = [_TableFeatures.of(layout, k, table["weight"].device) for k, table in enumerate(tables)]
         self._states = [{key: array for key, array in table.items() if key != "weight"} for table in tables]
         staging.sums_gradients = True
-        # On CUDA the distinct rows are found on the device, off the host's critical path.
-        staging.sorts_reads_on_device = tables[0]["weight"].device.type == "cuda"
+        # On CUDA the distinct rows are found on the device, off the host's critical path: sorted
+        # with repeats kept, as the zoo's row step sorts there (one list of such devices).
+        staging.sorts_reads_on_device = tables[0]["weight"].device.type in SORTS_WITH_REPEATS_ON
 
     def before_lookup(self, staged: StagedBatch) -> None:
         pass
