@@ -69,7 +69,7 @@ def as_on_cuda(module: HotColdEmbeddingBagCollection) -> None:
     for cache in module._staging.caches.values():  # the device caches (a stack of tables is one)
         if not cache.identity:
             static = cache.id_of_slot[: cache.num_static]
-            cache.slot_map = slot_map.make_slot_map(cache.num_embeddings, static, len(cache.id_of_slot), cache.books, cache.id_of_slot, budgeted=False)
+            cache.slot_map = slot_map.make_slot_map(cache.num_embeddings, static, len(cache.id_of_slot), cache.books, budgeted=False)
             cache.defers_write_backs = True
     module._staging.sums_gradients = False
 

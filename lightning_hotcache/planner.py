@@ -710,7 +710,7 @@ class HotColdPlanner:
         of them together."""
         if torch.device(self.device).type != "cpu":
             return 0
-        return sparse_map_bytes_per_resident(table.num_embeddings, self.device) + SLOT_BOOKKEEPING_BYTES
+        return sparse_map_bytes_per_resident(table.num_embeddings) + SLOT_BOOKKEEPING_BYTES
 
     def _spread_dynamic(
         self,

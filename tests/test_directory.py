@@ -165,16 +165,6 @@ def test_match_sorted_finds_common_ids(gen) -> None:
     assert len(directory.match_sorted(held, held[:0])[0]) == 0 and len(directory.match_sorted(held[:0], ids)[0]) == 0
 
 
-def test_drop_stale_keeps_only_slots_that_hold_their_id(gen) -> None:
-    id_of_slot = torch.randperm(100, generator=gen)[:20]
-    ids = torch.randint(0, 100, (50,), generator=gen)
-    slots = torch.randint(-1, 20, (50,), generator=gen)
-    slots[:10] = (id_of_slot == ids[:10, None]).int().argmax(1)  # some true entries
-    expected = torch.where((slots >= 0) & (id_of_slot[slots.clamp(min=0)] == ids), slots, -1)
-    directory.drop_stale(slots, id_of_slot, ids)
-    assert torch.equal(slots, expected)
-
-
 def test_dense_map_steps(gen) -> None:
     slot_of_id = torch.full((100,), -1, dtype=torch.int32)
     ids, slots = torch.randperm(100, generator=gen)[:30], torch.randperm(60, generator=gen)[:30]

@@ -108,7 +108,7 @@ def test_split_tables_are_charged_their_directory_only_where_it_lives_on_the_dev
         assert plan.device_bytes <= plan.budget_bytes
         for t in (t for t in plan.tables if not t.on_device):
             config = next(c for c in TABLES if c.name == t.name)
-            directory = sparse_map_bytes_per_resident(config.num_embeddings, "cpu") + SLOT_BOOKKEEPING_BYTES if device == "cpu" else 0
+            directory = sparse_map_bytes_per_resident(config.num_embeddings) + SLOT_BOOKKEEPING_BYTES if device == "cpu" else 0
             assert t.device_bytes == (len(t.static_ids) + t.cache_slots) * (row_bytes(config, SGD) + directory), (device, t.name)
     rows = {d: sum(len(t.static_ids) + t.cache_slots for t in p.tables if not t.on_device) for d, p in plans.items()}
     assert rows["cpu"] < rows["cuda"]

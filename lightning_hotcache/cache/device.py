@@ -195,7 +195,7 @@ class DeviceCache:
             return
         # The books are written at random every batch: kept from forked workers (`host_arrays`).
         self.id_of_slot = new_host_array((num_slots,), torch.int64, fill=-1)
-        self.slot_map = make_slot_map(num_embeddings, static_ids, num_slots, self.books, self.id_of_slot, budgeted=torch.device(device) == self.books)
+        self.slot_map = make_slot_map(num_embeddings, static_ids, num_slots, self.books, budgeted=torch.device(device) == self.books)
         self.dirty = new_host_array((num_slots,), torch.bool)
         # Ticket of the latest batch that read each slot; tickets <= _released_upto are done.
         self.last_used = new_host_array((num_slots,), torch.int64)

@@ -454,19 +454,6 @@ def fill_where_resident(target: Tensor, slots: Tensor, value: int, ids: Tensor) 
 
 
 @without_gil
-def _drop_stale(slots, id_of_slot, ids):  # type: ignore[no-untyped-def]
-    for i in range(len(slots)):
-        if slots[i] >= 0 and id_of_slot[slots[i]] != ids[i]:
-            slots[i] = -1
-
-
-def drop_stale(slots: Tensor, id_of_slot: Tensor, ids: Tensor) -> None:
-    """Set to -1 each of ``slots`` (found for ``ids`` in a map that keeps evicted ids' entries)
-    whose slot no longer holds its id."""
-    _drop_stale(_view(slots), _view(id_of_slot), _view(ids))
-
-
-@without_gil
 def _slots_of(slot_of_id, ids):  # type: ignore[no-untyped-def]
     out = np.empty(len(ids), np.int64)
     for i in range(len(ids)):

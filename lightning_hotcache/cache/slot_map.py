@@ -2,7 +2,7 @@
 
 The dense map costs 4 bytes per row of the *whole* table, which at small budgets can cost
 more than the cached rows themselves (1.6% of a 64-wide float table); a sparse map costs
-bytes per *resident* row: 16 hashed (below), 10 sorted (15 for tables of 2**31 rows or more).
+bytes per *resident* row: 16 hashed (tables of int32 ids), 15 sorted (tables of 2**31 rows or more).
 `slot_map_kind` picks the cheaper of dense and sparse in bytes; the planner counts the bytes
 of the sparse map the cache's device uses (`sparse_map_bytes_per_resident`), never less than
 what the chosen map holds, so the budget is honest. That is where the directory is the
@@ -12,7 +12,9 @@ memory outside the device budget, and the map is dense: 4 bytes a table row is a
 the hash table's (32k distinct ids of a GPU batch in a 34M-row stack: 0.26 / 0.18 ms against
 1.35 / 3.4 ms with 0.3M / 3M resident; AMD EPYC).
 
-The sorted map keeps the static ids (fixed for the whole run, int64, the slot being the
+The hash table (`HashedSlotMap`) keeps every resident id, a lookup one probe sequence per id
+and a fetch one insert. Ids past int32 do not fit its packed cells: those tables keep sorted
+ids. The sorted map keeps the static ids (fixed for the whole run, int64, the slot being the
 position) apart from the dynamic ones (int32 id and int32 slot where ids fit). Dynamic ids
 are two sorted runs, as in a log-structured merge tree: every fetch merges its new ids into
 a small recent run, and only when the runs (with the evicted ids they still hold) outgrow
@@ -20,21 +22,22 @@ their room, or the recent run the size that keeps the two kinds of merge cheapes
 merged into one. Merging the whole cache on every fetch would cost
 O(cache slots) per step, the largest cost of a split-budget step before.
 
-On CPU, where FBGEMM is importable, the resident ids go to FBGEMM's CPU hash table instead
-(`HashedSlotMap`, 16 bytes per slot): a lookup is one probe sequence per id in C++ rather
-than a binary search per run, and a fetch one insert, with no merges (map work 1.66 -> 0.95
-ms a step at cache_micro's budget 0.1, 2.21 -> 0.92 ms at cpu_throughput's; in-process A/Bs).
+The hash table replaced the sorted runs for int32 ids: map work 1.66 -> 0.95 ms a step at
+cache_micro's budget 0.1, 2.21 -> 0.92 ms at cpu_throughput's (in-process A/Bs, with FBGEMM's
+CPU hash table then; see `HashedSlotMap` for why it is ours now).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_hotcache.cache import directory
 from lightning_hotcache.cache.host_arrays import new_array
+from lightning_hotcache.compiled import without_gil
 
 SlotMapKind = Literal["dense", "hashed", "sorted"]
 DENSE_BYTES_PER_ROW = 4  # int32 slot per table row
@@ -43,46 +46,25 @@ SORTED_BYTES_PER_ENTRY = 8  # a static int64 id (its slot is its position), or a
 # merge as tombstones): more room, fewer whole-cache merges, more bytes.
 RUN_ROOM = 1.25
 INT32_IDS_BELOW = 2**31
-# The hash table's cells (int32 id, int32 slot) per slot, and the share of them in use (stale
-# entries of evicted ids included) at which it is rebuilt from the resident ids. A full cache
-# refills 0.8 x 2.0 - 1 = 60% of its slots between rebuilds (1.5 cells: 20%, a rebuild every
-# ~3 steps at cache_micro's budget 0.01, map work 1.53 -> 1.22 ms a step with 2.0).
+# The hash table's cells (int64: id and slot) per slot: at most half of them are in use, and
+# a probe meets an empty cell within ~2.5 cells on average (linear probing at load 0.5).
 HASH_ROOM = 2.0
-HASH_MAX_LOAD = 0.8
-HASH_BYTES_PER_SLOT = int(SORTED_BYTES_PER_ENTRY * HASH_ROOM)
+HASH_BYTES_PER_SLOT = int(8 * HASH_ROOM)
 
 
-def sparse_map_bytes_per_resident(num_embeddings: int, device: torch.device | str | None = None) -> int:
-    """Bytes per resident row of the sparse map a cache of ``num_embeddings`` rows on ``device``
-    uses (hashed where `hash_table_usable`, else sorted): what the planner counts."""
-    if hash_table_usable(num_embeddings, device):
-        return HASH_BYTES_PER_SLOT
+def sparse_map_bytes_per_resident(num_embeddings: int) -> int:
+    """Bytes per resident row of the sparse map a cache of ``num_embeddings`` rows uses (hashed
+    for int32 ids, else sorted): what the planner counts."""
     if num_embeddings < INT32_IDS_BELOW:
-        return int(SORTED_BYTES_PER_ENTRY * RUN_ROOM)
+        return HASH_BYTES_PER_SLOT
     # Tables too large for int32 ids keep sorted dynamic ids in int64 (with an int32 slot).
     return int((SORTED_BYTES_PER_ENTRY + 4) * RUN_ROOM)
 
 
-def slot_map_kind(num_embeddings: int, num_resident: int, device: torch.device | str | None = None) -> SlotMapKind:
-    if num_embeddings * DENSE_BYTES_PER_ROW <= num_resident * sparse_map_bytes_per_resident(num_embeddings, device):
+def slot_map_kind(num_embeddings: int, num_resident: int) -> SlotMapKind:
+    if num_embeddings * DENSE_BYTES_PER_ROW <= num_resident * sparse_map_bytes_per_resident(num_embeddings):
         return "dense"
-    return "hashed" if hash_table_usable(num_embeddings, device) else "sorted"
-
-
-def hash_table_usable(num_embeddings: int, device: torch.device | str | None) -> bool:
-    """Whether a cache of ``num_embeddings`` rows on ``device`` keeps its ids in `HashedSlotMap`:
-    on CPU (FBGEMM's hash ops are CPU ops), for int32 ids, where FBGEMM is importable."""
-    on_cpu = device is not None and torch.device(device).type == "cpu"
-    return on_cpu and num_embeddings < INT32_IDS_BELOW and fbgemm_hash_table_available()
-
-
-def fbgemm_hash_table_available() -> bool:
-    """Whether FBGEMM's CPU hash-table ops (`HashedSlotMap`) can be called."""
-    try:
-        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
-    except ImportError:
-        return False
-    return hasattr(torch.ops.fbgemm, "pruned_hashmap_insert") and hasattr(torch.ops.fbgemm, "pruned_hashmap_lookup")
+    return "hashed" if num_embeddings < INT32_IDS_BELOW else "sorted"
 
 
 class DenseSlotMap:
@@ -176,66 +158,112 @@ class SortedSlotMap:
 
 
 class HashedSlotMap:
-    """Every resident id (static and dynamic) in FBGEMM's CPU hash table
-    (`fbgemm::pruned_hashmap_insert` / `_lookup`, made for pruned inference tables: linear
-    probing over (int32 id, int32 slot) cells, one probe sequence per id in C++).
+    """Every resident id (static and dynamic) in an open-addressing hash table: cells of
+    (id << 32 | slot) in int64, -1 where empty, an id's probe starting at its Fibonacci hash
+    and moving on cell by cell (linear probing). A removal shifts the entries behind it back
+    (backward-shift deletion), so the table never holds an evicted id and never needs a
+    rebuild, and every lookup is one probe sequence.
 
-    FBGEMM's table has no removal, but inserting a present id overwrites its slot, so an
-    evicted id's entry is left in place: it holds while ``id_of_slot`` (the cache's slot ->
-    id array, which the map only reads) still names that id at that slot, and lookups check
-    it. Stale entries fill cells; when live and stale entries would pass `HASH_MAX_LOAD` of
-    the table, it is rebuilt from the resident ids (one insert of each: ~2.5 ms for 100k ids
-    on a 2-core CPU, every ~35 steps at cache_micro's budget 0.1)."""
+    Written by hand: FBGEMM's CPU hash table (`pruned_hashmap_insert` / `_lookup`, made for
+    pruned inference tables), used here before, has no removal, so every lookup checked the
+    cache's slot -> id array for stale entries, and the table was rebuilt from the resident ids
+    every few dozen steps. Compiled loops without either: a lookup of 30k distinct ids in a 1%
+    cache of the Kaggle tables (338k slots) 0.49 against 0.99 ms (FBGEMM's 0.89, the stale
+    check 0.11; 2-core Intel Xeon)."""
 
-    def __init__(
-        self, num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device, id_of_slot: Tensor
-    ) -> None:
+    def __init__(self, num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device) -> None:
         if num_embeddings >= INT32_IDS_BELOW:
-            raise ValueError(f"FBGEMM's hash table keeps int32 ids; {num_embeddings} rows need a sorted map.")
-        self.id_of_slot = id_of_slot
-        # Never full: a lookup probes until it meets its id or an empty cell.
-        cells = max(num_slots + 1, int(num_slots * HASH_ROOM))
-        self.table = torch.full((cells, 2), -1, dtype=torch.int32, device=device)
-        self._table_offsets = torch.tensor([0, len(self.table)], dtype=torch.int64)
-        self._cells_used = 0  # live and stale entries since the last rebuild (an upper bound)
-        self.rebuilds = 0
-        self._insert(static_ids, torch.arange(len(static_ids)))
+            raise ValueError(f"The hash table packs an id in 32 bits; {num_embeddings} rows need a sorted map.")
+        # Never full (a probe ends at an empty cell): more cells than slots.
+        self.cells = new_array((max(num_slots + 1, int(num_slots * HASH_ROOM)),), device, torch.int64, fill=-1)
+        self.num_slots = num_slots
+        self.resident = 0
+        self.assign(static_ids, torch.arange(len(static_ids)))
 
     def tensors(self) -> list[Tensor]:
-        return [self.table]
-
-    @staticmethod
-    def _one_bag(ids: Tensor) -> tuple[Tensor, Tensor]:
-        """``ids`` as FBGEMM's ops take them: int32 values and the offsets of one bag."""
-        return ids.to(torch.int32), torch.tensor([0, len(ids)], dtype=torch.int32)
-
-    def _insert(self, ids: Tensor, slots: Tensor) -> None:
-        narrow, bag = self._one_bag(ids)
-        torch.ops.fbgemm.pruned_hashmap_insert(narrow, slots.to(torch.int32), bag, self.table, self._table_offsets)
-        self._cells_used += len(narrow)
+        return [self.cells]
 
     def lookup(self, ids: Tensor) -> Tensor:
-        narrow, bag = self._one_bag(ids)
-        slots = torch.ops.fbgemm.pruned_hashmap_lookup(narrow, bag, self.table, self._table_offsets).long()
-        directory.drop_stale(slots, self.id_of_slot, ids)  # a stale entry hides nothing
-        return slots
+        return torch.from_numpy(_hashed_lookup(self.cells.numpy(), ids.numpy()))
 
     def assign(self, ids: Tensor, slots: Tensor, ascending: bool = False) -> None:  # any order will do
-        """Add ``ids`` (none resident) at ``slots``, before the cache names them in ``id_of_slot``."""
-        if self._cells_used + len(ids) > HASH_MAX_LOAD * len(self.table):
-            self._rebuild()
-        self._insert(ids, slots)
+        """Add ``ids`` (none resident) at ``slots``."""
+        if self.resident + len(ids) > self.num_slots:
+            raise RuntimeError(f"The hash table holds {self.resident} of {self.num_slots} ids; {len(ids)} more do not fit.")
+        self.resident += len(ids) - _hashed_insert(self.cells.numpy(), ids.numpy(), slots.to(torch.int64).numpy())
 
     def remove(self, ids: Tensor) -> None:
-        """Nothing to do: an evicted id's entry stops holding once the cache clears its slot
-        in ``id_of_slot``, and goes at the next rebuild."""
+        """Drop ``ids`` (any order; an id not held is passed over)."""
+        self.resident -= _hashed_remove(self.cells.numpy(), ids.numpy())
 
-    def _rebuild(self) -> None:
-        resident = (self.id_of_slot >= 0).nonzero().squeeze(1)
-        self.table.fill_(-1)
-        self._cells_used = 0
-        self.rebuilds += 1
-        self._insert(self.id_of_slot[resident], resident)
+
+_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: spreads ids that differ in any bit
+
+
+@without_gil
+def _home(key, num_cells):  # type: ignore[no-untyped-def]
+    """The cell an id's probe starts at: the high 32 bits of its Fibonacci hash, scaled to the
+    table (a multiply, not a modulo)."""
+    mixed = (np.uint64(key) * _FIBONACCI) >> np.uint64(32)
+    return np.int64((mixed * np.uint64(num_cells)) >> np.uint64(32))
+
+
+@without_gil
+def _hashed_lookup(cells, ids):  # type: ignore[no-untyped-def]
+    out = np.empty(len(ids), np.int64)
+    for i in range(len(ids)):
+        key = ids[i]
+        cell = _home(key, len(cells))
+        while True:
+            entry = cells[cell]
+            if entry == -1:
+                out[i] = -1
+                break
+            if entry >> 32 == key:
+                out[i] = entry & 0xFFFFFFFF
+                break
+            cell = cell + 1 if cell + 1 < len(cells) else 0
+    return out
+
+
+@without_gil
+def _hashed_insert(cells, ids, slots):  # type: ignore[no-untyped-def]
+    """Put each id at its slot; the number of ids that were held already (their slot replaced)."""
+    replaced = 0
+    for i in range(len(ids)):
+        key = ids[i]
+        cell = _home(key, len(cells))
+        while cells[cell] != -1 and cells[cell] >> 32 != key:
+            cell = cell + 1 if cell + 1 < len(cells) else 0
+        replaced += cells[cell] != -1
+        cells[cell] = (key << 32) | slots[i]
+    return replaced
+
+
+@without_gil
+def _hashed_remove(cells, ids):  # type: ignore[no-untyped-def]
+    """Empty each id's cell, moving back the entries after it whose probe passed through it;
+    the number of ids removed."""
+    n = len(cells)
+    removed = 0
+    for i in range(len(ids)):
+        key = ids[i]
+        hole = _home(key, n)
+        while cells[hole] != -1 and cells[hole] >> 32 != key:
+            hole = hole + 1 if hole + 1 < n else 0
+        if cells[hole] == -1:
+            continue
+        removed += 1
+        cell = hole + 1 if hole + 1 < n else 0
+        while cells[cell] != -1:
+            home = _home(cells[cell] >> 32, n)
+            # The entry may fill the hole if its probe, from its home to where it is, passes it.
+            if (cell - home) % n >= (cell - hole) % n:
+                cells[hole] = cells[cell]
+                hole = cell
+            cell = cell + 1 if cell + 1 < n else 0
+        cells[hole] = -1
+    return removed
 
 
 def _live(ids: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
@@ -256,11 +284,10 @@ def _merge(ids_a: Tensor, slots_a: Tensor, ids_b: Tensor, slots_b: Tensor) -> tu
 
 
 def make_slot_map(
-    num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device, id_of_slot: Tensor, budgeted: bool = True
+    num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device, budgeted: bool = True
 ) -> DenseSlotMap | HashedSlotMap | SortedSlotMap:
-    """The map for a cache, on ``device``; ``id_of_slot`` is the cache's slot -> id array (see
-    `HashedSlotMap`); ``budgeted``: the map's bytes are the device budget's (else dense)."""
-    kind = slot_map_kind(num_embeddings, num_slots, device) if budgeted else "dense"
+    """The map for a cache, on ``device``; ``budgeted``: the map's bytes are the device budget's (else dense)."""
+    kind = slot_map_kind(num_embeddings, num_slots) if budgeted else "dense"
     if kind == "hashed":
-        return HashedSlotMap(num_embeddings, static_ids, num_slots, device, id_of_slot)
+        return HashedSlotMap(num_embeddings, static_ids, num_slots, device)
     return (DenseSlotMap if kind == "dense" else SortedSlotMap)(num_embeddings, static_ids, num_slots, device)
