@@ -240,3 +240,24 @@ def test_sort_by_key_is_torchs_stable_sort(gen, span: int, count: int) -> None:
     ordered, carried = directory.sort_by_key(keys, values)
     expected = torch.sort(keys, stable=True)
     assert torch.equal(ordered, expected.values) and torch.equal(carried, values[expected.indices])
+
+
+def test_prefetch_compiles_into_a_loop_and_changes_nothing() -> None:
+    import numba
+    import numpy as np
+
+    from lightning_hotcache.compiled import prefetch
+
+    @numba.njit
+    def gather(values, at):  # type: ignore[no-untyped-def]
+        out = np.empty(len(at), values.dtype)
+        for i in range(len(at)):
+            if i + 4 < len(at):
+                prefetch(values, at[i + 4])
+            out[i] = values[at[i]]
+        return out
+
+    values, at = np.arange(100, dtype=np.int64) * 3, np.array([5, 99, 0, 42, 7, 7, 63, 1])
+    assert np.array_equal(gather(values, at), values[at])
+    with pytest.raises(numba.core.errors.TypingError):  # 1-D arrays and integer places only
+        numba.njit(lambda v: prefetch(v, 1.5))(values)

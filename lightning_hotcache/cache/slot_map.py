@@ -37,7 +37,7 @@ from torch import Tensor
 
 from lightning_hotcache.cache import directory
 from lightning_hotcache.cache.host_arrays import new_array
-from lightning_hotcache.compiled import without_gil
+from lightning_hotcache.compiled import prefetch, without_gil
 
 SlotMapKind = Literal["dense", "hashed", "sorted"]
 DENSE_BYTES_PER_ROW = 4  # int32 slot per table row
@@ -198,6 +198,11 @@ class HashedSlotMap:
 
 
 _FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: spreads ids that differ in any bit
+# Ids ahead whose home cell is prefetched: each id's probe is a cache miss of its own (the
+# table is tens of MB, cold after the dense step), and misses in flight side by side cost
+# about one. A lookup of 30k ids in a cold 338k-slot table 1.03 -> 0.70 ms with 16 ahead (4:
+# 0.88, 32: 0.70; 2-core Intel Xeon); removals and inserts, whose loops store, gain more.
+_AHEAD = 16
 
 
 @without_gil
@@ -212,6 +217,8 @@ def _home(key, num_cells):  # type: ignore[no-untyped-def]
 def _hashed_lookup(cells, ids):  # type: ignore[no-untyped-def]
     out = np.empty(len(ids), np.int64)
     for i in range(len(ids)):
+        if i + _AHEAD < len(ids):
+            prefetch(cells, _home(ids[i + _AHEAD], len(cells)))
         key = ids[i]
         cell = _home(key, len(cells))
         while True:
@@ -231,6 +238,8 @@ def _hashed_insert(cells, ids, slots):  # type: ignore[no-untyped-def]
     """Put each id at its slot; the number of ids that were held already (their slot replaced)."""
     replaced = 0
     for i in range(len(ids)):
+        if i + _AHEAD < len(ids):
+            prefetch(cells, _home(ids[i + _AHEAD], len(cells)))
         key = ids[i]
         cell = _home(key, len(cells))
         while cells[cell] != -1 and cells[cell] >> 32 != key:
@@ -247,6 +256,8 @@ def _hashed_remove(cells, ids):  # type: ignore[no-untyped-def]
     n = len(cells)
     removed = 0
     for i in range(len(ids)):
+        if i + _AHEAD < len(ids):
+            prefetch(cells, _home(ids[i + _AHEAD], n))
         key = ids[i]
         hole = _home(key, n)
         while cells[hole] != -1 and cells[hole] >> 32 != key:
