@@ -20,7 +20,11 @@ from lightning_hotcache.sorting import (
 )
 
 
-@pytest.mark.parametrize("ids", [[], [7], [5, 3, 5, 5, 0, 3, 2**40], list(range(100, 0, -1)) * 3], ids=["empty", "one", "repeats", "descending"])
+@pytest.mark.parametrize(
+    "ids",
+    [[], [7], [5, 3, 5, 5, 0, 3, 2**40], list(range(100, 0, -1)) * 3, [3, -2, 3, 0], [0, 2**63 - 1, 0]],
+    ids=["empty", "one", "repeats", "descending", "negative", "largest-int64"],
+)
 def test_unique_is_torchs(ids: list[int]) -> None:
     ids = torch.tensor(ids, dtype=torch.int64)
     for ours, torchs in zip(unique(ids, return_counts=True), torch.unique(ids, return_inverse=True, return_counts=True)):
