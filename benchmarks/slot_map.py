@@ -15,13 +15,13 @@ benchmarks/results/slot_map.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+from report import write_report
 from torch import Tensor
 
 from lightning_hotcache.cache.slot_map import DenseSlotMap, HashedSlotMap
@@ -112,8 +112,7 @@ def main() -> None:
     for slots, by_map in results.items():
         for name, figures in by_map.items():
             print(f"{int(slots):>10,} {name:>7} {figures['lookup_ms']:>10.3f} {figures['turnover_ms']:>12.3f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "out"}, "results": results}, indent=1))
+    write_report("slot_map", args, results, echo=False, threads=1)
 
 
 if __name__ == "__main__":
