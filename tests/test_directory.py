@@ -261,3 +261,19 @@ def test_prefetch_compiles_into_a_loop_and_changes_nothing() -> None:
     assert np.array_equal(gather(values, at), values[at])
     with pytest.raises(numba.core.errors.TypingError):  # 1-D arrays and integer places only
         numba.njit(lambda v: prefetch(v, 1.5))(values)
+
+
+@pytest.mark.parametrize("lfu", [True, False])
+def test_eviction_scores_rank_empty_then_by_reads_or_last_use_and_lock_the_batches_in_flight(gen, lfu: bool) -> None:
+    last_used = torch.randint(0, 40, (300,), generator=gen)
+    frequency = torch.randint(0, 9, (300,), generator=gen)
+    id_of_slot = torch.randint(-1, 1000, (300,), generator=gen)
+    issued, released, start = 40, 31, 50
+    key = frequency * (issued + 1) + last_used if lfu else last_used
+    expected = torch.where(id_of_slot < 0, -1, key)[start:]
+    locked = last_used[start:] > released
+    scores, free = directory.eviction_scores(last_used, frequency, id_of_slot, start, released, issued, lfu)
+    assert torch.equal(scores, expected.masked_fill(locked, torch.iinfo(torch.int64).max))
+    assert free == int((~locked).sum()) and 0 < free < 250
+    slots = torch.tensor([7, 299, 50, 7])
+    assert torch.equal(directory.scores_of(slots, last_used, frequency, id_of_slot, issued, lfu), torch.where(id_of_slot < 0, -1, key)[slots])

@@ -150,6 +150,7 @@ class DeviceCache:
         self.num_embeddings = num_embeddings
         self.sharding = sharding
         self.policy = policy
+        self._by_reads = policy in ("lfu", "lookahead")  # scores count reads (LFU), else last use (LRU)
         self.device = device
         self.books = torch.device("cpu")  # where the directory lives (see the module's docstring)
         self.identity = len(static_ids) == num_embeddings
@@ -334,7 +335,7 @@ class DeviceCache:
     def _finish_acquire(self, acquire: _Acquire, rows: dict[str, Tensor] | None) -> Acquired:
         """Install the fetched ``rows`` (of ``acquire.needed``) and lock them."""
         slots = acquire.slots
-        reads = acquire.counts if self.policy in ("lfu", "lookahead") else None  # counted toward eviction
+        reads = acquire.counts if self._by_reads else None  # counted toward eviction
         if acquire.needed is not None:
             assert rows is not None and acquire.victims is not None and acquire.missing is not None
             victims, needed = acquire.victims, acquire.needed
@@ -451,25 +452,13 @@ class DeviceCache:
                 return unread[:count]
         if self.window is not None:
             return self._victims_by_window(count)
-        locked = self.last_used[start:] > self._released_upto
-        free = int((~locked).sum())
+        score, free = directory.eviction_scores(self.last_used, self.frequency, self.id_of_slot, start, self._released_upto, self._issued, self._by_reads)
         self._check_capacity(count, free)
-        score = self._score(slice(start, None))
-        score.masked_fill_(locked, torch.iinfo(torch.int64).max)
         if self.policy == "static":
             return torch.topk(score, count, largest=False).indices + start
         ranked = lowest_first(score, min(free, RESERVE_BATCHES * count)) + start
         self._reserve, self._reserve_ticket = ranked[count:], self._issued
         return ranked[:count]
-
-    def _score(self, slots: Tensor | slice) -> Tensor:
-        """The eviction score of ``slots`` (lowest goes first): empty slots -1, then LFU's
-        frequency with ties by last use, or LRU's last use."""
-        last_used = self.last_used[slots]
-        # LFU ranks by frequency, then by last use (tickets are < _issued + 1): one exact integer key.
-        lfu = self.policy in ("lfu", "lookahead")
-        score = self.frequency[slots] * (self._issued + 1) + last_used if lfu else last_used.clone()
-        return score.masked_fill_(self.id_of_slot[slots] < 0, -1)  # empty slots first
 
     def _check_capacity(self, count: int, free: int) -> None:
         if count > free:
@@ -494,7 +483,8 @@ class DeviceCache:
         self._check_capacity(count, free)
         self._reserve_ticket = self._issued
         if len(spare) >= count:
-            spare = spare[lowest_first(self._score(spare), RESERVE_BATCHES * count)]
+            scores = directory.scores_of(spare, self.last_used, self.frequency, self.id_of_slot, self._issued, self._by_reads)
+            spare = spare[lowest_first(scores, RESERVE_BATCHES * count)]
             self._reserve = spare[count:]
             return spare[:count]
         self._reserve = _NO_SLOTS
