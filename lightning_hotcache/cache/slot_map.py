@@ -8,9 +8,10 @@ of the sparse map the cache's device uses (`sparse_map_bytes_per_resident`), nev
 what the chosen map holds, so the budget is honest. That is where the directory is the
 device's memory (on the CPU). Where the rows are on an accelerator, the directory is host
 memory outside the device budget, and the map is dense: 4 bytes a table row is at most
-1/(dim + 1) of the host store's bytes for the same rows, and a lookup is 5-19x faster than
-the hash table's (32k distinct ids of a GPU batch in a 34M-row stack: 0.26 / 0.18 ms against
-1.35 / 3.4 ms with 0.3M / 3M resident; AMD EPYC).
+1/(dim + 1) of the host store's bytes for the same rows, and a lookup is 1.6-2.2x faster
+than the hash table's (30k distinct ids of a batch in the 34M-row stack, caches cold: 0.19 /
+0.36 ms against 0.43 / 0.58 ms with 0.34M / 3.4M resident; `benchmarks/slot_map.py`, 2-core
+Intel Xeon).
 
 The hash table (`HashedSlotMap`) keeps every resident id, a lookup one probe sequence per id
 and a fetch one insert. Ids past int32 do not fit its packed cells: those tables keep sorted
