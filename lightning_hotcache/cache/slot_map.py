@@ -268,9 +268,10 @@ def _hashed_remove(cells, ids):  # type: ignore[no-untyped-def]
         removed += 1
         cell = hole + 1 if hole + 1 < n else 0
         while cells[cell] != -1:
-            home = _home(cells[cell] >> 32, n)
-            # The entry may fill the hole if its probe, from its home to where it is, passes it.
-            if (cell - home) % n >= (cell - hole) % n:
+            # The entry may fill the hole if its probe, from its home to where it is, passes it
+            # (distances along the probe, around the table's end: a division each as `%`).
+            from_home, from_hole = cell - _home(cells[cell] >> 32, n), cell - hole
+            if (from_home + n if from_home < 0 else from_home) >= (from_hole + n if from_hole < 0 else from_hole):
                 cells[hole] = cells[cell]
                 hole = cell
             cell = cell + 1 if cell + 1 < n else 0
