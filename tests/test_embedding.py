@@ -246,8 +246,8 @@ def test_hashed_slot_map_answers_misses_when_every_slot_is_taken() -> None:
     from lightning_hotcache.cache.slot_map import HashedSlotMap
 
     m = HashedSlotMap(100, torch.empty(0, dtype=torch.int64), 1, torch.device("cpu"))
-    m.assign(torch.tensor([5]), torch.tensor([0]))
-    assert m.lookup(torch.tensor([5, 7, -1])).tolist() == [0, -1, -1]
+    m.assign(torch.tensor([5], dtype=torch.int32), torch.tensor([0], dtype=torch.int32))  # ids of any int type
+    assert m.lookup(torch.tensor([5, 7, -1])).tolist() == m.lookup(torch.tensor([5, 7, -1], dtype=torch.int32)).tolist() == [0, -1, -1]
     with pytest.raises(RuntimeError, match="holds 1 of 1 ids; 1 more do not fit"):
         m.assign(torch.tensor([9]), torch.tensor([0]))
 

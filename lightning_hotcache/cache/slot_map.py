@@ -39,6 +39,7 @@ from torch import Tensor
 from lightning_hotcache.cache import directory
 from lightning_hotcache.cache.host_arrays import new_array
 from lightning_hotcache.compiled import prefetch, without_gil
+from lightning_hotcache.host_rows import on_cpu
 
 SlotMapKind = Literal["dense", "hashed", "sorted"]
 DENSE_BYTES_PER_ROW = 4  # int32 slot per table row
@@ -185,17 +186,17 @@ class HashedSlotMap:
         return [self.cells]
 
     def lookup(self, ids: Tensor) -> Tensor:
-        return torch.from_numpy(_hashed_lookup(self.cells.numpy(), ids.numpy()))
+        return torch.from_numpy(_hashed_lookup(self.cells.numpy(), on_cpu(ids, torch.int64).numpy()))
 
     def assign(self, ids: Tensor, slots: Tensor, ascending: bool = False) -> None:  # any order will do
         """Add ``ids`` (none resident) at ``slots``."""
         if self.resident + len(ids) > self.num_slots:
             raise RuntimeError(f"The hash table holds {self.resident} of {self.num_slots} ids; {len(ids)} more do not fit.")
-        self.resident += len(ids) - _hashed_insert(self.cells.numpy(), ids.numpy(), slots.to(torch.int64).numpy())
+        self.resident += len(ids) - _hashed_insert(self.cells.numpy(), on_cpu(ids, torch.int64).numpy(), on_cpu(slots, torch.int64).numpy())
 
     def remove(self, ids: Tensor) -> None:
         """Drop ``ids`` (any order; an id not held is passed over)."""
-        self.resident -= _hashed_remove(self.cells.numpy(), ids.numpy())
+        self.resident -= _hashed_remove(self.cells.numpy(), on_cpu(ids, torch.int64).numpy())
 
 
 _FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: spreads ids that differ in any bit
