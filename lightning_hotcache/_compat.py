@@ -84,6 +84,14 @@ def has_last_checkpoint(callback: ModelCheckpoint, trainer: pl.Trainer) -> bool:
     return bool(callback._find_last_checkpoints(trainer))
 
 
+def writes_step_logs(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes the current training step's logged metrics to its loggers,
+    asked in ``on_train_batch_end``: every ``log_every_n_steps`` batches that stepped,
+    counted over the whole fit, and on a stop; every step under ``fast_dev_run``. Lightning's
+    own rule (what it acts on after the hook), which it keeps on a private connector."""
+    return trainer._logger_connector.should_update_logs or bool(trainer.fast_dev_run)
+
+
 def is_wrapping_checkpoint_io(io: object) -> bool:
     """Whether ``io`` wraps another checkpoint IO (AsyncCheckpointIO does): Lightning's base
     class for those is private, and the strategy must put its own IO inside such a wrapper."""

@@ -11,6 +11,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_hotcache._compat import writes_step_logs
+
 
 def on_host(value: float) -> Tensor:
     """A figure to log, as a tensor on the CPU. Lightning makes a logged number a tensor on the
@@ -75,8 +77,9 @@ class CacheMetrics(Callback):
     hit is a row already in a slot, and the rows fetched include
     the other ranks' rows a step reads, which come from their owners whether cached or not.
     Each figure covers the steps since it was last logged: it is logged on the
-    first batch of an epoch and then every ``trainer.log_every_n_steps`` batches, as often as
-    Lightning writes to loggers (logging 30 figures every step cost 8% of a CPU training
+    first batch of an epoch (for the progress bar) and on each step whose logs Lightning
+    writes to the loggers (every ``trainer.log_every_n_steps``), so a written figure ends at
+    the step it is written with (logging 30 figures every step cost 8% of a CPU training
     step). The strategy's plan is logged once: as a W&B table under ``hotcache/plan`` when a
     WandbLogger is attached, and as text in every logger's hyperparameters.
     """
@@ -122,7 +125,7 @@ class CacheMetrics(Callback):
     ) -> None:
         self._steps += 1
         self._samples += _num_samples(batch)
-        if batch_idx % max(1, trainer.log_every_n_steps):
+        if batch_idx and not writes_step_logs(trainer):
             return
         now = self._snapshot(pl_module)
         lookups = hits = h2d = d2h = fetched = evicted = 0
