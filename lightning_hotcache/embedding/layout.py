@@ -9,8 +9,8 @@ never test the configuration again.
 Stacks: a width's split tables are one `DeviceCache` over global ids, a table's id plus
 where its table starts; tables start at multiples of the world size, so that a global id's
 owner (``id % world``) is its table row's owner (see `RowSharding`). Across processes there
-are stacks wherever a table is split; in one process where the stack's ids fit FBGEMM's int32
-hash map (past it, each table keeps the hashed map of its own).
+are stacks wherever a table is split; in one process where the stack's ids fit the hash map's
+32 bits (`INT32_IDS_BELOW`; past it, each table keeps a map of its own).
 
 Shared device tables: one device table per width, holding that width's stack first, then
 each whole table of that width ("regions"), so that a step reads (one ``embedding_bag`` per
