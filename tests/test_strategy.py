@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import csv
 import itertools
 import pickle
 import threading
@@ -14,11 +13,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import cpu_trainer, mappings_at, tiny_synthetic
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_hotcache
-from lightning_hotcache import AccessProfiler, CacheMetrics, HotColdPlanner, HotCacheStrategy, RowWiseOptimizerConfig
+from lightning_hotcache import AccessProfiler, HotColdPlanner, HotCacheStrategy, RowWiseOptimizerConfig
 from lightning_hotcache.embedding import hot_cold_modules
 from lightning_hotcache.strategy import _PrefetchingLoader
 from lightning_hotcache.cli import main, model_tables
@@ -174,34 +172,6 @@ def test_profiles_when_no_stats_and_logs_cache_metrics() -> None:
     bare = pickle.loads(pickle.dumps(_PrefetchingLoader([1, 2], strategy=None)))  # type: ignore[arg-type]
     assert bare.loader == [1, 2] and not hasattr(bare, "sampler")
 
-
-def test_cache_metrics_written_to_a_logger_cover_the_steps_up_to_the_written_one(tmp_path: Path) -> None:
-    """Lightning writes a step's logs every ``log_every_n_steps`` batches (the 5th, 10th, ...);
-    the hit rate written with a step is that of the batches since the last written one, not of
-    a window that ended steps before (at batch 0, 5, ..., as it once did)."""
-    lookups_and_hits: list[tuple[int, int]] = []  # after each batch, over every cache
-
-    class CountLookups(pl.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            counters = [c.counters for m in hot_cold_modules(pl_module).values() for c in m.caches.values()]
-            lookups_and_hits.append((sum(c.lookups for c in counters), sum(c.hits for c in counters)))
-
-    pl.seed_everything(0)
-    dm = data()
-    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
-    trainer = cpu_trainer(strategy=HotCacheStrategy(device_budget=0.1, profile_batches=4), max_steps=15, log_every_n_steps=5,
-                          logger=CSVLogger(tmp_path), callbacks=[CacheMetrics(per_table=False), CountLookups()])  # fmt: skip
-    trainer.fit(model, dm)
-    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
-        written = {int(row["step"]): float(row["cache/hit_rate"]) for row in csv.DictReader(f) if row.get("cache/hit_rate")}
-
-    def hit_rate(first: int, last: int) -> float:  # of batches first..last
-        (lookups_before, hits_before), (lookups, hits) = lookups_and_hits[first - 1], lookups_and_hits[last]
-        return (hits - hits_before) / (lookups - lookups_before)
-
-    expected = {4: hit_rate(1, 4), 9: hit_rate(5, 9), 14: hit_rate(10, 14)}  # batch 0 is logged alone, for the bar
-    assert len(set(expected.values())) == 3  # windows that tell each other apart
-    assert written == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.parametrize("shards", [False, True], ids=["gathered", "sharded"])
