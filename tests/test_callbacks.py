@@ -1,4 +1,4 @@
-"""The callbacks' figures: what they measure, and on which steps they reach the loggers."""
+"""The callbacks' figures and the zoo's loss: what they measure, and on which steps they are logged."""
 
 from __future__ import annotations
 
@@ -78,4 +78,9 @@ def test_samples_per_second_is_logged_once_for_the_bar_then_where_lightning_writ
     record, written = fitted
     assert record.logged["train/samples_per_s"] == [1, 4, 9, 14]
     assert sorted(step for step, row in written.items() if float(row.get("train/samples_per_s", 0)) > 0) == [4, 9, 14]
-    assert len(record.logged["train/loss"]) == 3 * EVERY  # the zoo's loss: every step (the bar, callback_metrics)
+
+
+def test_the_zoo_logs_its_loss_on_the_first_step_and_where_lightning_writes(fitted) -> None:
+    record, written = fitted
+    assert record.logged["train/loss"] == [0, 4, 9, 14]
+    assert sorted(step for step, row in written.items() if "train/loss" in row) == [4, 9, 14]
