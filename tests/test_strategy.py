@@ -173,7 +173,6 @@ def test_profiles_when_no_stats_and_logs_cache_metrics() -> None:
     assert bare.loader == [1, 2] and not hasattr(bare, "sampler")
 
 
-
 @pytest.mark.parametrize("shards", [False, True], ids=["gathered", "sharded"])
 def test_resume_matches_straight_through_and_loads_under_auto(tmp_path, stats_path, shards) -> None:
     def strategy() -> HotCacheStrategy:
