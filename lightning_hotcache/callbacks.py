@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -12,6 +13,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_hotcache._compat import writes_step_logs
+
+if TYPE_CHECKING:
+    from lightning_hotcache.cache.device import DeviceCache
 
 
 def on_host(value: float) -> Tensor:
@@ -74,8 +78,10 @@ class SamplesPerSecond(Callback):
 class CacheMetrics(Callback):
     """Hot/cold cache figures for the loggers and the progress bar.
 
-    ``cache/hit_rate`` (all tables, on the progress bar), ``cache/<table>/hit_rate``, rows
-    fetched into and evicted from the device per step, and host->device / device->host bytes
+    ``cache/hit_rate`` (all tables, on the progress bar), ``cache/<table>/hit_rate`` of each
+    table split between the device and the host (a table wholly on the device hits every
+    time: its 1.0 would be one more ~1 ms ``self.log`` for nothing), rows fetched into and
+    evicted from the device per step, and host->device / device->host bytes
     per sample; with a prefetch thread, the share of steps whose batch was not staged in time
     (``cache/staging_waits``) and the milliseconds a step waited for it on average
     (``cache/staging_wait_ms``): staging, not the device, bounds such steps; and what staging a
@@ -95,23 +101,29 @@ class CacheMetrics(Callback):
     def __init__(self, per_table: bool = True) -> None:
         self.per_table = per_table
         self._last: dict[str, tuple[int, int, int, int, int]] = {}
+        self._split: set[str] = set()  # the caches with a host tier
         self._steps = self._samples = 0
         self._staging: dict[str, float] = {}  # the strategy's staging waits and work when last logged (`staging_totals`)
 
-    def _snapshot(self, pl_module: pl.LightningModule) -> dict[str, tuple[int, int, int, int, int, int]]:
+    @staticmethod
+    def _caches(pl_module: pl.LightningModule) -> Iterator[tuple[str, DeviceCache]]:
         from lightning_hotcache.embedding import hot_cold_modules
 
-        out = {}
         for module in hot_cold_modules(pl_module).values():
-            for name, cache in module.caches.items():
-                c = cache.counters
-                row_bytes = 4 * sum(t.shape[1] for t in cache.slots.values())
-                out[name] = (c.lookups, c.hits, c.fetched_rows, c.evicted_rows, c.written_back_rows, row_bytes)
+            yield from module.caches.items()
+
+    def _snapshot(self, pl_module: pl.LightningModule) -> dict[str, tuple[int, int, int, int, int, int]]:
+        out = {}
+        for name, cache in self._caches(pl_module):
+            c = cache.counters
+            row_bytes = 4 * sum(t.shape[1] for t in cache.slots.values())
+            out[name] = (c.lookups, c.hits, c.fetched_rows, c.evicted_rows, c.written_back_rows, row_bytes)
         return out
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = {k: v[:5] for k, v in self._snapshot(pl_module).items()}
+        self._split = {name for name, cache in self._caches(pl_module) if not cache.identity}
         self._steps = self._samples = 0
         self._staging = staging_totals(trainer)
         plan = getattr(trainer.strategy, "plan", None)
@@ -141,7 +153,7 @@ class CacheMetrics(Callback):
             dn, dh, df, de, dw = (a - b for a, b in zip((n, h, f, e, w), self._last.get(name, (0,) * 5)))
             lookups, hits, fetched, evicted = lookups + dn, hits + dh, fetched + df, evicted + de
             h2d, d2h = h2d + df * row_bytes, d2h + dw * row_bytes
-            if self.per_table and dn:
+            if self.per_table and dn and name in self._split:
                 pl_module.log(f"cache/{name}/hit_rate", on_host(dh / dn), on_step=True, on_epoch=False)
         steps, samples = self._steps, self._samples
         self._last = {k: v[:5] for k, v in now.items()}

@@ -25,8 +25,13 @@ class Record(pl.Callback):
     def __init__(self) -> None:
         self.lookups_and_hits: list[tuple[int, int]] = []
         self.logged: dict[str, list[int]] = {}
+        self.split: set[str] = set()  # caches with a host tier
+        self.whole: set[str] = set()  # tables wholly on the device
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for module in hot_cold_modules(pl_module).values():
+            for name, cache in module.caches.items():
+                (self.split if cache.host is not None else self.whole).add(name)
         log = pl_module.log
 
         def recording_log(name: str, *args: Any, **kwargs: Any) -> None:
@@ -49,7 +54,7 @@ def fitted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Record, dict[int, 
     record = Record()
     logger = CSVLogger(tmp_path_factory.mktemp("logs"))
     trainer = cpu_trainer(strategy=HotCacheStrategy(device_budget=0.1, profile_batches=4), max_steps=3 * EVERY, log_every_n_steps=EVERY,
-                          logger=logger, callbacks=[CacheMetrics(per_table=False), SamplesPerSecond(), record])  # fmt: skip
+                          logger=logger, callbacks=[CacheMetrics(), SamplesPerSecond(), record])  # fmt: skip
     trainer.fit(model, dm)
     with open(Path(logger.log_dir) / "metrics.csv") as f:
         written = {int(row["step"]): {k: v for k, v in row.items() if v} for row in csv.DictReader(f)}
@@ -70,6 +75,14 @@ def test_cache_metrics_written_cover_the_steps_up_to_the_written_one(fitted) -> 
     assert len(set(expected.values())) == 3  # windows that tell each other apart
     assert hit_rates == pytest.approx(expected, rel=1e-6)
     assert record.logged["cache/hit_rate"] == [0, 4, 9, 14]
+
+
+def test_cache_metrics_log_per_table_hit_rates_of_split_tables_only(fitted) -> None:
+    """A table wholly on the device hits every time: no figure of its own."""
+    record, written = fitted
+    per_table = {name for name in record.logged if name.startswith("cache/") and name.count("/") == 2}
+    assert per_table == {f"cache/{name}/hit_rate" for name in record.split}
+    assert record.split and record.whole  # the fit has both kinds
 
 
 def test_samples_per_second_is_logged_once_for_the_bar_then_where_lightning_writes(fitted) -> None:
