@@ -48,6 +48,17 @@ that runs Python can wait up to that interval (5 ms by default; see benchmarks/R
 "The GIL"), so an A/B of it measures how much the threads and the training loop wait for
 each other.
 
+``--pieces`` also times the pieces of staging (`benchmarks/pieces.py`: the reader's
+announcement, the prefetch thread's acquire: look-ups, victims, eviction, host reads,
+installs, write-backs landed) per batch of the timed steps, printed as a second table
+(``pieces_ms_per_batch``): on a GPU host that work is compiled loops and row copies, which
+torch.profiler does not see.
+
+Under the lookahead policy a run draws its window's batches (64 at batches of 8,192) beyond
+``--steps``: the loader reads them ahead, and with a batch a step the window would empty
+over the last steps, the timed ones (every lookahead figure before 2026-11-29 was timed so,
+the window shrinking to one batch and no batch announced in the timed steps).
+
 ``--profile-steps N`` runs the chosen strategies once each, in this process, and prints
 torch.profiler's key averages of N steps after the warm-up (by device time, then host time)
 instead of timing them; it writes no results.
@@ -69,6 +80,7 @@ compute is then negligible, so a step's time is its Python, dispatch and staging
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -81,6 +93,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from clock import StepClock, cache_counters, hit_rate_text, print_filling_note, still_filling, timed_trainer
+from pieces import StagingPieces, per_batch_ms, print_pieces
 from report import add_ratios, rounds_of_jobs, write_report
 
 from torch import Tensor
@@ -91,6 +104,7 @@ from typing_extensions import override
 from datamodules import SyntheticCTRDataModule
 from datamodules.base import BatchSource, Split
 from lightning_hotcache import HotCacheStrategy
+from lightning_hotcache.cache.lookahead import default_lookahead_batches
 from lightning_hotcache.callbacks import staging_totals
 from lightning_hotcache.embedding import hot_cold_modules
 from models import DLRM
@@ -250,8 +264,11 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
         sys.setswitchinterval(args.switch_interval)
     began = time.perf_counter()
     pl.seed_everything(0)
-    data = {"scale": args.scale, "embedding_dim": args.dim, "batch_size": args.batch_size, "num_train_samples": args.batch_size * (args.steps + 1),
-            "shuffle": False}  # fmt: skip
+    # Under the lookahead policy the loader reads the window's batches ahead of the step: with
+    # no more batches than steps, the window would empty over the last of them, the timed ones.
+    window = default_lookahead_batches(args.batch_size) if getattr(strategy, "cache_policy", None) == "lookahead" else 0
+    data = {"scale": args.scale, "embedding_dim": args.dim, "batch_size": args.batch_size,
+            "num_train_samples": args.batch_size * (args.steps + 1 + window), "shuffle": False}  # fmt: skip
     if args.data == "memory":
         dm: SyntheticCTRDataModule = DrawnAheadDataModule(args.num_workers, **data)
     else:
@@ -260,12 +277,16 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
     # never a second copy in host memory); auto materializes them, with the same rows.
     model_class = HostLookupDLRM if host_lookup else DLRM
     model = model_class(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
-    clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer))
+    pieces = StagingPieces() if args.pieces else None
+    probe_pieces = (lambda: {"pieces": pieces.seconds()}) if pieces is not None else dict
+    clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer) | probe_pieces())
     trainer = timed_trainer(strategy, args.steps, clock, accelerator=args.device)
     if args.profile_steps:
         trainer.callbacks.append(ProfileSteps(args.warmup, args.profile_steps, args.device))
-    trainer.fit(model, dm)
+    with pieces or contextlib.nullcontext():
+        trainer.fit(model, dm)
     steps = args.steps - args.warmup
+    piece_seconds = (clock.at_start.pop("pieces"), clock.at_end.pop("pieces")) if pieces is not None else None
     moved = {key: clock.at_end[key] - clock.at_start[key] for key in clock.at_end}
     if host_lookup:  # the pooled embeddings to the device, their gradients back, every step
         pooled = args.batch_size * sum(len(t.feature_names) for t in dm.tables) * args.dim * 4
@@ -297,6 +318,8 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
         "setup_s": clock.first_batch_at - began,
         "warmup_s": clock.start - clock.first_batch_at,
     }
+    if piece_seconds is not None:  # staging's pieces (each batch is staged once, by one thread)
+        out["pieces_ms_per_batch"] = per_batch_ms(*piece_seconds, steps)
     plan = getattr(trainer.strategy, "plan", None)
     if plan is not None:
         out["budget_bytes"] = plan.budget_bytes
@@ -354,6 +377,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--switch-interval", type=float,
                         help="Python's thread switch interval in seconds for each run (sys.setswitchinterval; default: Python's 0.005)")
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many steps after the warm-up instead")
+    parser.add_argument("--pieces", action="store_true", help="also time staging's pieces (benchmarks/pieces.py), per batch of the timed steps")
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu.json")
     parser.add_argument("--job", help=argparse.SUPPRESS)  # one run in this process; prints its JSON
     args = parser.parse_args(argv)
@@ -397,13 +421,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = [
         "--scale", str(args.scale), "--dim", str(args.dim), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--profile-batches", str(args.profile_batches), "--device", args.device,
-        "--num-workers", str(args.num_workers), "--data", args.data, "--kernel", args.kernel,
+        "--num-workers", str(args.num_workers), "--data", args.data, "--kernel", args.kernel, *(["--pieces"] if args.pieces else []),
         *(["--device-memory", str(args.device_memory)] if args.device_memory is not None else []),
         *(["--switch-interval", str(args.switch_interval)] if args.switch_interval is not None else []),
     ]  # fmt: skip
     results = rounds_of_jobs(__file__, settings, chosen, args.rounds)
     add_ratios(results, ("auto", "cpu-lookup"))
     print_table(results)
+    print_pieces(results, "pieces_ms_per_batch")
     return write_report("gpu", args, results)
 
 

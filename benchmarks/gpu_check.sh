@@ -15,8 +15,9 @@
 #      cache is full): hotcache at 10%, at 1% under
 #      the lookahead policy (the lookahead issue's GPU target) and at 1% under LFU against all
 #      tables in GPU memory (auto), one process, the batches drawn before fit and served from
-#      memory (gpu.py's --data; share 220 s: three runs took 148 s on an H200 with the tables
-#      drawn on one core, ~17 s of each run's set-up, now drawn on all of them);
+#      memory (gpu.py's --data; share 200 s: three runs took 148 s on an H200 with the tables
+#      drawn on one core, ~17 s of each run's set-up, now drawn on all of them), with the
+#      prefetch thread's pieces timed (benchmarks/pieces.py);
 #   4. tables larger than the GPU: the same tables with each run's GPU memory capped at 8 GiB,
 #      where auto cannot hold them and hotcache at 10% trains (86-96 s; share 95 s);
 #   5. where a step's time goes: the host's row copies first (benchmarks/row_copy.py: a 1%
@@ -63,7 +64,7 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   PYTHON=.venv/bin/python
   ACCELERATOR=cpu
   SMALL="--device cpu --scale 0.001 --batch-size 64"
-  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01"  # stage 3's (cpu-lookup: the smoke test)
+  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --pieces --strategies auto hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01"  # stage 3's (cpu-lookup: the smoke test)
   BEYOND_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1"  # no cap on a CPU
   PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 0.02 --rows 2000 --copies 3 --threads 1 2"
@@ -74,8 +75,9 @@ else
   # 80 warm-up steps: the first 20 batches are the profiled ones (at 10% all their rows are
   # static), and a 10% cache's dynamic slots fill by ~step 65 (a replay of the batches through
   # its caches); with 20 the timed steps were all filling (no row evicted in any 10% run before
-  # 2026-11-29), measuring neither victims nor write-backs.
-  BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 120 --warmup 80 --rounds 1 --strategies auto hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01"}
+  # 2026-11-29), measuring neither victims nor write-backs. --pieces: where the prefetch
+  # thread's time goes (compiled loops and row copies, which torch.profiler does not see).
+  BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 120 --warmup 80 --rounds 1 --pieces --strategies auto hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01"}
   BEYOND_ARGS="--scale 1.0 --steps 120 --warmup 80 --rounds 1 --device-memory 8 --strategies auto hotcache@0.1"
   PROFILE_ARGS="--scale 0.1 --steps 30 --warmup 20 --profile-steps 5 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 8 --copies 40 --threads 1 2 4 8"

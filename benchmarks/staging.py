@@ -38,6 +38,7 @@ share of GPU staging; compare budgets and commits within one run, or on one mach
 
     python benchmarks/staging.py [--scale 1.0] [--dim 128] [--budgets 0.1 0.01] [--batches 30] [--forked-workers 4] [--lookahead 64]
     OMP_NUM_THREADS=1 python benchmarks/staging.py --scale 0.3 --dim 64 --budgets 0.01 --batches 60 --beside-python
+    python benchmarks/staging.py --budgets 0.01 --lookahead 64 --pieces   # and where a batch's time goes (benchmarks/pieces.py)
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from pieces import StagingPieces, per_batch_ms, print_pieces
 from report import write_report
 from torchrec import KeyedJaggedTensor
 
@@ -132,12 +134,15 @@ def stage_batches(
 
     announcing, staging_seconds, fetched, lookups, hits = [], [], [], 0, 0
     loop = PythonLoop(args.python_gap_us) if args.beside_python else None
-    with idle_forked_processes(args.forked_workers), loop or contextlib.nullcontext():
+    pieces, pieces_at_warmup = StagingPieces() if args.pieces else None, {}
+    with idle_forked_processes(args.forked_workers), loop or contextlib.nullcontext(), pieces or contextlib.nullcontext():
         # The window, before the first batch is staged: announced once the workers are forked,
         # as the loader's batches are.
         for features in batches[: args.lookahead]:
             staging.announce(features)
         for k, features in enumerate(batches[: args.batches]):
+            if pieces is not None and k == args.warmup:
+                pieces_at_warmup = pieces.seconds()
             before = totals()
             arriving = features.to(device)
             if args.device == "cuda":
@@ -166,6 +171,8 @@ def stage_batches(
         "fetched_rows_per_batch": statistics.mean(fetched),
         "budget_bytes": plan.budget_bytes,
     }
+    if pieces is not None:  # every timed batch, beside Python or not
+        out["pieces_ms_per_batch"] = per_batch_ms(pieces_at_warmup, pieces.seconds(), args.batches - args.warmup)
     if loop is not None:
         beside = _timings(announcing, staging_seconds, [k for k in timed if k % 2 == 1])
         out["beside_python"] = beside | {"x_alone": beside["staging_ms_per_batch"] / out["staging_ms_per_batch"], "python_calls": loop.calls}
@@ -216,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--beside-python", action="store_true",
                         help="stage every other timed batch beside a thread running Python, as a training loop does (reported apart)")
     parser.add_argument("--python-gap-us", type=float, default=10.0, help="--beside-python's Python between two of its torch calls, in microseconds")
+    parser.add_argument("--pieces", action="store_true", help="also time staging's pieces (benchmarks/pieces.py) and report them")
     parser.add_argument("--out", type=Path, default=RESULTS / "staging.json")
     args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.batches:
@@ -243,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
             b = r["beside_python"]
             print(f"{'  beside Python':<16}{b['staging_ms_per_batch']:>18.2f}{b['reader_ms_per_batch']:>11.2f}{b['prefetch_ms_per_batch']:>13.2f}"
                   f"   x{b['x_alone']:.2f} of alone")  # fmt: skip
+    print_pieces(results, "pieces_ms_per_batch")
     return write_report("staging", args, results)
 
 

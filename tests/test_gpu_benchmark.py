@@ -17,6 +17,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # appe
 import clock  # noqa: E402
 import gpu  # noqa: E402
 import report  # noqa: E402
+from pieces import PIECES, StagingPieces  # noqa: E402
 
 SMOKE = ["--device", "cpu", "--scale", "0.001", "--steps", "5", "--rounds", "1"]
 
@@ -71,10 +72,28 @@ def test_a_window_without_evictions_is_reported_as_a_filling_cache(capsys) -> No
 def test_the_lookahead_policy_runs_when_named(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(report, "job_in_process", lambda script, settings, name, wrapper=(): gpu.main([*settings, "--job", name]))
     out = tmp_path / "gpu.json"
-    gpu.main([*SMOKE, "--batch-size", "64", "--strategies", "auto", "hotcache@0.01+lookahead", "--out", str(out)])
+    gpu.main([*SMOKE, "--batch-size", "64", "--strategies", "auto", "hotcache@0.01+lookahead", "--pieces", "--out", str(out)])
     results = json.loads(out.read_text())["results"]
-    assert list(results) == ["auto", "hotcache@0.01+lookahead"] and 0 < results["hotcache@0.01+lookahead"]["hit_rate"] < 1
+    lookahead = results["hotcache@0.01+lookahead"]
+    assert list(results) == ["auto", "hotcache@0.01+lookahead"] and 0 < lookahead["hit_rate"] < 1
+    # --pieces: staging's pieces timed, each at most the whole of what holds it. The loader reads
+    # the window ahead: the run has batches enough that the timed steps still announce theirs
+    # (with a batch a step, the 64-batch window was read before the first step).
+    pieces = lookahead["pieces_ms_per_batch"]
+    assert list(pieces) == [name for name, _, _ in PIECES] and pieces["announce"] > 0
+    assert 0 < pieces["begin acquire"] <= pieces["stage"] and 0 <= pieces["victims"] <= pieces["begin acquire"]
+    assert not any(results["auto"]["pieces_ms_per_batch"].values())  # nothing staged
     assert gpu.strategies(gpu.parse_args(SMOKE))["hotcache@0.01+lookahead"]().cache_policy == "lookahead"
+
+
+def test_staging_pieces_are_timed_while_entered_only() -> None:
+    from lightning_hotcache.embedding.staging import Staging
+
+    original = Staging.__dict__["announce"]
+    with StagingPieces() as pieces:
+        assert Staging.__dict__["announce"] is not original and Staging.announce.__wrapped__ is original
+    assert Staging.__dict__["announce"] is original and all(owner.__dict__[name] for _, owner, name in PIECES)
+    assert pieces.seconds() == dict.fromkeys((name for name, _, _ in PIECES), 0.0)  # nothing staged
 
 
 def test_the_kernel_asked_for_is_the_one_recorded() -> None:
@@ -131,6 +150,7 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
     assert "skipped" in (tmp_path / "stage2.log").read_text()  # found, and skipped without CUDA
     results = json.loads((tmp_path / "gpu.json").read_text())["results"]
     assert list(results) == ["auto", "hotcache@0.1", "hotcache@0.01+lookahead", "hotcache@0.01"]  # what stage 3 runs on the GPU
+    assert results["hotcache@0.01"]["pieces_ms_per_batch"]["stage"] > 0  # where the prefetch thread's time goes
     assert list(json.loads((tmp_path / "beyond_gpu.json").read_text())["results"]) == ["auto", "hotcache@0.1"]
     profiles = (tmp_path / "stage5.log").read_text()
     assert "## hotcache@0.1" in profiles and "## hotcache@0.01" in profiles
@@ -279,9 +299,11 @@ def test_staging_benchmark_stages_as_a_cuda_module_would(tmp_path, monkeypatch) 
     assert all(cache.window is None for cache in split)
     built.clear()
     staging.main(["--scale", "0.001", "--batch-size", "64", "--batches", "8", "--warmup", "2", "--budgets", "0.01", "--lookahead", "3",
-                  "--out", str(out)])  # fmt: skip
+                  "--pieces", "--out", str(out)])  # fmt: skip
     split = [cache for module in built for cache in module._staging.caches.values() if not cache.identity]
     assert split and all(cache.window is not None and len(cache.window) == 3 for cache in split)  # each batch announced 3 ahead
+    pieces = json.loads(out.read_text())["results"]["hotcache@0.01"]["pieces_ms_per_batch"]
+    assert 0 < pieces["begin acquire"] <= pieces["stage"] and pieces["announce"] > 0
 
 
 def test_staging_benchmark_beside_python_reports_alternate_batches_apart(tmp_path, capsys) -> None:

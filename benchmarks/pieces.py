@@ -1,0 +1,89 @@
+"""Where staging's time goes, piece by piece: wall time summed per piece of the reader's and
+the prefetch thread's work, for the benchmarks' reports.
+
+On a GPU host a 1% cache's step waits for the prefetch thread, whose work is mostly compiled
+loops and row copies that torch.profiler does not see (they are not torch ops) and that no
+sampling profiler on the GPU machine's image reaches (py-spy is not on it). So the benchmarks
+time the pieces themselves: `StagingPieces` wraps each method below with a clock while it is
+entered, and restores them on exit. The pieces nest (``stage`` holds the acquire's pieces,
+``begin acquire`` the victims and the eviction), so they do not add up to a total; each is
+inclusive. A clock costs ~0.2 us a call, a few calls a batch per cache: nothing next to a
+batch's milliseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import Any, Callable
+
+from lightning_hotcache.cache.device import DeviceCache
+from lightning_hotcache.embedding.staging import Staging
+
+# (name, class, method): in the order a batch meets them.
+PIECES: tuple[tuple[str, type, str], ...] = (
+    ("announce", Staging, "announce"),  # the reader thread: ids checked, ordered, deduplicated; the window's books
+    ("stage", Staging, "stage"),  # the prefetch thread: all below, and the batch's ids and slots
+    ("begin acquire", DeviceCache, "_begin_acquire"),  # hits looked up and locked, victims, eviction
+    ("victims", DeviceCache, "_choose_victims"),
+    ("evict", DeviceCache, "_evict"),  # evicted rows copied off the device to land later, slots vacated
+    ("read rows", DeviceCache, "_read_own"),  # missed rows gathered from the host store and sent up
+    ("install", DeviceCache, "_finish_acquire"),  # fetched rows into their slots, the directory's books
+    ("land write-backs", DeviceCache, "_land_write_backs"),  # evicted rows written into the host store
+)
+
+
+class StagingPieces:
+    """While entered, the seconds spent in each of `PIECES` (all threads, all caches), summed
+    since entering: `seconds()`."""
+
+    def __init__(self) -> None:
+        self._seconds = dict.fromkeys((name for name, _, _ in PIECES), 0.0)
+        self._lock = threading.Lock()  # the reader and the prefetch thread both add
+        self._originals: list[tuple[type, str, Callable[..., Any]]] = []
+
+    def seconds(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._seconds)
+
+    def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - started
+                with self._lock:
+                    self._seconds[name] += elapsed
+
+        return timed
+
+    def __enter__(self) -> "StagingPieces":
+        for name, owner, attribute in PIECES:
+            method = owner.__dict__[attribute]  # KeyError: the piece was renamed; update PIECES
+            self._originals.append((owner, attribute, method))
+            setattr(owner, attribute, self._timed(name, method))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, attribute, method in reversed(self._originals):
+            setattr(owner, attribute, method)
+        self._originals.clear()
+
+
+def per_batch_ms(before: dict[str, float], after: dict[str, float], batches: int) -> dict[str, float]:
+    """Milliseconds a batch in each piece between two `StagingPieces.seconds`."""
+    return {name: 1e3 * (after[name] - before[name]) / batches for name in after} if batches else {}
+
+
+def print_pieces(results: dict[str, dict[str, Any]], key: str) -> None:
+    """A table of ``results[name][key]`` (`per_batch_ms`), a row per run that staged batches."""
+    timed = {name: r[key] for name, r in results.items() if any(r.get(key, {}).values())}
+    if not timed:
+        return
+    names = [name for name, _, _ in PIECES]
+    print(f"{'ms a batch':<24}" + "".join(f"{name:>18}" for name in names) + "   (inclusive: pieces nest)")
+    for run, pieces in timed.items():
+        print(f"{run:<24}" + "".join(f"{pieces.get(name, 0.0):>18.2f}" for name in names))
