@@ -204,7 +204,7 @@ def test_a_slot_map_outside_the_device_budget_is_dense() -> None:
 
 @pytest.mark.parametrize("kind", ["hashed", "sorted"])
 def test_slot_maps_agree_under_random_edits(kind: str) -> None:
-    from lightning_hotcache.cache.slot_map import RUN_ROOM, SORTED_BYTES_PER_ENTRY, DenseSlotMap, HashedSlotMap, SortedSlotMap, sparse_map_bytes_per_resident
+    from lightning_hotcache.cache.slot_map import DenseSlotMap, HashedSlotMap, SortedSlotMap, sparse_map_bytes_per_resident
 
     g = torch.Generator().manual_seed(0)
     static = torch.randperm(1000, generator=g)[:50].sort().values
@@ -233,7 +233,7 @@ def test_slot_maps_agree_under_random_edits(kind: str) -> None:
         torch.testing.assert_close(maps[0].lookup(probe), maps[1].lookup(probe))
         # Never past the room the planner pays for (for the sorted map, evicted entries wait there).
         held = sum(t.numel() * t.element_size() for t in maps[1].tensors())
-        assert held <= 150 * (sparse_map_bytes_per_resident(1000) if kind == "hashed" else int(SORTED_BYTES_PER_ENTRY * RUN_ROOM))
+        assert held <= 150 * sparse_map_bytes_per_resident(1000 if kind == "hashed" else 2**31)
         if kind == "hashed":  # a removal frees its cell: the table holds the resident ids alone
             assert int((sparse.cells >= 0).sum()) == sparse.resident == len(static) + len(resident)
         merges += len(sparse.runs[1][0]) == 0 if kind == "sorted" else 0
@@ -341,14 +341,15 @@ def test_device_bytes_stay_within_the_budget(optimizer, budget) -> None:
         assert m.device_bytes() <= plan.device_bytes  # the planner never counts less than the caches hold
 
 
-@pytest.mark.parametrize("num_embeddings", [10_000, 2**31])
-def test_sorted_slot_map_holds_the_bytes_the_planner_counts(num_embeddings) -> None:
-    from lightning_hotcache.cache.slot_map import RUN_ROOM, SORTED_BYTES_PER_ENTRY, SortedSlotMap, sparse_map_bytes_per_resident
+def test_sorted_slot_map_holds_the_bytes_the_planner_counts() -> None:
+    from lightning_hotcache.cache.slot_map import SortedSlotMap, make_slot_map, sparse_map_bytes_per_resident
 
     # The planner counts a sorted map for tables past int32 ids (smaller ones are hashed).
-    bound = sparse_map_bytes_per_resident(num_embeddings) if num_embeddings >= 2**31 else int(SORTED_BYTES_PER_ENTRY * RUN_ROOM)
+    num_embeddings = 2**31
+    bound = sparse_map_bytes_per_resident(num_embeddings)
     static = torch.arange(0, 2000, 2)
-    m = SortedSlotMap(num_embeddings, static, 1350, torch.device("cpu"))
+    m = make_slot_map(num_embeddings, static, 1350, torch.device("cpu"))
+    assert isinstance(m, SortedSlotMap)
     m.assign(torch.arange(1, 601, 2), torch.arange(1000, 1300))
     m.remove(torch.arange(1, 101, 2))
     m.assign(torch.arange(3001, 3101, 2), torch.arange(1300, 1350))

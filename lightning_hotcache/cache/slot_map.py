@@ -15,8 +15,8 @@ Intel Xeon).
 
 The hash table (`HashedSlotMap`) keeps every resident id, a lookup one probe sequence per id
 and a fetch one insert. Ids past int32 do not fit its packed cells: those tables keep sorted
-ids. The sorted map keeps the static ids (fixed for the whole run, int64, the slot being the
-position) apart from the dynamic ones (int32 id and int32 slot where ids fit). Dynamic ids
+ids. The sorted map keeps the static ids (fixed for the whole run, the slot being the
+position) apart from the dynamic ones (id and int32 slot). Dynamic ids
 are two sorted runs, as in a log-structured merge tree: every fetch merges its new ids into
 a small recent run, and only when the runs (with the evicted ids they still hold) outgrow
 their room, or the recent run the size that keeps the two kinds of merge cheapest, are both
@@ -43,7 +43,7 @@ from lightning_hotcache.host_rows import on_cpu
 
 SlotMapKind = Literal["dense", "hashed", "sorted"]
 DENSE_BYTES_PER_ROW = 4  # int32 slot per table row
-SORTED_BYTES_PER_ENTRY = 8  # a static int64 id (its slot is its position), or a dynamic int32 id + int32 slot
+SORTED_BYTES_PER_ENTRY = 12  # a dynamic int64 id + int32 slot (a static id, its slot its position, takes 8)
 # The dynamic runs may hold this many entries per dynamic slot (evicted ids wait for the next
 # merge as tombstones): more room, fewer whole-cache merges, more bytes.
 RUN_ROOM = 1.25
@@ -60,8 +60,7 @@ def sparse_map_bytes_per_resident(num_embeddings: int) -> int:
     for int32 ids, else sorted): what the planner counts."""
     if num_embeddings < INT32_IDS_BELOW:
         return HASH_BYTES_PER_SLOT
-    # Tables too large for int32 ids keep sorted dynamic ids in int64 (with an int32 slot).
-    return int((SORTED_BYTES_PER_ENTRY + 4) * RUN_ROOM)
+    return int(SORTED_BYTES_PER_ENTRY * RUN_ROOM)
 
 
 def slot_map_kind(num_embeddings: int, num_resident: int) -> SlotMapKind:
@@ -94,17 +93,17 @@ class DenseSlotMap:
 
 
 class SortedSlotMap:
-    """Static ids sorted (slot = position) plus dynamic ids in two sorted runs with their slots."""
+    """Static ids sorted (slot = position) plus dynamic ids in two sorted runs with their slots:
+    the map of tables whose ids do not fit the hash table's 32 bits (`make_slot_map`)."""
 
     def __init__(self, num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device) -> None:
         self.static_ids = static_ids.to(device)  # sorted by the cache
-        self.id_dtype = torch.int32 if num_embeddings < INT32_IDS_BELOW else torch.int64
         self.max_entries = int((num_slots - len(static_ids)) * RUN_ROOM)
         # [whole run, recent run], each (sorted ids, their slots; -1 where evicted).
         self.runs = [self._empty_run(device), self._empty_run(device)]
 
     def _empty_run(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        return torch.empty(0, dtype=self.id_dtype, device=device), torch.empty(0, dtype=torch.int32, device=device)
+        return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.int32, device=device)
 
     def tensors(self) -> list[Tensor]:
         return [self.static_ids, *(t for run in self.runs for t in run)]
@@ -119,10 +118,9 @@ class SortedSlotMap:
         if len(self.static_ids):
             pos, found = self._find(self.static_ids, ids)
             slots = torch.where(found, pos, slots)
-        narrow = ids.to(self.id_dtype)
         for run_ids, run_slots in self.runs:
             if len(run_ids):
-                pos, found = self._find(run_ids, narrow)
+                pos, found = self._find(run_ids, ids)
                 slot = run_slots[pos].long()
                 slots = torch.where(found & (slot >= 0), slot, slots)  # an evicted entry hides nothing
         return slots
@@ -131,7 +129,7 @@ class SortedSlotMap:
         """Add ``ids`` (none present; ``ascending`` when sorted already) at ``slots``: merged
         into the recent run (dropping its evicted entries), or, when the runs would outgrow
         their room or the recent run its `_recent_room`, both runs into one."""
-        ids = ids.to(self.id_dtype)
+        ids = ids.long()
         if not ascending:
             ids, order = ids.sort()
             slots = slots[order]
@@ -153,10 +151,9 @@ class SortedSlotMap:
     def remove(self, ids: Tensor) -> None:
         """Drop ``ids`` (all present as dynamic ids, any order). They stay in their run with
         slot -1, which `lookup` reports as absent, until that run is next merged."""
-        narrow = ids.to(self.id_dtype)
         for run_ids, run_slots in self.runs:
             if len(run_ids):
-                pos, found = self._find(run_ids, narrow)
+                pos, found = self._find(run_ids, ids.long())
                 run_slots[pos[found]] = -1
 
 
