@@ -16,6 +16,7 @@ Prints a table and writes benchmarks/results/cpu_throughput.json.
     python benchmarks/cpu_throughput.py --optimizer adam   # lazy Adam: auto vs hotcache's PyTorch path
     python benchmarks/cpu_throughput.py --optimizer sgd --strategies torchrec hotcache@0.1+fbgemm hotcache@0.1+pytorch
     python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.01 hotcache@0.01+lookahead
+    python benchmarks/cpu_throughput.py --strategies hotcache@0.01 hotcache@0.01+lookahead --pieces   # and where staging's time goes (benchmarks/pieces.py)
 
 By default every strategy but the ``+lookahead`` (the lookahead cache policy), ``+thread``
 (staging on the prefetch thread) and ``+fbgemm`` / ``+pytorch`` (the device tier's kernel named,
@@ -25,6 +26,7 @@ not chosen) ones runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 from pathlib import Path
@@ -32,6 +34,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from clock import StepClock, cache_counters, hit_rate_text, print_filling_note, still_filling, timed_trainer
+from pieces import StagingPieces, print_pieces, window_ms_per_batch
 from report import add_ratios, rounds_of_jobs, write_report
 
 from datamodules import SyntheticCTRDataModule
@@ -47,10 +50,13 @@ def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
     dm = SyntheticCTRDataModule(scale=args.scale, embedding_dim=args.dim, batch_size=args.batch_size,
                                 num_train_samples=args.batch_size * (args.steps + 200), shuffle=False)  # fmt: skip
     model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer, "lr": 0.05})
-    clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer))
+    pieces = StagingPieces() if args.pieces else None
+    clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer) | (pieces.probe() if pieces else {}))
     trainer = timed_trainer(strategy, args.steps, clock)
-    trainer.fit(model, dm)
+    with pieces or contextlib.nullcontext():
+        trainer.fit(model, dm)
     steps = args.steps - args.warmup
+    piece_ms = window_ms_per_batch(clock, steps)  # each step stages one batch
     moved = {key: clock.at_end[key] - clock.at_start[key] for key in clock.at_end}
     out = {
         "samples_per_s": clock.samples_per_s,
@@ -65,6 +71,8 @@ def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
         "staging_waits_per_step": moved["staging_waits"] / steps,
         "staging_wait_ms_per_step": 1e3 * moved["staging_wait_s"] / steps,
     }
+    if piece_ms is not None:
+        out["pieces_ms_per_batch"] = piece_ms
     plan = getattr(trainer.strategy, "plan", None)
     if plan is not None:
         out["device_mib"] = plan.device_bytes / 2**20
@@ -90,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the tables' row-wise rule; adam runs hotcache's PyTorch path (FBGEMM has no lazy Adam) "
                              "and not torchrec (its Adam is not row-lazy)")  # fmt: skip
     parser.add_argument("--strategies", nargs="+", help="a subset to run (default: all; auto is the baseline)")
+    parser.add_argument("--pieces", action="store_true", help="also time staging's pieces (benchmarks/pieces.py), per batch of the timed steps")
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_throughput.json")
     parser.add_argument("--job", help=argparse.SUPPRESS)  # one run in this process; prints its JSON
     args = parser.parse_args(argv)
@@ -118,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     chosen = [name for name in runs if name in args.strategies] if args.strategies else [name for name in runs if "+" not in name]
     settings = ["--scale", str(args.scale), "--dim", str(args.dim), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-                "--warmup", str(args.warmup), "--optimizer", args.optimizer]  # fmt: skip
+                "--warmup", str(args.warmup), "--optimizer", args.optimizer, *(["--pieces"] if args.pieces else [])]  # fmt: skip
     results = rounds_of_jobs(__file__, settings, chosen, args.rounds)
     add_ratios(results, ("auto", "torchrec"))
     # "paired": the median over rounds of the ratio within a round (see report.add_ratios).
@@ -133,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             f"  {' '.join(f'{x:.0f}' for x in r['rounds'])}"
         )
     print_filling_note(results)
+    print_pieces(results, "pieces_ms_per_batch")
     rows = sum(t.num_embeddings for t in SyntheticCTRDataModule(scale=args.scale).tables)
     write_report("cpu_throughput", args, results, rows=rows)
 

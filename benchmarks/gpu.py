@@ -93,7 +93,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from clock import StepClock, cache_counters, hit_rate_text, print_filling_note, still_filling, timed_trainer
-from pieces import StagingPieces, per_batch_ms, print_pieces
+from pieces import StagingPieces, print_pieces, window_ms_per_batch
 from report import add_ratios, rounds_of_jobs, write_report
 
 from torch import Tensor
@@ -278,15 +278,14 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
     model_class = HostLookupDLRM if host_lookup else DLRM
     model = model_class(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
     pieces = StagingPieces() if args.pieces else None
-    probe_pieces = (lambda: {"pieces": pieces.seconds()}) if pieces is not None else dict
-    clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer) | probe_pieces())
+    clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer) | (pieces.probe() if pieces else {}))
     trainer = timed_trainer(strategy, args.steps, clock, accelerator=args.device)
     if args.profile_steps:
         trainer.callbacks.append(ProfileSteps(args.warmup, args.profile_steps, args.device))
     with pieces or contextlib.nullcontext():
         trainer.fit(model, dm)
     steps = args.steps - args.warmup
-    piece_seconds = (clock.at_start.pop("pieces"), clock.at_end.pop("pieces")) if pieces is not None else None
+    piece_ms = window_ms_per_batch(clock, steps)  # each step stages one batch
     moved = {key: clock.at_end[key] - clock.at_start[key] for key in clock.at_end}
     if host_lookup:  # the pooled embeddings to the device, their gradients back, every step
         pooled = args.batch_size * sum(len(t.feature_names) for t in dm.tables) * args.dim * 4
@@ -318,8 +317,8 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
         "setup_s": clock.first_batch_at - began,
         "warmup_s": clock.start - clock.first_batch_at,
     }
-    if piece_seconds is not None:  # staging's pieces (each batch is staged once, by one thread)
-        out["pieces_ms_per_batch"] = per_batch_ms(*piece_seconds, steps)
+    if piece_ms is not None:
+        out["pieces_ms_per_batch"] = piece_ms
     plan = getattr(trainer.strategy, "plan", None)
     if plan is not None:
         out["budget_bytes"] = plan.budget_bytes

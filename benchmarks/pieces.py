@@ -73,9 +73,22 @@ class StagingPieces:
         self._originals.clear()
 
 
+    def probe(self) -> dict[str, dict[str, float]]:
+        """`seconds` under one key, for a `StepClock` probe (`window_ms_per_batch` takes it out)."""
+        return {"pieces": self.seconds()}
+
+
 def per_batch_ms(before: dict[str, float], after: dict[str, float], batches: int) -> dict[str, float]:
     """Milliseconds a batch in each piece between two `StagingPieces.seconds`."""
     return {name: 1e3 * (after[name] - before[name]) / batches for name in after} if batches else {}
+
+
+def window_ms_per_batch(clock: Any, batches: int) -> dict[str, float] | None:
+    """Milliseconds a batch in each piece over a `StepClock`'s window, the probe's `probe`
+    entries taken out of its readings (None where it had none)."""
+    if "pieces" not in clock.at_end:
+        return None
+    return per_batch_ms(clock.at_start.pop("pieces"), clock.at_end.pop("pieces"), batches)
 
 
 def print_pieces(results: dict[str, dict[str, Any]], key: str) -> None:

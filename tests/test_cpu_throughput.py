@@ -23,3 +23,11 @@ def test_a_job_trains_the_tables_of_its_scale(capsys) -> None:
     assert 0 < result["hit_rate"] < 1 and result["fetched_rows_per_step"] > 0 and result["samples_per_s"] > 0
     # Eight steps cannot fill a tenth of the tables' cache: said, not passed off as a steady state.
     assert result["caches_filling"] and result["written_back_rows_per_step"] == 0
+
+
+def test_pieces_are_timed_when_asked(capsys) -> None:
+    cpu_throughput.main(["--job", "hotcache@0.1", "--scale", "0.01", "--steps", "8", "--warmup", "2", "--batch-size", "256", "--pieces"])
+    pieces = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["pieces_ms_per_batch"]
+    assert 0 < pieces["begin acquire"] <= pieces["stage"] and pieces["announce"] > 0
+    cpu_throughput.main(["--job", "hotcache@0.1", "--scale", "0.01", "--steps", "4", "--warmup", "2", "--batch-size", "256"])
+    assert "pieces_ms_per_batch" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
