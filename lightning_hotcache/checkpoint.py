@@ -32,6 +32,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
+from lightning_hotcache.cache.exchange import RoundRobinRows
 from lightning_hotcache.rowwise import ROW_STATE_KEY
 
 SHARDS_KEY = "hotcache_shards"
@@ -198,8 +199,12 @@ def check_not_sharded(checkpoint: dict[str, Any]) -> None:
         )
 
 
-def consolidated(checkpoint: dict[str, Any], path: _PATH) -> dict[str, Any]:
-    """``checkpoint`` (the main file at ``path``, already loaded) with its shard files merged in."""
+def consolidated(checkpoint: dict[str, Any], path: _PATH, in_pieces: bool = False) -> dict[str, Any]:
+    """``checkpoint`` (the main file at ``path``, already loaded) with its shard files merged
+    in: each split table's arrays whole, or with ``in_pieces`` as the shards hold them
+    (`RoundRobinRows` of the memory-mapped shard files, which the hotcache strategy loads piece
+    by piece into each rank's tiers: no table whole in memory, and each rank's own rows read
+    from disk as they are copied)."""
     meta = checkpoint.pop(SHARDS_KEY, None)
     if meta is None:
         raise ValueError(f"{path} is not a sharded hotcache checkpoint (it has no {SHARDS_KEY!r}).")
@@ -228,12 +233,17 @@ def consolidated(checkpoint: dict[str, Any], path: _PATH) -> dict[str, Any]:
     shards = [_load_shard(main_file, save_id, rank, world, checksummed) for rank in range(world)]
     row_state = checkpoint.setdefault(ROW_STATE_KEY, {})
     for key, rows in meta["num_embeddings"].items():
-        arrays = {}
+        arrays: dict[str, Any] = {}
         for name in shards[0][key]:
-            full = torch.empty(rows, shards[0][key][name].shape[1])
-            for rank, shard in enumerate(shards):
-                full[rank::world] = shard[key][name]
-            arrays[name] = full
+            pieces = tuple(shard[key][name] for shard in shards)
+            for rank, piece in enumerate(pieces):
+                if len(piece) != len(range(rank, rows, world)):
+                    raise ValueError(
+                        f"{shard_path(main_file, save_id, rank, world)} holds {len(piece)} rows of {key}.{name}, but rank "
+                        f"{rank} of {world} holds {len(range(rank, rows, world))} of its {rows}: the shard files do not "
+                        "belong to this checkpoint. Use another checkpoint."
+                    )
+            arrays[name] = RoundRobinRows(pieces) if in_pieces else RoundRobinRows(pieces).whole()
         module_path, table = key.rsplit(".", 1)
         checkpoint["state_dict"][f"{module_path}.embedding_bags.{table}.weight"] = arrays.pop("weight")
         row_state[key] = arrays
@@ -275,7 +285,8 @@ def _load_shard(main_file: Path, save_id: str, rank: int, world: int, checksumme
     if magic and magic != ZIP_MAGIC:  # empty: a truncated write, reported below
         raise ValueError(not_ours)
     try:
-        shard = torch.load(file, map_location="cpu", weights_only=True)
+        # Memory-mapped: a shard's rows are read from the file as they are copied, not all at once.
+        shard = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:  # objects other than tensors, or a damaged pickle
         raise ValueError(f"{not_ours} It holds objects other than tensors, or is corrupt.") from err
     except (EOFError, RuntimeError) as err:  # torch's names neither the file nor what to do

@@ -352,7 +352,10 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             run) or ``"pytorch"``.
         checkpoint_shards: save split tables as one file per rank (``<ckpt>.<id>.rank<r>-of-<n>``,
             the id tying them to their main file) instead of gathering them into the
-            checkpoint. Loading one consolidates it in each rank's memory.
+            checkpoint. Loading one copies each rank's rows from the memory-mapped shard files
+            piece by piece, on any number of ranks: no table is made whole in memory (a
+            ``LightningModule.on_load_checkpoint`` sees a split table's arrays as
+            `RoundRobinRows`, whose ``whole()`` is the tensor).
         grow_budget_to_minimum: when ``device_budget`` is below the minimum the batches in
             flight need, plan with that minimum (and warn) instead of failing; the fractional
             presets (``hotcache_10pct``, ``hotcache_1pct``) set it, so they fit tables of any size.
@@ -671,7 +674,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        return consolidated(checkpoint, checkpoint_path) if SHARDS_KEY in checkpoint else checkpoint
+        # Split tables stay in their shard files' pieces, loaded piece by piece (`load_model_state_dict`).
+        return consolidated(checkpoint, checkpoint_path, in_pieces=True) if SHARDS_KEY in checkpoint else checkpoint
 
     @property
     @override

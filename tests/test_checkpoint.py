@@ -10,6 +10,7 @@ import pickle
 import shutil
 import struct
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -22,8 +23,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins import AsyncCheckpointIO
 
 from lightning_hotcache import HotCacheStrategy
+from lightning_hotcache.cache.exchange import RoundRobinRows
 from lightning_hotcache.checkpoint import SHARDS_KEY, AtomicCheckpointIO, shard_contents, tensors_crc32, write_atomically
 from lightning_hotcache.cli import main
+from lightning_hotcache.embedding import hot_cold_modules
 from lightning_hotcache.rowwise import ROW_STATE_KEY
 from models import create_model
 
@@ -37,7 +40,7 @@ class _SaveAt(Callback):
             trainer.save_checkpoint(self.path)
 
 
-def _fit(steps: int, callbacks: list[Callback]) -> pl.Trainer:
+def _fit(steps: int, callbacks: list[Callback], ckpt_path: Path | None = None) -> pl.Trainer:
     pl.seed_everything(0)
     # Tables of up to ~2k rows against a budget of a tenth of them: some are split, so there are shard files.
     dm = tiny_synthetic(scale=0.004, num_embeddings_cap=None, num_train_samples=8 * 64, batch_size=64)
@@ -46,7 +49,7 @@ def _fit(steps: int, callbacks: list[Callback]) -> pl.Trainer:
     trainer = cpu_trainer(
         strategy=strategy, max_steps=steps, limit_val_batches=0, enable_checkpointing=True, callbacks=callbacks
     )
-    trainer.fit(model, dm)
+    trainer.fit(model, dm, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -64,8 +67,15 @@ def _copy(folder: Path, to: Path, prefix: str = "") -> Path:
 
 
 def _content(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """What a resumed run takes from a checkpoint: its step, weights and row-wise optimizer state."""
-    return {key: checkpoint[key] for key in ("global_step", "state_dict", ROW_STATE_KEY)}
+    """What a resumed run takes from a checkpoint: its step, weights and row-wise optimizer
+    state (a split table's arrays whole, where the strategy keeps them in the shards' pieces)."""
+
+    def whole(tree: Any) -> Any:
+        if isinstance(tree, RoundRobinRows):
+            return tree.whole()
+        return {key: whole(value) for key, value in tree.items()} if isinstance(tree, dict) else tree
+
+    return {key: whole(checkpoint[key]) for key in ("global_step", "state_dict", ROW_STATE_KEY)}
 
 
 def _consolidated(path: Path) -> dict[str, Any]:
@@ -327,6 +337,49 @@ def test_a_save_from_before_shard_checksums_still_loads(run, tmp_path, before: s
         shard["crc32"] = tensors_crc32(shard["tables"])
     torch.save(shard, _shard(folder))
     torch.testing.assert_close(_content(trainer.strategy.load_checkpoint(folder / "a.ckpt")), expected, rtol=0, atol=0)
+
+
+def test_resuming_copies_split_tables_from_the_mapped_shards_never_whole(run, tmp_path, monkeypatch) -> None:
+    # The path for tables larger than memory: each rank copies its rows of a split table from
+    # the memory-mapped shard files piece by piece into its tiers; no table is made whole.
+    trainer, saved = run
+    folder = _copy(saved, tmp_path / "run", prefix="a.ckpt")
+    expected = _content(_consolidated(folder / "a.ckpt"))
+    real_load, shard_loads = torch.load, []
+
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(f, (str, os.PathLike)) and ".rank" in Path(f).name:  # Lightning opens the main file itself
+            shard_loads.append(kwargs.get("mmap"))
+        return real_load(f, *args, **kwargs)
+
+    def refuse(self: RoundRobinRows) -> torch.Tensor:
+        raise AssertionError("a split table was made whole to be loaded")
+
+    monkeypatch.setattr(torch, "load", load)
+    monkeypatch.setattr(RoundRobinRows, "whole", refuse)
+    resumed = _fit(2, [], ckpt_path=folder / "a.ckpt")  # restored at step 2, nothing more to train
+    assert shard_loads == [True]  # one rank's shard, memory-mapped
+    monkeypatch.undo()
+    model = resumed.lightning_module
+    assert resumed.global_step == 2
+    split = [name for module in hot_cold_modules(model).values() for name, cache in module.caches.items() if not cache.identity]
+    assert split  # the plan splits tables: their rows came from the shards
+    torch.testing.assert_close(model.state_dict(), expected["state_dict"], rtol=0, atol=0)
+    state = {f"{path}.{name}": arrays for path, module in hot_cold_modules(model).items() for name, arrays in module.optimizer_state().items()}
+    torch.testing.assert_close(state, expected[ROW_STATE_KEY], rtol=0, atol=0)
+
+
+def test_a_shard_with_rows_missing_is_a_clear_error(run, tmp_path) -> None:
+    # Checksummed as written (a tool that rewrote it), but short of rows: named, not interleaved wrong.
+    trainer, saved = run
+    folder = _copy(saved, tmp_path / "run", prefix="a.ckpt")
+    shard = torch.load(_shard(folder), weights_only=True)
+    table = next(iter(shard["tables"]))
+    shard["tables"][table]["weight"] = shard["tables"][table]["weight"][:-1]
+    shard["crc32"] = tensors_crc32(shard["tables"], zlib.crc32(f"{shard['id']}/rank0-of-{shard['world_size']}".encode()))
+    torch.save(shard, _shard(folder))
+    with pytest.raises(ValueError, match=rf"rank0-of-1 holds \d+ rows of {table}\.weight, but rank 0 of 1 holds \d+"):
+        trainer.strategy.load_checkpoint(folder / "a.ckpt")
 
 
 def test_a_sharded_checkpoint_under_another_strategy_says_to_consolidate(run, tmp_path) -> None:

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from lightning_hotcache.cache import directory, read_ahead
-from lightning_hotcache.cache.exchange import RowSharding, gather_table
+from lightning_hotcache.cache.exchange import RoundRobinRows, RowSharding, gather_table
 from lightning_hotcache.cache.host import HostStore, RowsAt
 from lightning_hotcache.cache.host_arrays import new_array, new_host_array
 from lightning_hotcache.cache.lookahead import NEVER, LookaheadWindow
@@ -78,6 +78,9 @@ MAX_PENDING_WRITE_BACKS = 4
 # Reads since a row came in, as the lookahead policy's tie-break among rows read next by one
 # batch: capped so that (next read, reads) is one int64 key.
 _USES_CAP = 2**22 - 1
+# Rows of a round-robin piece copied at a time where the number of ranks changed since the save
+# (`DeviceCache.load_full`): its indices and rows in memory, not the piece's.
+_PIECE_ROWS = 1 << 16
 # An empty reserve (never written in place: a reserve is replaced, not changed), made once, not a call a batch.
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -600,12 +603,46 @@ class DeviceCache:
             return self.host.arrays[key]
         return gather_table(self.host.arrays[key], self.num_embeddings, self.sharding)
 
-    def load_full(self, key: str, values: Tensor) -> None:
-        """Replace a whole array; cached copies are refreshed from it."""
+    def load_full(self, key: str, values: Tensor | RoundRobinRows) -> None:
+        """Replace a whole array; cached copies are refreshed from it. ``values`` may come in
+        round-robin pieces (a sharded checkpoint's, memory-mapped): each rank then copies its
+        own rows piece by piece, never the whole array in memory."""
         expected = (self.num_embeddings, self.slots[key].shape[1])
         if tuple(values.shape) != expected:
             raise ValueError(f"Table {self.name!r}: {key} has shape {expected}, got {tuple(values.shape)}.")
-        self.load_rows(key, 0, values)
+        if not isinstance(values, RoundRobinRows):
+            self.load_rows(key, 0, values)
+        elif self.identity:  # wholly on the device: it fits in memory
+            self.load_rows(key, 0, values.whole())
+        else:
+            assert self.host is not None
+            self.load_pieces(key, values.pieces, self.host, 0)
+
+    @torch.no_grad()
+    def load_pieces(self, key: str, pieces: Sequence[Tensor], host: HostStore, start: int) -> None:
+        """Replace an array of a table from its round-robin ``pieces`` (`RoundRobinRows`): the
+        table's rows from id ``start`` on in this cache (a stack's table; its start a multiple
+        of the world size, so that its row ``i`` is owned where ``i`` is), kept in ``host``
+        (this rank's rows of it), piece by piece; cached copies refreshed from them."""
+        self._land_write_backs(everything=True)  # none may land on these rows later
+        saved, world, rank = len(pieces), self.sharding.world, self.sharding.rank
+        rows = sum(len(piece) for piece in pieces)
+        cached = ((self.id_of_slot >= start) & (self.id_of_slot < start + rows)).nonzero().squeeze(1)
+        cached_rows = self.id_of_slot[cached] - start
+        for s, piece in enumerate(pieces):
+            if saved == world:  # sharded as saved: a piece is one rank's host rows
+                if s == rank:
+                    host.load(key, piece)
+            else:
+                # Piece s holds rows s + saved * j; this rank's are those where row % world == rank.
+                for first in range(0, len(piece), _PIECE_ROWS):
+                    ids = s + saved * torch.arange(first, min(first + _PIECE_ROWS, len(piece)))
+                    mine = (ids % world == rank).nonzero().squeeze(1)
+                    put_rows(host.arrays[key], ids[mine] // world, piece[first + mine])
+            in_piece = (cached_rows % saved == s).nonzero().squeeze(1)
+            if len(in_piece):
+                at = cached[in_piece].to(self.device)
+                self.slots[key][at] = piece[cached_rows[in_piece] // saved].to(self.device)
 
     def initial_rows_at(self, key: str) -> RowsAt | None:
         """Where `load_rows` takes rows made in place (`initial_rows`'s ``into``): the host

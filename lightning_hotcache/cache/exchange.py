@@ -45,6 +45,27 @@ class RowSharding:
 
 
 @dataclass(frozen=True)
+class RoundRobinRows:
+    """A whole array as ``len(pieces)`` ranks held it: piece ``s`` is rows ``s, s + S, s + 2S,
+    ...`` of the array (``S`` pieces), as a sharded checkpoint's shard files keep a split table.
+    Loaded piece by piece (`DeviceCache.load_full`), so that a table larger than memory never
+    has to be whole in it; `whole` interleaves them into one tensor."""
+
+    pieces: tuple[Tensor, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(len(piece) for piece in self.pieces), self.pieces[0].shape[1]
+
+    def whole(self) -> Tensor:
+        saved = len(self.pieces)
+        full = torch.empty(self.shape, dtype=self.pieces[0].dtype)
+        for s, piece in enumerate(self.pieces):
+            full[s::saved] = piece
+        return full
+
+
+@dataclass(frozen=True)
 class Routed:
     """Ids of several tables after one all-to-all to their owners (see `route_to_owners`): what
     a later exchange along the same route (`send_rows_along`) needs instead of the ids again."""

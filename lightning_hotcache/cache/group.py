@@ -22,7 +22,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from lightning_hotcache.cache.device import CacheCounters, DeviceCache
-from lightning_hotcache.cache.exchange import gather_table
+from lightning_hotcache.cache.exchange import RoundRobinRows, gather_table
 from lightning_hotcache.cache.host import HostStore, RowsAt
 
 
@@ -70,11 +70,15 @@ class TableInGroup:
             return self.host.arrays[key]
         return gather_table(self.host.arrays[key], self.num_embeddings, self.group.sharding)
 
-    def load_full(self, key: str, values: Tensor) -> None:
+    def load_full(self, key: str, values: Tensor | RoundRobinRows) -> None:
+        """`DeviceCache.load_full` for this table's rows of the stack."""
         expected = (self.num_embeddings, self.group.slots[key].shape[1])
         if tuple(values.shape) != expected:
             raise ValueError(f"Table {self.name!r}: {key} has shape {expected}, got {tuple(values.shape)}.")
-        self.load_rows(key, 0, values)
+        if isinstance(values, RoundRobinRows):
+            self.group.load_pieces(key, values.pieces, self.host, self.start)
+        else:
+            self.load_rows(key, 0, values)
 
     def load_rows(self, key: str, start: int, values: Tensor) -> None:
         self.group.load_rows(key, self.start + start, values)
