@@ -1,10 +1,11 @@
-"""A hotcache checkpoint written by N processes resumes on M != N processes, exactly.
+"""A hotcache checkpoint written by N processes resumes on M processes (M != N too), exactly.
 
 Split tables live in round-robin host shards, one per rank; a checkpoint holds them either
 gathered into whole tables or as one shard file per rank (``checkpoint_shards``). Loading
-interleaves the N saved shards back into whole tables and every one of the M new ranks keeps
-its own round-robin share, so the resumed run learns what one process with the same global
-batch learns (TorchRec's sharded checkpoints cannot change the world size: torchrec #2534).
+hands the N saved shards on as round-robin pieces, from which every one of the M new ranks
+copies its own round-robin share and its cached rows, so the resumed run learns what one
+process with the same global batch learns (TorchRec's sharded checkpoints cannot change the
+world size: torchrec #2534).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ DEFERRED_SAVED_AT_STEP_3 = planned(
 )  # fmt: skip
 
 
-@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 4)], ids=["2to1", "1to2", "2to4"])
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 4), (2, 2)], ids=["2to1", "1to2", "2to4", "2to2"])
 def test_sharded_checkpoint_resumes_on_another_number_of_processes(tmp_path: Path, trained, before: int, after: int) -> None:
     first = trained(SAVED_AT_STEP_3[before])
     checkpoint = first["dir"] / "step3.ckpt"
