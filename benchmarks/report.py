@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -80,7 +81,10 @@ def job_in_process(script: str | Path, settings: Sequence[str], name: str, wrapp
     prefix) and return the JSON line it printed last (also echoed, so a long run's log keeps
     every finished job)."""
     command = [*wrapper, sys.executable, str(script), *settings, "--job", name]
-    done = subprocess.run(command, capture_output=True, text=True)
+    # A job's process group is its own: a rendezvous this process set up (Lightning exports its
+    # address and port) would be taken already.
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     line = done.stdout.strip().splitlines()[-1]
