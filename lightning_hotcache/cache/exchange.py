@@ -167,8 +167,4 @@ def gather_table(local: Tensor, num_embeddings: int, sharding: RowSharding) -> T
     padded[: len(local)] = local
     parts = [torch.empty_like(padded) for _ in range(sharding.world)]
     collectives.all_gather(parts, padded, group=sharding.group)
-    full = torch.empty(num_embeddings, width, dtype=local.dtype)
-    for rank, part in enumerate(parts):
-        n = len(range(rank, num_embeddings, sharding.world))
-        full[rank :: sharding.world] = part[:n]
-    return full
+    return RoundRobinRows(tuple(part[: len(range(rank, num_embeddings, sharding.world))] for rank, part in enumerate(parts))).whole()
