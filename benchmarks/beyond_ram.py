@@ -110,13 +110,18 @@ class DropPageCache(pl.Callback):
         self.directory = directory
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        os.sync()
-        for path in self.directory.rglob("*.f32"):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        drop_from_page_cache(list(self.directory.rglob("*.f32")))
+
+
+def drop_from_page_cache(files: list[Path]) -> None:
+    """Make ``files`` durable and drop their pages from the page cache: the next read is from disk."""
+    os.sync()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def mmap_tables(model: DLRM, directory: Path, advise_random: bool) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from clock import StepClock, cache_counters, hit_rate_text, print_filling_note, still_filling, timed_trainer
-from pieces import StagingPieces, print_pieces, window_ms_per_batch
+from pieces import PieceClock, print_pieces, window_ms_per_batch
 from report import add_ratios, rounds_of_jobs, write_report
 
 from datamodules import SyntheticCTRDataModule
@@ -50,7 +50,7 @@ def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
     dm = SyntheticCTRDataModule(scale=args.scale, embedding_dim=args.dim, batch_size=args.batch_size,
                                 num_train_samples=args.batch_size * (args.steps + 200), shuffle=False)  # fmt: skip
     model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer, "lr": 0.05})
-    pieces = StagingPieces() if args.pieces else None
+    pieces = PieceClock() if args.pieces else None
     clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer) | (pieces.probe() if pieces else {}))
     trainer = timed_trainer(strategy, args.steps, clock)
     with pieces or contextlib.nullcontext():

@@ -93,7 +93,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from clock import StepClock, cache_counters, hit_rate_text, print_filling_note, still_filling, timed_trainer
-from pieces import StagingPieces, print_pieces, window_ms_per_batch
+from pieces import PieceClock, print_pieces, window_ms_per_batch
 from report import add_ratios, rounds_of_jobs, write_report
 
 from torch import Tensor
@@ -277,7 +277,7 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
     # never a second copy in host memory); auto materializes them, with the same rows.
     model_class = HostLookupDLRM if host_lookup else DLRM
     model = model_class(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
-    pieces = StagingPieces() if args.pieces else None
+    pieces = PieceClock() if args.pieces else None
     clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer) | (pieces.probe() if pieces else {}))
     trainer = timed_trainer(strategy, args.steps, clock, accelerator=args.device)
     if args.profile_steps:

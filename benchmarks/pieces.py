@@ -1,11 +1,12 @@
 """Where staging's time goes, piece by piece: wall time summed per piece of the reader's and
-the prefetch thread's work, for the benchmarks' reports.
+the prefetch thread's work, for the benchmarks' reports (`PieceClock` times any methods named
+to it: `resume_memory.py` times a checkpoint's load with it).
 
 On a GPU host a 1% cache's step waits for the prefetch thread, whose work is mostly compiled
 loops and row copies that torch.profiler does not see (they are not torch ops) and that no
 sampling profiler on the GPU machine's image reaches (py-spy is not on it). So the benchmarks
-time the pieces themselves: `StagingPieces` wraps each method below with a clock while it is
-entered, and restores them on exit. The pieces nest (``stage`` holds the acquire's pieces,
+time the pieces themselves: `PieceClock` wraps each method of `STAGING_PIECES` with a clock
+while it is entered, and restores them on exit. The pieces nest (``stage`` holds the acquire's pieces,
 ``begin acquire`` the victims and the eviction), so they do not add up to a total; each is
 inclusive. A clock costs ~0.2 us a call, a few calls a batch per cache: nothing next to a
 batch's milliseconds.
@@ -22,7 +23,7 @@ from lightning_hotcache.cache.device import DeviceCache
 from lightning_hotcache.embedding.staging import Staging
 
 # (name, class, method): in the order a batch meets them.
-PIECES: tuple[tuple[str, type, str], ...] = (
+STAGING_PIECES: tuple[tuple[str, type, str], ...] = (
     ("announce", Staging, "announce"),  # the reader thread: ids checked, ordered, deduplicated; the window's books
     ("stage", Staging, "stage"),  # the prefetch thread: all below, and the batch's ids and slots
     ("begin acquire", DeviceCache, "_begin_acquire"),  # hits looked up and locked, victims, eviction
@@ -34,12 +35,13 @@ PIECES: tuple[tuple[str, type, str], ...] = (
 )
 
 
-class StagingPieces:
-    """While entered, the seconds spent in each of `PIECES` (all threads, all caches), summed
-    since entering: `seconds()`."""
+class PieceClock:
+    """While entered, the seconds spent in each of ``pieces`` ((name, class, method); methods of
+    one name add up), on any thread, summed since entering: `seconds()`."""
 
-    def __init__(self) -> None:
-        self._seconds = dict.fromkeys((name for name, _, _ in PIECES), 0.0)
+    def __init__(self, pieces: tuple[tuple[str, type, str], ...] = STAGING_PIECES) -> None:
+        self.pieces = pieces
+        self._seconds = dict.fromkeys((name for name, _, _ in pieces), 0.0)
         self._lock = threading.Lock()  # the reader and the prefetch thread both add
         self._originals: list[tuple[type, str, Callable[..., Any]]] = []
 
@@ -60,9 +62,9 @@ class StagingPieces:
 
         return timed
 
-    def __enter__(self) -> "StagingPieces":
-        for name, owner, attribute in PIECES:
-            method = owner.__dict__[attribute]  # KeyError: the piece was renamed; update PIECES
+    def __enter__(self) -> "PieceClock":
+        for name, owner, attribute in self.pieces:
+            method = owner.__dict__[attribute]  # KeyError: the piece was renamed; update its list
             self._originals.append((owner, attribute, method))
             setattr(owner, attribute, self._timed(name, method))
         return self
@@ -79,7 +81,7 @@ class StagingPieces:
 
 
 def per_batch_ms(before: dict[str, float], after: dict[str, float], batches: int) -> dict[str, float]:
-    """Milliseconds a batch in each piece between two `StagingPieces.seconds`."""
+    """Milliseconds a batch in each piece between two `PieceClock.seconds`."""
     return {name: 1e3 * (after[name] - before[name]) / batches for name in after} if batches else {}
 
 
@@ -96,7 +98,7 @@ def print_pieces(results: dict[str, dict[str, Any]], key: str) -> None:
     timed = {name: r[key] for name, r in results.items() if any(r.get(key, {}).values())}
     if not timed:
         return
-    names = [name for name, _, _ in PIECES]
+    names = [name for name, _, _ in STAGING_PIECES]
     print(f"{'ms a batch':<24}" + "".join(f"{name:>18}" for name in names) + "   (inclusive: pieces nest)")
     for run, pieces in timed.items():
         print(f"{run:<24}" + "".join(f"{pieces.get(name, 0.0):>18.2f}" for name in names))

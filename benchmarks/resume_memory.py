@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from beyond_ram import MemorySampler
+from beyond_ram import MemorySampler, drop_from_page_cache
+from pieces import PieceClock
 from report import job_in_process, write_report
 
 import lightning_hotcache.strategy as strategy_module
@@ -54,16 +52,6 @@ def fit(args: argparse.Namespace, tables: Path, ckpt_path: Path | None = None) -
     return trainer
 
 
-def drop_from_page_cache(files: list[Path]) -> None:
-    os.sync()
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def tables_crc32(trainer: pl.Trainer) -> int:
     """One checksum of every table's rows and row-wise state after the load."""
     crc = 0
@@ -83,27 +71,17 @@ def save(args: argparse.Namespace) -> dict[str, Any]:
 def resume(args: argparse.Namespace) -> dict[str, Any]:
     if args.job == "whole":  # every split table made whole in memory first, as every load did before
         strategy_module.consolidated = lambda loaded, path, in_pieces=False: checkpoint.consolidated(loaded, path)
-    loading = [0.0]
-    for name in ("load_checkpoint", "load_model_state_dict"):
-        method = getattr(HotCacheStrategy, name)
-
-        def timed(self: Any, *a: Any, _method: Any = method, **k: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return _method(self, *a, **k)
-            finally:
-                loading[0] += time.perf_counter() - started
-
-        setattr(HotCacheStrategy, name, timed)
+    # The load: reading the checkpoint, then restoring the model from it.
+    loading = PieceClock((("load", HotCacheStrategy, "load_checkpoint"), ("load", HotCacheStrategy, "load_model_state_dict")))
     saved = args.dir / "saved.ckpt"
     drop_from_page_cache([saved, *saved.parent.glob(f"{saved.name}.*")])
     tables = args.dir / f"tables-{args.job}"
-    with MemorySampler() as memory:
+    with MemorySampler() as memory, loading:
         trainer = fit(args, tables, ckpt_path=saved)
     out = {
         "peak_anon_gib": memory.peak["RssAnon"] / 2**30,
         "peak_file_gib": memory.peak["RssFile"] / 2**30,
-        "load_s": loading[0],
+        "load_s": loading.seconds()["load"],
         "global_step": trainer.global_step,
         "tables_crc32": tables_crc32(trainer),
     }

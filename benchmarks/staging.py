@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from pieces import StagingPieces, per_batch_ms, print_pieces
+from pieces import PieceClock, per_batch_ms, print_pieces
 from report import write_report
 from torchrec import KeyedJaggedTensor
 
@@ -134,7 +134,7 @@ def stage_batches(
 
     announcing, staging_seconds, fetched, lookups, hits = [], [], [], 0, 0
     loop = PythonLoop(args.python_gap_us) if args.beside_python else None
-    pieces, pieces_at_warmup = StagingPieces() if args.pieces else None, {}
+    pieces, pieces_at_warmup = PieceClock() if args.pieces else None, {}
     with idle_forked_processes(args.forked_workers), loop or contextlib.nullcontext(), pieces or contextlib.nullcontext():
         # The window, before the first batch is staged: announced once the workers are forked,
         # as the loader's batches are.

@@ -17,7 +17,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # appe
 import clock  # noqa: E402
 import gpu  # noqa: E402
 import report  # noqa: E402
-from pieces import PIECES, StagingPieces  # noqa: E402
+from pieces import STAGING_PIECES, PieceClock  # noqa: E402
 
 SMOKE = ["--device", "cpu", "--scale", "0.001", "--steps", "5", "--rounds", "1"]
 
@@ -80,7 +80,7 @@ def test_the_lookahead_policy_runs_when_named(tmp_path, monkeypatch) -> None:
     # the window ahead: the run has batches enough that the timed steps still announce theirs
     # (with a batch a step, the 64-batch window was read before the first step).
     pieces = lookahead["pieces_ms_per_batch"]
-    assert list(pieces) == [name for name, _, _ in PIECES] and pieces["announce"] > 0
+    assert list(pieces) == [name for name, _, _ in STAGING_PIECES] and pieces["announce"] > 0
     assert 0 < pieces["begin acquire"] <= pieces["stage"] and 0 <= pieces["victims"] <= pieces["begin acquire"]
     assert not any(results["auto"]["pieces_ms_per_batch"].values())  # nothing staged
     assert gpu.strategies(gpu.parse_args(SMOKE))["hotcache@0.01+lookahead"]().cache_policy == "lookahead"
@@ -90,10 +90,10 @@ def test_staging_pieces_are_timed_while_entered_only() -> None:
     from lightning_hotcache.embedding.staging import Staging
 
     original = Staging.__dict__["announce"]
-    with StagingPieces() as pieces:
+    with PieceClock() as pieces:
         assert Staging.__dict__["announce"] is not original and Staging.announce.__wrapped__ is original
-    assert Staging.__dict__["announce"] is original and all(owner.__dict__[name] for _, owner, name in PIECES)
-    assert pieces.seconds() == dict.fromkeys((name for name, _, _ in PIECES), 0.0)  # nothing staged
+    assert Staging.__dict__["announce"] is original and all(owner.__dict__[name] for _, owner, name in STAGING_PIECES)
+    assert pieces.seconds() == dict.fromkeys((name for name, _, _ in STAGING_PIECES), 0.0)  # nothing staged
 
 
 def test_the_kernel_asked_for_is_the_one_recorded() -> None:
