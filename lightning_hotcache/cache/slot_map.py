@@ -262,7 +262,7 @@ def _hashed_remove(cells, ids):  # type: ignore[no-untyped-def]
     removed = 0
     for i in range(len(ids)):
         if i + _AHEAD < len(ids):
-            prefetch(cells, _home(ids[i + _AHEAD], len(cells)))
+            prefetch(cells, _home(ids[i + _AHEAD], n))
         hole = _probe(cells, ids[i])
         if cells[hole] == -1:
             continue
