@@ -198,6 +198,32 @@ def test_link_announced_matches_the_window_books_by_hand(gen) -> None:
     assert next_read.tolist() == [0, 0, 0, 7, 0, 7, 0, 0] and absent.tolist() == [11, 13]
 
 
+def test_the_link_pass_looks_resident_rows_up_in_a_dense_map_as_the_look_up_does(gen) -> None:
+    # One call with the map against the link, the map's look-up and fill_where_resident.
+    rows, ring_length, start, first, number = 50, 64, 10, 30, 7
+    last_at = torch.where(torch.rand(rows, generator=gen) < 0.5, -1, torch.randint(0, first, (rows,), generator=gen)).to(torch.int32)
+    ring = torch.randint(0, 5, (ring_length,), generator=gen)
+    distinct = torch.randperm(rows, generator=gen)[:20].sort().values
+    slot_of_id = torch.full((rows,), -1, dtype=torch.int32)
+    slot_of_id[torch.randperm(rows, generator=gen)[:25]] = torch.randperm(12 * 25, generator=gen)[:25].to(torch.int32)
+    books = [(last_at.clone(), ring.clone(), torch.zeros(12 * 25, dtype=torch.int64)) for _ in range(2)]
+    unlinked = directory.link_announced(books[0][0], books[0][1], distinct, start, first, number, NEVER)
+    expected = directory.fill_where_resident(books[0][2], directory.slots_of(slot_of_id, unlinked), number, unlinked)
+    coming = directory.link_announced(books[1][0], books[1][1], distinct, start, first, number, NEVER, slot_of_id, books[1][2])
+    assert 0 < len(coming) < len(unlinked) and torch.equal(coming, expected)
+    assert all(torch.equal(a, b) for a, b in zip(*books))
+    with pytest.raises(ValueError, match="both or neither"):
+        directory.link_announced(last_at, ring, distinct, start, first, number, NEVER, slot_of_id)
+
+
+def test_count_reads_notes_reads_and_next_reads_in_one_pass() -> None:
+    frequency, next_read = torch.zeros(6, dtype=torch.int64), torch.full((6,), NEVER)
+    directory.count_reads(frequency, torch.tensor([4, 1]), torch.tensor([3, 2]), next_read, torch.tensor([9, 8]))
+    assert frequency.tolist() == [0, 2, 0, 0, 3, 0] and next_read.tolist() == [NEVER, 8, NEVER, NEVER, 9, NEVER]
+    directory.count_reads(frequency, torch.tensor([0]), None, next_read, torch.tensor([5]))  # no counts: next reads alone
+    assert frequency.tolist() == [0, 2, 0, 0, 3, 0] and next_read[0] == 5
+
+
 def test_compiles_where_nothing_can_be_cached(monkeypatch) -> None:
     # A read-only install with no writable cache directory: numba refuses to cache, and the
     # steps must still compile (each process for itself) rather than fail the import.

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_hotcache import RowWiseOptimizerConfig
-from lightning_hotcache.cache import DeviceCache, HostStore
+from lightning_hotcache.cache import DeviceCache, HostStore, directory
 from lightning_hotcache.cache.lookahead import NEVER, LookaheadWindow
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # appended: shadows nothing
@@ -22,19 +22,23 @@ ROWS = 50
 
 
 @pytest.mark.parametrize("max_position", [2**31 - 1, 400])  # 400: positions moved down every ~20 batches
-def test_each_rows_next_read_is_its_nearest_announced_batch(max_position: int) -> None:
-    # Every row resident at slot == id; batches announced up to 6 ahead of their retirement.
+@pytest.mark.parametrize("dense_map", [False, True], ids=["looked-up", "dense-map"])
+def test_each_rows_next_read_is_its_nearest_announced_batch(max_position: int, dense_map: bool) -> None:
+    # Every row resident at slot == id, found by a look-up or in a dense map read inside the
+    # link pass; batches announced up to 6 ahead of their retirement.
     rng = np.random.default_rng(0)
     trace = [torch.from_numpy(rng.zipf(1.3, int(rng.integers(1, 40))) % ROWS) for _ in range(120)]
     window = LookaheadWindow(ROWS, ROWS, max_position=max_position)
+    slot_of_id = torch.arange(ROWS, dtype=torch.int32) if dense_map else None
     announced = 0
     for retired, ids in enumerate(trace):
         while announced < min(retired + 1 + int(rng.integers(0, 6)), len(trace)):
-            window.announce(trace[announced], slot_of=lambda distinct: distinct)
+            coming = window.announce(trace[announced], slot_of=lambda distinct: distinct, slot_of_id=slot_of_id)
+            assert len(coming) == 0  # every row is resident
             announced += 1
         oldest, next_reads = window.retire(len(ids), "t")
         assert torch.equal(oldest.distinct, ids.unique())
-        window.installed(oldest.distinct, next_reads)
+        directory.count_reads(torch.zeros(ROWS, dtype=torch.int64), oldest.distinct, None, window.next_read, next_reads)  # as an acquire notes them
         expected = torch.full((ROWS,), NEVER)
         for number in range(announced - 1, retired, -1):  # the nearest written last
             expected[trace[number]] = number

@@ -275,7 +275,7 @@ class DeviceCache:
         returned (`LookaheadWindow.announce`), for `read_ahead`."""
         if self.window is None:
             return None
-        return self.window.announce(on_cpu(ids, torch.int64), self.slot_map.lookup, found)
+        return self.window.announce(on_cpu(ids, torch.int64), self.slot_map.lookup, found, self._dense_map())
 
     def read_ahead(self, ids: Tensor) -> None:
         """Have the host rows of ``ids`` (ascending: an announced batch's coming misses) paged in
@@ -339,6 +339,8 @@ class DeviceCache:
         """Install the fetched ``rows`` (of ``acquire.needed``) and lock them."""
         slots = acquire.slots
         reads = acquire.counts if self._by_reads else None  # counted toward eviction
+        # Under lookahead each slot's next announced read, noted in the same pass as its reads.
+        next_read = None if acquire.next_reads is None else self.window.next_read  # type: ignore[union-attr]
         if acquire.needed is not None:
             assert rows is not None and acquire.victims is not None and acquire.missing is not None
             victims, needed = acquire.victims, acquire.needed
@@ -351,19 +353,16 @@ class DeviceCache:
             alone = self.sharding.world == 1  # every fetched row is this rank's
             directory.install(
                 slots, acquire.missing, victims, needed, self.id_of_slot, self.frequency, self.last_used, acquire.ticket,
-                reads, self._tallied(_FETCHED) if alone else None, dense,
+                reads, self._tallied(_FETCHED) if alone else None, dense, next_read, acquire.next_reads,
             )  # fmt: skip
             fetched = needed if alone else needed[self.sharding.owned(needed)]
             self.counters.fetched_rows += len(fetched)
             if not alone:
                 self._tally(_FETCHED, fetched, ascending=True)
-        elif reads is not None:
-            directory.count_reads(self.frequency, slots, reads)
+        elif reads is not None or next_read is not None:
+            directory.count_reads(self.frequency, slots, reads, next_read, acquire.next_reads)
         if acquire.inverse is None:  # identity: slots are the ids
             return Acquired(slots, acquire.ticket, slots)
-        if acquire.next_reads is not None:
-            assert self.window is not None
-            self.window.installed(slots, acquire.next_reads)
         return Acquired(slots[acquire.inverse], acquire.ticket, slots, acquire.inverse)
 
     def count_lookups(self, count: int) -> None:
@@ -546,7 +545,7 @@ class DeviceCache:
             return
         slots = slots.to(self.books)
         if self.sharding.world == 1:
-            self.dirty[slots] = True
+            directory.scatter(self.dirty, slots, True)  # one compiled pass: a third of the indexed write's time
         else:  # only the owner writes a row back: other ranks' copies are dropped on eviction
             self.dirty[slots] = self.dirty[slots] | self.sharding.owned(self.id_of_slot[slots])
 

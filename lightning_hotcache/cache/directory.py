@@ -55,6 +55,10 @@ def _map_view(slot_of_id: Tensor | None) -> np.ndarray:
     return _NO_MAP if slot_of_id is None else _view(slot_of_id)
 
 
+def _optional_view(tensor: Tensor | None) -> np.ndarray:
+    return _EMPTY if tensor is None else _view(tensor)
+
+
 @without_gil
 def _split_hits(distinct, slots, counts, last_used, issued, lookups, misses, ends):  # type: ignore[no-untyped-def]
     missing = np.empty(len(slots), np.int64)
@@ -108,7 +112,7 @@ def look_up_and_split_hits(
 
 
 @without_gil
-def _install(slots, missing, victims, needed, id_of_slot, frequency, last_used, ticket, reads, fetched, ends, slot_of_id):  # type: ignore[no-untyped-def]
+def _install(slots, missing, victims, needed, id_of_slot, frequency, last_used, ticket, reads, fetched, ends, slot_of_id, next_read, next_reads):  # type: ignore[no-untyped-def]
     for k in range(len(victims)):
         victim = victims[k]
         id_of_slot[victim] = needed[k]
@@ -117,8 +121,8 @@ def _install(slots, missing, victims, needed, id_of_slot, frequency, last_used, 
         slots[missing[k]] = victim
         if len(slot_of_id):
             slot_of_id[needed[k]] = victim
-    if len(reads):
-        _count_reads(frequency, slots, reads)
+    if len(reads) or len(next_reads):
+        _count_reads(frequency, slots, reads, next_read, next_reads)
     if len(ends):
         _tally_ascending(fetched, ends, needed, _EMPTY)
 
@@ -135,27 +139,35 @@ def install(
     reads: Tensor | None = None,
     fetched: Tally | None = None,
     slot_of_id: Tensor | None = None,
+    next_read: Tensor | None = None,
+    next_reads: Tensor | None = None,
 ) -> None:
     """The ``needed`` ids (ascending) fetched into ``victims``: named there, uses reset, locked
     with ``ticket``, and each one's slot written at its position (``missing``) in ``slots``.
-    In the same call, where given: every slot's ``reads`` counted (`count_reads`, after the
-    reset), the fetched ids tallied, and their slots put in the dense id -> slot map."""
+    In the same call, where given: every slot's ``reads`` and ``next_reads`` noted
+    (`count_reads`, after the reset), the fetched ids tallied, and their slots put in the
+    dense id -> slot map."""
     fetched_at, ends = _tally_views(fetched)
     _install(
         _view(slots), _view(missing), _view(victims), _view(needed), _view(id_of_slot), _view(frequency), _view(last_used), ticket,
-        _EMPTY if reads is None else _view(reads), fetched_at, ends, _map_view(slot_of_id),
+        _optional_view(reads), fetched_at, ends, _map_view(slot_of_id), _optional_view(next_read), _optional_view(next_reads),
     )  # fmt: skip
 
 
 @without_gil
-def _count_reads(frequency, slots, counts):  # type: ignore[no-untyped-def]
+def _count_reads(frequency, slots, counts, next_read, next_reads):  # type: ignore[no-untyped-def]
     for i in range(len(slots)):
-        frequency[slots[i]] += counts[i]
+        if len(counts):
+            frequency[slots[i]] += counts[i]
+        if len(next_reads):
+            next_read[slots[i]] = next_reads[i]
 
 
-def count_reads(frequency: Tensor, slots: Tensor, counts: Tensor) -> None:
-    """Add each slot's reads to its use count (``slots`` distinct)."""
-    _count_reads(_view(frequency), _view(slots), _view(counts))
+def count_reads(frequency: Tensor, slots: Tensor, counts: Tensor | None, next_read: Tensor | None = None, next_reads: Tensor | None = None) -> None:
+    """Add each slot's reads (``counts``, where given) to its use count (``slots`` distinct),
+    and, under the lookahead policy, set each one's ``next_read`` to ``next_reads``: the two
+    per-slot notes of a batch in one pass."""
+    _count_reads(_view(frequency), _view(slots), _optional_view(counts), _optional_view(next_read), _optional_view(next_reads))
 
 
 @without_gil
@@ -268,8 +280,7 @@ def _unread(reserve, last_used, ticket, next_read, never):  # type: ignore[no-un
 def unread(reserve: Tensor, last_used: Tensor, ticket: int, next_read: Tensor | None, never: int) -> Tensor:
     """The ``reserve``'s slots not read since ticket ``ticket`` was issued and (``next_read``
     given: the lookahead window's next read of each slot) read by no announced batch, in order."""
-    window = _EMPTY if next_read is None else _view(next_read)
-    return torch.from_numpy(_unread(_view(reserve), _view(last_used), ticket, window, never))
+    return torch.from_numpy(_unread(_view(reserve), _view(last_used), ticket, _optional_view(next_read), never))
 
 
 @without_gil
@@ -415,7 +426,7 @@ def tally(into: Tensor, ends: Tensor, ids: Tensor, counts: Tensor | None, ascend
     """Add ``ids`` (each ``counts`` times, default once) to ``into``, a count per segment of
     ids, the segments ending (exclusive) at ``ends``; ``ascending`` ids are walked, not searched."""
     add = _tally_ascending if ascending else _tally_any
-    add(_view(into), _view(ends), _view(ids), _EMPTY if counts is None else _view(counts))
+    add(_view(into), _view(ends), _view(ids), _optional_view(counts))
 
 
 @without_gil
@@ -457,7 +468,7 @@ def ring_entries(ring: Tensor, first: int, count: int) -> Tensor:
 
 
 @without_gil
-def _link_announced(last_at, ring, distinct, start, first, number, never):  # type: ignore[no-untyped-def]
+def _link_announced(last_at, ring, distinct, start, first, number, never, slot_of_id, next_read):  # type: ignore[no-untyped-def]
     mask = len(ring) - 1
     unlinked = np.empty(len(distinct), np.int64)
     n = 0
@@ -467,19 +478,33 @@ def _link_announced(last_at, ring, distinct, start, first, number, never):  # ty
         if latest >= start:  # read by a batch in the window: this batch is that read's next
             ring[latest & mask] = number
         else:
-            unlinked[n] = row
-            n += 1
+            slot = slot_of_id[row] if len(slot_of_id) else -1
+            if slot >= 0:  # resident, and no batch in the window reads it: this one is its next read
+                next_read[slot] = number
+            else:
+                unlinked[n] = row
+                n += 1
         ring[(first + i) & mask] = never  # the ring never wraps onto the live entries linked above
         last_at[row] = first + i
     return unlinked[:n]
 
 
-def link_announced(last_at: Tensor, ring: Tensor, distinct: Tensor, start: int, first: int, number: int, never: int) -> Tensor:
+def link_announced(
+    last_at: Tensor, ring: Tensor, distinct: Tensor, start: int, first: int, number: int, never: int,
+    slot_of_id: Tensor | None = None, next_read: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     """Announcement ``number``'s ``distinct`` ids into the lookahead window's books (see
     `LookaheadWindow`): each id's latest read in the window (``last_at`` its ring position,
     live from ``start``) linked to it, its own entries at ring positions ``first`` on, read
-    by nothing yet; the ids no batch in the window read."""
-    return torch.from_numpy(_link_announced(_view(last_at), _view(ring), _view(distinct), start, first, number, never))
+    by nothing yet; the ids no batch in the window read. Given the cache's dense id -> slot
+    map (``slot_of_id``), those of them that are resident are looked up in the same pass and
+    their slots' ``next_read`` set to ``number`` (what `fill_where_resident` does after a
+    look-up elsewhere), and only the others are returned: the batch's coming misses."""
+    if (slot_of_id is None) != (next_read is None):
+        raise ValueError("link_announced looks resident rows up in slot_of_id to set their next_read: give both or neither")
+    return torch.from_numpy(
+        _link_announced(_view(last_at), _view(ring), _view(distinct), start, first, number, never, _map_view(slot_of_id), _optional_view(next_read))
+    )
 
 
 @without_gil

@@ -88,17 +88,24 @@ class LookaheadWindow:
     def __len__(self) -> int:
         return len(self._batches)
 
-    def announce(self, ids: Tensor, slot_of: Callable[[Tensor], Tensor], found: Distinct | None = None) -> Tensor:
+    def announce(
+        self, ids: Tensor, slot_of: Callable[[Tensor], Tensor], found: Distinct | None = None, slot_of_id: Tensor | None = None
+    ) -> Tensor:
         """A future batch reads ``ids`` (on the host; ``found``: their `unique`, where the caller
-        has it); ``slot_of`` gives the slot of resident ids (-1 elsewhere). Returns the batch's
-        coming misses, ascending: its distinct ids that are not resident and that no batch
-        announced before it reads (those are coming already)."""
+        has it); ``slot_of`` gives the slot of resident ids (-1 elsewhere), or ``slot_of_id``,
+        the cache's dense id -> slot map where it has one, read inside the link pass (one
+        compiled call where there are three otherwise). Returns the batch's coming misses,
+        ascending: its distinct ids that are not resident and that no batch announced before
+        it reads (those are coming already)."""
         distinct, inverse, counts = found if found is not None else unique(ids, return_counts=True)
         self._make_room(len(distinct))
         number, first = self._announced, self._end
-        unlinked = directory.link_announced(self._last_at, self._next_of, distinct, self._start, first, number, NEVER)
         # A resident row no batch in the window read: this batch is its next read.
-        coming = directory.fill_where_resident(self.next_read, slot_of(unlinked), number, unlinked)
+        if slot_of_id is not None:
+            coming = directory.link_announced(self._last_at, self._next_of, distinct, self._start, first, number, NEVER, slot_of_id, self.next_read)
+        else:
+            unlinked = directory.link_announced(self._last_at, self._next_of, distinct, self._start, first, number, NEVER)
+            coming = directory.fill_where_resident(self.next_read, slot_of(unlinked), number, unlinked)
         self._batches.append(Announced(distinct, inverse, counts, first))
         self._announced += 1
         self._end += len(distinct)
@@ -106,7 +113,8 @@ class LookaheadWindow:
 
     def retire(self, num_ids: int, table: str) -> tuple[Announced, Tensor]:
         """The oldest announced batch, being acquired with ``num_ids`` ids, out of the window;
-        and the next read of each of its distinct ids (for `installed`)."""
+        and the next read of each of its distinct ids, which its acquire writes to
+        ``next_read`` at their slots (`directory.count_reads`)."""
         oldest = self._batches.popleft()
         if len(oldest.inverse) != num_ids:
             raise RuntimeError(
@@ -115,10 +123,6 @@ class LookaheadWindow:
             )
         self._start = oldest.first + len(oldest.distinct)
         return oldest, directory.ring_entries(self._next_of, oldest.first, len(oldest.distinct))
-
-    def installed(self, slots: Tensor, next_reads: Tensor) -> None:
-        """A retired batch's rows are in ``slots``: their next reads are ``next_reads``."""
-        directory.scatter(self.next_read, slots, next_reads)
 
     def emptied(self, slots: Tensor) -> None:
         directory.scatter(self.next_read, slots, NEVER)
