@@ -23,7 +23,7 @@ import re
 import secrets
 import zlib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from fsspec.core import url_to_fs
@@ -199,12 +199,15 @@ def check_not_sharded(checkpoint: dict[str, Any]) -> None:
         )
 
 
-def consolidated(checkpoint: dict[str, Any], path: _PATH, in_pieces: bool = False) -> dict[str, Any]:
+def consolidated(
+    checkpoint: dict[str, Any], path: _PATH, in_pieces: bool = False, checks: Callable[[int], bool] | None = None
+) -> dict[str, Any]:
     """``checkpoint`` (the main file at ``path``, already loaded) with its shard files merged
     in: each split table's arrays whole, or with ``in_pieces`` as the shards hold them
     (`RoundRobinRows` of the memory-mapped shard files, which the hotcache strategy loads piece
     by piece into each rank's tiers: no table whole in memory, and each rank's own rows read
-    from disk as they are copied)."""
+    from disk as they are copied). ``checks(rank)``: whether to verify the checksum of that
+    rank's shard here (default: every shard; the strategy splits them across its ranks)."""
     meta = checkpoint.pop(SHARDS_KEY, None)
     if meta is None:
         raise ValueError(f"{path} is not a sharded hotcache checkpoint (it has no {SHARDS_KEY!r}).")
@@ -230,7 +233,7 @@ def consolidated(checkpoint: dict[str, Any], path: _PATH, in_pieces: bool = Fals
         )
     # Saves from before shard checksums have none to check (their main file does not ask for them).
     checksummed = bool(meta.get("crc32"))
-    shards = [_load_shard(main_file, save_id, rank, world, checksummed) for rank in range(world)]
+    shards = [_load_shard(main_file, save_id, rank, world, checksummed and (checks is None or checks(rank))) for rank in range(world)]
     row_state = checkpoint.setdefault(ROW_STATE_KEY, {})
     for key, rows in meta["num_embeddings"].items():
         arrays: dict[str, Any] = {}

@@ -674,8 +674,29 @@ class HotCacheStrategy(LikeAutoInOneProcess):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if SHARDS_KEY not in checkpoint:
+            return checkpoint
         # Split tables stay in their shard files' pieces, loaded piece by piece (`load_model_state_dict`).
-        return consolidated(checkpoint, checkpoint_path, in_pieces=True) if SHARDS_KEY in checkpoint else checkpoint
+        if self.world_size == 1:
+            return consolidated(checkpoint, checkpoint_path, in_pieces=True)
+        # Each rank verifies the checksums of every world_size-th shard, so each shard file is
+        # read once for them, not once per rank; the ranks then agree before any row is
+        # copied, so a damaged shard stops every rank, each naming it.
+        failure: Exception | None = None
+        try:
+            checkpoint = consolidated(
+                checkpoint, checkpoint_path, in_pieces=True, checks=lambda shard: shard % self.world_size == self.global_rank
+            )
+        except Exception as err:  # raised after the ranks agree: one rank leaving alone would hang the others
+            failure = err
+        failed = self.all_gather(torch.tensor([failure is not None], dtype=torch.int32, device=self.root_device)).flatten()
+        if bool(failed.any()):
+            first = int(failed.nonzero()[0, 0])
+            why = self.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}", src=first)
+            if failure is not None:
+                raise failure
+            raise ValueError(f"Rank {first} could not load {checkpoint_path}, so no rank resumes from it. {why}")
+        return checkpoint
 
     @property
     @override

@@ -8,8 +8,6 @@ import contextlib
 import os
 import pickle
 import shutil
-import struct
-import zipfile
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -17,7 +15,7 @@ from typing import Any, Callable, Iterator
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import cpu_trainer, tiny_synthetic
+from conftest import cpu_trainer, flip_largest_tensor, tiny_synthetic
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins import AsyncCheckpointIO
@@ -189,12 +187,12 @@ def _edit_main_file(folder: Path, edit: Callable[[dict[str, Any]], None]) -> Non
 def _flip_table_bytes(folder: Path) -> None:
     """4 bytes inverted in the middle of the shard's largest tensor (a bad disk or copy):
     the file still loads, with other numbers."""
-    _flip_largest_tensor(_shard(folder))
+    flip_largest_tensor(_shard(folder))
 
 
 def _flip_main_file_bytes(folder: Path) -> None:
     """As `_flip_table_bytes`, in the main file (its dense layers and tables wholly on the device)."""
-    _flip_largest_tensor(folder / "a.ckpt")
+    flip_largest_tensor(folder / "a.ckpt")
 
 
 def _shard_copied_over_another_ranks(folder: Path) -> None:
@@ -206,18 +204,6 @@ def _shard_copied_over_another_ranks(folder: Path) -> None:
     as_rank0 = shard_contents(shard["id"], 0, 2, shard["tables"])
     for rank in (0, 1):
         torch.save(as_rank0, folder / f"a.ckpt.{shard['id']}.rank{rank}-of-2")
-
-
-def _flip_largest_tensor(file: Path) -> None:
-    with zipfile.ZipFile(file) as archive:
-        record = max(archive.infolist(), key=lambda info: info.file_size)
-    with open(file, "r+b") as f:
-        f.seek(record.header_offset + 26)  # the zip local header's name and extra field lengths
-        name_length, extra_length = struct.unpack("<HH", f.read(4))
-        f.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
-        data = f.read(4)
-        f.seek(-4, os.SEEK_CUR)
-        f.write(bytes(byte ^ 0xFF for byte in data))
 
 
 def _pickle_shard(folder: Path) -> None:

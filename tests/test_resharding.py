@@ -10,11 +10,15 @@ world size: torchrec #2534).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from launch import planned, train
+from conftest import flip_largest_tensor
+from launch import Run, planned, train, train_together
+
+from lightning_hotcache.checkpoint import consolidated
 
 SPLIT = ["--big-tables", "--device-budget=0.05"]
 GLOBAL_BATCH = 256
@@ -58,3 +62,26 @@ def test_sharded_checkpoint_of_deferred_tables_resumes_on_one_process(tmp_path: 
                     f"--resume-ckpt={checkpoint}")  # fmt: skip
     assert resumed["batches_trained"] == 3
     torch.testing.assert_close(resumed["state_dict"], straight["state_dict"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_damaged_shard_stops_every_resuming_rank_each_naming_it(tmp_path: Path, trained) -> None:
+    # Resuming on two ranks, each verifies the checksums of half the shards: rank 0 never
+    # checks rank 1's, and the ranks agree before any row is copied, so both stop.
+    saved = trained(SAVED_AT_STEP_3[2])["dir"]
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    for file in saved.glob("step3.ckpt*"):
+        shutil.copy(file, folder / file.name)
+    (damaged,) = folder.glob("step3.ckpt.*.rank1-of-2")
+    flip_largest_tensor(damaged)
+    main_file = folder / "step3.ckpt"
+    consolidated(torch.load(main_file, weights_only=True), main_file, in_pieces=True, checks=lambda shard: shard == 0)  # unchecked
+    with pytest.raises(ValueError, match=f"{damaged.name} is corrupt"):
+        consolidated(torch.load(main_file, weights_only=True), main_file, in_pieces=True)
+    resume = Run(2, (f"--batch-size={GLOBAL_BATCH // 2}", "--optimizer=rowwise_adagrad", "--strategy=hotcache", *SPLIT, "--steps=6",
+                     f"--resume-ckpt={main_file}"), "this test", ends_in_an_error=True)  # fmt: skip
+    (launch := tmp_path / "launch").mkdir()
+    raised = train_together(launch, [resume])[resume]["raised"]
+    assert len(raised) == 2, raised
+    assert "Rank 1 could not load" in raised[0] and f"{damaged.name} is corrupt" in raised[0], raised[0]
+    assert f"{damaged.name} is corrupt" in raised[1], raised[1]
