@@ -677,11 +677,9 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         if SHARDS_KEY not in checkpoint:
             return checkpoint
         # Split tables stay in their shard files' pieces, loaded piece by piece (`load_model_state_dict`).
-        if self.world_size == 1:
-            return consolidated(checkpoint, checkpoint_path, in_pieces=True)
-        # Each rank verifies the checksums of every world_size-th shard, so each shard file is
-        # read once for them, not once per rank; the ranks then agree before any row is
-        # copied, so a damaged shard stops every rank, each naming it.
+        # Each rank verifies the checksums of every world_size-th shard (one rank: all of them),
+        # so each shard file is read once for them, not once per rank; the ranks then agree
+        # before any row is copied, so a damaged shard stops every rank, each naming it.
         failure: Exception | None = None
         try:
             checkpoint = consolidated(
