@@ -74,7 +74,6 @@ class PieceClock:
             setattr(owner, attribute, method)
         self._originals.clear()
 
-
     def probe(self) -> dict[str, dict[str, float]]:
         """`seconds` under one key, for a `StepClock` probe (`window_ms_per_batch` takes it out)."""
         return {"pieces": self.seconds()}
