@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from lightning_hotcache.cache.host import CHUNK_BYTES, RowsAt, rows_in
+from lightning_hotcache.progress import byte_bar
 from lightning_hotcache.stacked_tables import allocate_stacked
 
 
@@ -98,20 +99,13 @@ def initial_rows(
             yield start, rows
 
 
-# Tables of at least this many bytes in all show a progress bar on stderr while their rows are
-# drawn: 17 GB took ~17 s on one core, and a terabyte of memory-mapped rows takes minutes.
-PROGRESS_FROM_BYTES = 2**30
-
-
 def initial_rows_of(
     tables: Sequence[EmbeddingBagConfig], seed: int, into: Callable[[EmbeddingBagConfig], RowsAt | None]
 ) -> Iterator[tuple[EmbeddingBagConfig, int, Tensor]]:
     """`initial_rows` of every table in turn, as ``(table, first row, rows)``, each table's made
-    where ``into(table)`` says; a tqdm bar counts the bytes where the tables are large."""
-    from tqdm.auto import tqdm
-
+    where ``into(table)`` says; a bar counts the bytes where the tables are large (`byte_bar`)."""
     total = sum(4 * t.num_embeddings * t.embedding_dim for t in tables)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="initializing tables", disable=total < PROGRESS_FROM_BYTES) as bar:
+    with byte_bar(total, "initializing tables") as bar:
         for table in tables:
             for start, rows in initial_rows(table, seed, into=into(table)):
                 yield table, start, rows

@@ -19,7 +19,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins import AsyncCheckpointIO
 
-from lightning_hotcache import HotCacheStrategy
+from lightning_hotcache import HotCacheStrategy, progress
 from lightning_hotcache.cache.exchange import RoundRobinRows
 from lightning_hotcache.checkpoint import SHARDS_KEY, AtomicCheckpointIO, shard_contents, tensors_crc32, write_atomically
 from lightning_hotcache.cli import main
@@ -352,6 +352,28 @@ def test_resuming_copies_split_tables_from_the_mapped_shards_never_whole(run, tm
     torch.testing.assert_close(model.state_dict(), expected["state_dict"], rtol=0, atol=0)
     state = {f"{path}.{name}": arrays for path, module in hot_cold_modules(model).items() for name, arrays in module.optimizer_state().items()}
     torch.testing.assert_close(state, expected[ROW_STATE_KEY], rtol=0, atol=0)
+
+
+def test_resuming_large_tables_shows_the_bytes_restored(run, tmp_path, monkeypatch, capsys) -> None:
+    # A restore of many GB runs for minutes: a bar for the tables and one for their row-wise
+    # state, each counting to its total (every byte this process writes), on stderr.
+    trainer, saved = run
+    folder = _copy(saved, tmp_path / "run", prefix="a.ckpt")
+    bars: list[progress.tqdm] = []
+
+    class Recorded(progress.tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(progress, "tqdm", Recorded)
+    monkeypatch.setattr(progress, "PROGRESS_FROM_BYTES", 1)
+    _fit(2, [], ckpt_path=folder / "a.ckpt")
+    restored = {bar.desc: (bar.n, bar.total) for bar in bars if bar.desc.startswith("loading")}
+    assert set(restored) == {"loading tables", "loading row-wise state"}
+    assert all(n == total > 0 for n, total in restored.values())
+    err = capsys.readouterr().err
+    assert "loading tables" in err and "loading row-wise state" in err
 
 
 def test_a_shard_with_rows_missing_is_a_clear_error(run, tmp_path) -> None:

@@ -12,9 +12,11 @@ import torch
 from conftest import cpu_trainer, tiny_synthetic
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-from lightning_hotcache import HotCacheStrategy, RowWiseOptimizerConfig, table_init
+from lightning_hotcache import HotCacheStrategy, RowWiseOptimizerConfig, progress, table_init
 from lightning_hotcache.cache import DeviceCache, HostStore
-from lightning_hotcache.cache.exchange import RowSharding
+from lightning_hotcache.cache import device as device_module
+from lightning_hotcache.cache import host as host_module
+from lightning_hotcache.cache.exchange import RoundRobinRows, RowSharding
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
 from lightning_hotcache.table_init import deferred_tables_left_out_of_moves, initial_rows, is_deferred, materialize_tables
 from models import DLRM
@@ -94,7 +96,7 @@ def test_materialize_allocates_and_initializes_deferred_tables_only() -> None:
 def test_large_tables_show_progress_while_drawn(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     materialize_tables(EmbeddingBagCollection([TABLE], device=torch.device("meta")), seed=1)
     assert "initializing tables" not in capsys.readouterr().err  # 32 KB: no bar
-    monkeypatch.setattr(table_init, "PROGRESS_FROM_BYTES", 4 * 1000 * 8)
+    monkeypatch.setattr(progress, "PROGRESS_FROM_BYTES", 4 * 1000 * 8)
     ebc = EmbeddingBagCollection([TABLE], device=torch.device("meta"))
     materialize_tables(ebc, seed=1)
     assert "initializing tables" in capsys.readouterr().err
@@ -114,6 +116,30 @@ def test_load_rows_keeps_this_ranks_shard_and_refreshes_cached_rows(rank: int) -
     assert torch.equal(cache.weight[: len(static)], rows[static])
     with pytest.raises(ValueError, match="has shape"):
         cache.load_full("weight", rows[:10])
+
+
+@pytest.mark.parametrize(
+    ("rank", "world", "saved"),
+    [(0, 1, None), (1, 3, None), (0, 1, 1), (1, 2, 2), (2, 3, 2), (0, 1, 3)],
+    ids=["whole", "whole-across-ranks", "pieces", "pieces-as-saved", "pieces-resharded", "pieces-to-one"],
+)
+@pytest.mark.parametrize("identity", [False, True], ids=["split", "on-device"])
+def test_a_load_reports_every_byte_it_writes_here(rank: int, world: int, saved: int | None, identity: bool, monkeypatch) -> None:
+    # What a restore's progress bar counts (`restored_bytes` is its total): this rank's rows
+    # of a split table chunk by chunk (chunks of 100 rows here), the whole of one wholly on the device.
+    monkeypatch.setattr(host_module, "CHUNK_BYTES", 100 * 8 * 4)
+    monkeypatch.setattr(device_module, "_PIECE_ROWS", 100)
+    rows = torch.arange(1000 * 8, dtype=torch.float32).view(1000, 8)
+    sharding = RowSharding(rank, world)
+    host = None if identity else HostStore("t", sharding.num_local(1000), 8, {})
+    static = torch.arange(1000) if identity else torch.tensor([0, 7, 500, 999])
+    cache = DeviceCache("t", 1000, 8, RowWiseOptimizerConfig(), static, 0 if identity else 16, "lfu", host, torch.device("cpu"), sharding)
+    reported: list[int] = []
+    values = rows if saved is None else RoundRobinRows(tuple(rows[s::saved] for s in range(saved)))
+    cache.load_full("weight", values, reported.append)
+    assert sum(reported) == cache.restored_bytes("weight") == (1000 if identity else sharding.num_local(1000)) * 8 * 4
+    assert torch.equal(cache.slots["weight"] if identity else host.weight, rows if identity else rows[rank::world])
+    assert len(reported) == 1 if identity else len(reported) > 1
 
 
 @pytest.mark.parametrize("storage", ["memory", "mmap"])

@@ -58,6 +58,7 @@ from lightning_hotcache.cache.lookahead import NEVER, LookaheadWindow
 from lightning_hotcache.cache.slot_map import DenseSlotMap, make_slot_map
 from lightning_hotcache.cache.upload import RowUpload
 from lightning_hotcache.host_rows import on_cpu, put_rows
+from lightning_hotcache.progress import Progress
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 from lightning_hotcache.sorting import Distinct, lowest_first, unique
 
@@ -602,27 +603,39 @@ class DeviceCache:
             return self.host.arrays[key]
         return gather_table(self.host.arrays[key], self.num_embeddings, self.sharding)
 
-    def load_full(self, key: str, values: Tensor | RoundRobinRows) -> None:
+    def load_full(self, key: str, values: Tensor | RoundRobinRows, progress: Progress | None = None) -> None:
         """Replace a whole array; cached copies are refreshed from it. ``values`` may come in
         round-robin pieces (a sharded checkpoint's, memory-mapped): each rank then copies its
-        own rows piece by piece, never the whole array in memory."""
+        own rows piece by piece, never the whole array in memory. ``progress`` is told the
+        bytes this process writes as they go in (`restored_bytes` in all)."""
         expected = (self.num_embeddings, self.slots[key].shape[1])
         if tuple(values.shape) != expected:
             raise ValueError(f"Table {self.name!r}: {key} has shape {expected}, got {tuple(values.shape)}.")
         if not isinstance(values, RoundRobinRows):
-            self.load_rows(key, 0, values)
+            self.load_rows(key, 0, values, progress)
         elif self.identity:  # wholly on the device: it fits in memory
-            self.load_rows(key, 0, values.whole())
+            self.load_rows(key, 0, values.whole(), progress)
         else:
             assert self.host is not None
-            self.load_pieces(key, values.pieces, self.host, 0)
+            self.load_pieces(key, values.pieces, self.host, 0, progress)
+
+    def restored_bytes(self, key: str) -> int:
+        """Bytes `load_full` writes in this process for array ``key``: the whole table where it
+        is wholly on the device, else this rank's host rows."""
+        if self.identity:
+            array = self.slots[key]
+        else:
+            assert self.host is not None
+            array = self.host.arrays[key]
+        return array.numel() * array.element_size()
 
     @torch.no_grad()
-    def load_pieces(self, key: str, pieces: Sequence[Tensor], host: HostStore, start: int) -> None:
+    def load_pieces(self, key: str, pieces: Sequence[Tensor], host: HostStore, start: int, progress: Progress | None = None) -> None:
         """Replace an array of a table from its round-robin ``pieces`` (`RoundRobinRows`): the
         table's rows from id ``start`` on in this cache (a stack's table; its start a multiple
         of the world size, so that its row ``i`` is owned where ``i`` is), kept in ``host``
-        (this rank's rows of it), piece by piece; cached copies refreshed from them."""
+        (this rank's rows of it), piece by piece; cached copies refreshed from them. ``progress``
+        as in `load_full`."""
         self._land_write_backs(everything=True)  # none may land on these rows later
         saved, world, rank = len(pieces), self.sharding.world, self.sharding.rank
         rows = sum(len(piece) for piece in pieces)
@@ -631,13 +644,15 @@ class DeviceCache:
         for s, piece in enumerate(pieces):
             if saved == world:  # sharded as saved: a piece is one rank's host rows
                 if s == rank:
-                    host.load(key, piece)
+                    host.load(key, piece, progress=progress)
             else:
                 # Piece s holds rows s + saved * j; this rank's are those where row % world == rank.
                 for first in range(0, len(piece), _PIECE_ROWS):
                     ids = s + saved * torch.arange(first, min(first + _PIECE_ROWS, len(piece)))
                     mine = (ids % world == rank).nonzero().squeeze(1)
                     put_rows(host.arrays[key], ids[mine] // world, piece[first + mine])
+                    if progress is not None:
+                        progress(len(mine) * piece.shape[1] * piece.element_size())
             in_piece = (cached_rows % saved == s).nonzero().squeeze(1)
             if len(in_piece):
                 at = cached[in_piece].to(self.device)
@@ -655,20 +670,23 @@ class DeviceCache:
         return self.host.rows_at(key)
 
     @torch.no_grad()
-    def load_rows(self, key: str, start: int, values: Tensor) -> None:
+    def load_rows(self, key: str, start: int, values: Tensor, progress: Progress | None = None) -> None:
         """Replace rows ``[start, start + len(values))`` of an array (every rank passes the
-        same rows; each keeps its shard); cached copies are refreshed from them."""
+        same rows; each keeps its shard); cached copies are refreshed from them. ``progress``
+        as in `load_full`."""
         values = values.detach()
         stop = start + len(values)
         if self.identity:
             self.slots[key][start:stop].copy_(values.to(self.device))
+            if progress is not None:
+                progress(values.numel() * self.slots[key].element_size())
             return
         assert self.host is not None
         self._land_write_backs(everything=True)  # none may land on these rows later
         values = values.cpu()
         first = start + (self.sharding.rank - start) % self.sharding.world  # first id of ours
         if first < stop:
-            self.host.load(key, values[first - start :: self.sharding.world], first // self.sharding.world)
+            self.host.load(key, values[first - start :: self.sharding.world], first // self.sharding.world, progress)
         cached = (self.id_of_slot >= start) & (self.id_of_slot < stop)
         slots = cached.nonzero().squeeze(1)
         if len(slots):

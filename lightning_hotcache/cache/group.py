@@ -24,6 +24,7 @@ from torch import Tensor
 from lightning_hotcache.cache.device import CacheCounters, DeviceCache
 from lightning_hotcache.cache.exchange import RoundRobinRows, gather_table
 from lightning_hotcache.cache.host import HostStore, RowsAt
+from lightning_hotcache.progress import Progress
 
 
 class TableInGroup:
@@ -70,18 +71,23 @@ class TableInGroup:
             return self.host.arrays[key]
         return gather_table(self.host.arrays[key], self.num_embeddings, self.group.sharding)
 
-    def load_full(self, key: str, values: Tensor | RoundRobinRows) -> None:
+    def load_full(self, key: str, values: Tensor | RoundRobinRows, progress: Progress | None = None) -> None:
         """`DeviceCache.load_full` for this table's rows of the stack."""
         expected = (self.num_embeddings, self.group.slots[key].shape[1])
         if tuple(values.shape) != expected:
             raise ValueError(f"Table {self.name!r}: {key} has shape {expected}, got {tuple(values.shape)}.")
         if isinstance(values, RoundRobinRows):
-            self.group.load_pieces(key, values.pieces, self.host, self.start)
+            self.group.load_pieces(key, values.pieces, self.host, self.start, progress)
         else:
-            self.load_rows(key, 0, values)
+            self.load_rows(key, 0, values, progress)
 
-    def load_rows(self, key: str, start: int, values: Tensor) -> None:
-        self.group.load_rows(key, self.start + start, values)
+    def restored_bytes(self, key: str) -> int:
+        """`DeviceCache.restored_bytes` of this table's rows of the stack."""
+        array = self.host.arrays[key]
+        return array.numel() * array.element_size()
+
+    def load_rows(self, key: str, start: int, values: Tensor, progress: Progress | None = None) -> None:
+        self.group.load_rows(key, self.start + start, values, progress)
 
     def initial_rows_at(self, key: str) -> RowsAt | None:
         """`DeviceCache.initial_rows_at` for this table's rows of the stack (where the stack

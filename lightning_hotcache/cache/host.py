@@ -32,6 +32,7 @@ from torch import Tensor
 from lightning_hotcache.cache.host_arrays import new_host_array
 from lightning_hotcache.cache.read_ahead import read_ahead_later
 from lightning_hotcache.host_rows import on_cpu, put_rows
+from lightning_hotcache.progress import Progress
 
 # Copy tables into the store in chunks of this many bytes, so initializing a table larger
 # than RAM never materializes it twice (deferred tables are also made in chunks this size).
@@ -293,9 +294,10 @@ class HostStore:
         for key, array in self.arrays.items():
             put_rows(array, ids, on_cpu(rows[key], torch.float32))
 
-    def load(self, key: str, values: Tensor, start: int = 0) -> None:
+    def load(self, key: str, values: Tensor, start: int = 0, progress: Progress | None = None) -> None:
         """Replace rows ``[start, start + len(values))`` of an array (``weight`` or a state
-        name), chunk by chunk; the whole array by default."""
+        name), chunk by chunk; the whole array by default. ``progress`` is told the bytes of
+        each chunk once it is in."""
         array = self.arrays[key]
         if values.dim() != 2 or values.shape[1] != array.shape[1] or not 0 <= start <= start + len(values) <= len(array):
             raise ValueError(
@@ -308,6 +310,8 @@ class HostStore:
             target = array[start + offset : start + offset + len(chunk)]
             if chunk.data_ptr() != target.data_ptr():  # else made in place (see `rows_at`)
                 target.copy_(chunk)
+            if progress is not None:
+                progress(target.numel() * target.element_size())
 
     def rows_at(self, key: str) -> RowsAt:
         """Rows of an array, to be written in place (`initial_rows`'s ``into``; `load` then

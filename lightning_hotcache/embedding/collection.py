@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 from torchrec.modules.embedding_configs import PoolingType
+from tqdm.auto import tqdm
 
 from lightning_hotcache.cache import CachePolicy, DeviceCache, HostDirectory, HostStore
 from lightning_hotcache.cache.exchange import RowSharding
@@ -51,6 +52,7 @@ from lightning_hotcache.embedding.lookup import EmbeddingBagLookup, FusedLookup,
 from lightning_hotcache.embedding.staging import Staging
 from lightning_hotcache.embedding.update import FusedUpdate, OwnersUpdate, SummingUpdate
 from lightning_hotcache.planner import HotColdPlan
+from lightning_hotcache.progress import byte_bar
 from lightning_hotcache.rowwise import RowWiseOptimizerConfig
 from lightning_hotcache.stacked_tables import allocate_stacked
 from lightning_hotcache.table_init import draw_seed, initial_rows_of, is_deferred
@@ -446,9 +448,17 @@ class HotColdEmbeddingBagCollection(nn.Module):
 
     @_whole_tables
     def load_optimizer_state(self, state: dict[str, dict[str, Tensor]]) -> None:
-        for name, arrays in state.items():
-            for key, values in arrays.items():
-                self.caches[name].load_full(key, values)
+        loads = [(name, key, values) for name, arrays in state.items() for key, values in arrays.items()]
+        with self._load_bar("loading row-wise state", [(name, key) for name, key, _ in loads]) as bar:
+            for name, key, values in loads:
+                self.caches[name].load_full(key, values, bar.update)
+
+    def _load_bar(self, desc: str, arrays: list[tuple[str, str]]) -> tqdm:
+        """A bar of the bytes this process writes loading ``arrays`` (table, array name), shown
+        on rank 0 where they are large: a checkpoint's restore of many GB otherwise runs for
+        minutes in silence."""
+        total = sum(self.caches[name].restored_bytes(key) for name, key in arrays)
+        return byte_bar(total, desc, show=self._sharding.rank == 0)
 
     @_whole_tables
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
@@ -468,6 +478,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
+        loads = []
         for table in self._tables:
             key = f"{prefix}embedding_bags.{table.name}.weight"
             if key not in state_dict:
@@ -478,5 +489,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
             if tuple(values.shape) != expected:
                 error_msgs.append(f"{key}: shape {tuple(values.shape)} in the checkpoint, {expected} in the model.")
                 continue
-            self.caches[table.name].load_full("weight", values)
+            loads.append((table.name, values))
+        with self._load_bar("loading tables", [(name, "weight") for name, _ in loads]) as bar:
+            for name, values in loads:
+                self.caches[name].load_full("weight", values, bar.update)
 
