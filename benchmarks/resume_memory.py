@@ -70,7 +70,7 @@ def save(args: argparse.Namespace) -> dict[str, Any]:
 
 def resume(args: argparse.Namespace) -> dict[str, Any]:
     if args.job == "whole":  # every split table made whole in memory first, as every load did before
-        strategy_module.consolidated = lambda loaded, path, in_pieces=False, **checks: checkpoint.consolidated(loaded, path, **checks)
+        strategy_module.consolidated = lambda loaded, path, in_pieces=False, **options: checkpoint.consolidated(loaded, path, **options)
     # The load: reading the checkpoint, then restoring the model from it.
     loading = PieceClock((("load", HotCacheStrategy, "load_checkpoint"), ("load", HotCacheStrategy, "load_model_state_dict")))
     saved = args.dir / "saved.ckpt"

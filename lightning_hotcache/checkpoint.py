@@ -23,7 +23,7 @@ import re
 import secrets
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from fsspec.core import url_to_fs
@@ -33,6 +33,8 @@ from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
 from lightning_hotcache.cache.exchange import RoundRobinRows
+from lightning_hotcache.cache.host import CHUNK_BYTES
+from lightning_hotcache.progress import Progress, byte_bar
 from lightning_hotcache.rowwise import ROW_STATE_KEY
 
 SHARDS_KEY = "hotcache_shards"
@@ -47,20 +49,38 @@ def new_save_id(step: int) -> str:
     return f"{step}-{secrets.token_hex(4)}"
 
 
-def tensors_crc32(tree: Any, crc: int = 0, path: str = "") -> int:
+def tensors_crc32(tree: Any, crc: int = 0, path: str = "", progress: Progress | None = None) -> int:
     """CRC-32 (continuing ``crc``) of every tensor in ``tree`` (nested dicts, lists, tuples): its
     path of keys, shape, dtype and every byte of data. Other leaves are not covered (their
-    reprs need not be stable); a shard's tables are ``{table: {array: tensor}}``."""
+    reprs need not be stable); a shard's tables are ``{table: {array: tensor}}``. ``progress``
+    is told the bytes of data as they are read (`tensor_bytes` in all), chunk by chunk: the
+    tensors of a memory-mapped shard are read from disk here."""
     if isinstance(tree, torch.Tensor):
         tensor = tree.detach().cpu().contiguous()
         crc = zlib.crc32(f"{path}/{tuple(tensor.shape)}/{tensor.dtype}".encode(), crc)
-        return zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc)
-    items = sorted(tree.items(), key=lambda kv: str(kv[0])) if isinstance(tree, Mapping) else (
-        enumerate(tree) if isinstance(tree, (list, tuple)) else ()
-    )  # fmt: skip
-    for key, value in items:
-        crc = tensors_crc32(value, crc, f"{path}/{key}" if path else str(key))
+        data = tensor.reshape(-1).view(torch.uint8).numpy()
+        for start in range(0, len(data), CHUNK_BYTES):  # the CRC of the whole, continued chunk to chunk
+            crc = zlib.crc32(data[start : start + CHUNK_BYTES], crc)
+            if progress is not None:
+                progress(len(data[start : start + CHUNK_BYTES]))
+        return crc
+    for key, value in _items(tree):
+        crc = tensors_crc32(value, crc, f"{path}/{key}" if path else str(key), progress)
     return crc
+
+
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of data of every tensor in ``tree`` (as `tensors_crc32` walks it)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    return sum(tensor_bytes(value) for _, value in _items(tree))
+
+
+def _items(tree: Any) -> Iterable[tuple[Any, Any]]:
+    """The children of a dict (in key order), list or tuple; none of another leaf."""
+    if isinstance(tree, Mapping):
+        return sorted(tree.items(), key=lambda kv: str(kv[0]))
+    return enumerate(tree) if isinstance(tree, (list, tuple)) else ()
 
 
 def _shard_identity_crc32(save_id: str, rank: int, world: int) -> int:
@@ -200,14 +220,19 @@ def check_not_sharded(checkpoint: dict[str, Any]) -> None:
 
 
 def consolidated(
-    checkpoint: dict[str, Any], path: _PATH, in_pieces: bool = False, checks: Callable[[int], bool] | None = None
+    checkpoint: dict[str, Any],
+    path: _PATH,
+    in_pieces: bool = False,
+    checks: Callable[[int], bool] | None = None,
+    show_progress: bool = True,
 ) -> dict[str, Any]:
     """``checkpoint`` (the main file at ``path``, already loaded) with its shard files merged
     in: each split table's arrays whole, or with ``in_pieces`` as the shards hold them
     (`RoundRobinRows` of the memory-mapped shard files, which the hotcache strategy loads piece
     by piece into each rank's tiers: no table whole in memory, and each rank's own rows read
     from disk as they are copied). ``checks(rank)``: whether to verify the checksum of that
-    rank's shard here (default: every shard; the strategy splits them across its ranks)."""
+    rank's shard here (default: every shard; the strategy splits them across its ranks), with a
+    bar of the bytes read where a shard is large, unless not ``show_progress``."""
     meta = checkpoint.pop(SHARDS_KEY, None)
     if meta is None:
         raise ValueError(f"{path} is not a sharded hotcache checkpoint (it has no {SHARDS_KEY!r}).")
@@ -233,7 +258,10 @@ def consolidated(
         )
     # Saves from before shard checksums have none to check (their main file does not ask for them).
     checksummed = bool(meta.get("crc32"))
-    shards = [_load_shard(main_file, save_id, rank, world, checksummed and (checks is None or checks(rank))) for rank in range(world)]
+    shards = [
+        _load_shard(main_file, save_id, rank, world, checksummed and (checks is None or checks(rank)), show_progress)
+        for rank in range(world)
+    ]
     row_state = checkpoint.setdefault(ROW_STATE_KEY, {})
     for key, rows in meta["num_embeddings"].items():
         arrays: dict[str, Any] = {}
@@ -253,7 +281,7 @@ def consolidated(
     return checkpoint
 
 
-def _load_shard(main_file: Path, save_id: str, rank: int, world: int, checksummed: bool) -> dict[str, Any]:
+def _load_shard(main_file: Path, save_id: str, rank: int, world: int, checksummed: bool, show_progress: bool) -> dict[str, Any]:
     file = shard_path(main_file, save_id, rank, world)
     if file.is_symlink() and not file.exists():
         raise FileNotFoundError(
@@ -312,7 +340,12 @@ def _load_shard(main_file: Path, save_id: str, rank: int, world: int, checksumme
         )
     # Shards from before ranks were recorded have a checksum of their tables alone.
     identity = _shard_identity_crc32(save_id, rank, world) if "rank" in shard else 0
-    if checksummed and shard.get("crc32") != tensors_crc32(shard["tables"], identity):
+    if not checksummed:
+        return shard["tables"]
+    # Memory-mapped: checking a shard reads it from disk, a minute for tens of GB.
+    with byte_bar(tensor_bytes(shard["tables"]), f"checking {file.name}", show=show_progress) as bar:
+        crc = tensors_crc32(shard["tables"], identity, progress=bar.update)
+    if shard.get("crc32") != crc:
         raise ValueError(
             f"{file} is corrupt: its tables do not match their checksum (bytes changed on disk or in transfer since "
             f"the save); the checkpoint {main_file} needs it. Use another checkpoint, or a copy of this file from "

@@ -683,8 +683,9 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         failure: Exception | None = None
         try:
             checkpoint = consolidated(
-                checkpoint, checkpoint_path, in_pieces=True, checks=lambda shard: shard % self.world_size == self.global_rank
-            )
+                checkpoint, checkpoint_path, in_pieces=True, checks=lambda shard: shard % self.world_size == self.global_rank,
+                show_progress=self.is_global_zero,
+            )  # fmt: skip
         except Exception as err:  # raised after the ranks agree: one rank leaving alone would hang the others
             failure = err
         failed = self.all_gather(torch.tensor([failure is not None], dtype=torch.int32, device=self.root_device)).flatten()

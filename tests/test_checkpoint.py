@@ -8,6 +8,7 @@ import contextlib
 import os
 import pickle
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -21,7 +22,8 @@ from lightning.pytorch.plugins import AsyncCheckpointIO
 
 from lightning_hotcache import HotCacheStrategy, progress
 from lightning_hotcache.cache.exchange import RoundRobinRows
-from lightning_hotcache.checkpoint import SHARDS_KEY, AtomicCheckpointIO, shard_contents, tensors_crc32, write_atomically
+from lightning_hotcache import checkpoint as checkpoint_module
+from lightning_hotcache.checkpoint import SHARDS_KEY, AtomicCheckpointIO, shard_contents, tensor_bytes, tensors_crc32, write_atomically
 from lightning_hotcache.cli import main
 from lightning_hotcache.embedding import hot_cold_modules
 from lightning_hotcache.rowwise import ROW_STATE_KEY
@@ -354,9 +356,24 @@ def test_resuming_copies_split_tables_from_the_mapped_shards_never_whole(run, tm
     torch.testing.assert_close(state, expected[ROW_STATE_KEY], rtol=0, atol=0)
 
 
-def test_resuming_large_tables_shows_the_bytes_restored(run, tmp_path, monkeypatch, capsys) -> None:
-    # A restore of many GB runs for minutes: a bar for the tables and one for their row-wise
-    # state, each counting to its total (every byte this process writes), on stderr.
+def test_a_checksum_read_chunk_by_chunk_is_the_one_of_the_whole(monkeypatch) -> None:
+    # Checkpoints saved before the chunks (one CRC call a tensor) must still match.
+    tables = {"t": {"weight": torch.randn(1000, 8), "momentum": torch.randn(1000, 1)}, "u": {"weight": torch.empty(0, 8)}}
+    expected = 7
+    for key in ("t", "u"):
+        for name, tensor in sorted(tables[key].items()):
+            expected = zlib.crc32(f"{key}/{name}/{tuple(tensor.shape)}/{tensor.dtype}".encode(), expected)
+            expected = zlib.crc32(tensor.numpy().tobytes(), expected)
+    monkeypatch.setattr(checkpoint_module, "CHUNK_BYTES", 1000)  # 33 chunks of the first weight
+    read: list[int] = []
+    assert tensors_crc32(tables, 7, progress=read.append) == expected
+    assert sum(read) == tensor_bytes(tables) == 1000 * 9 * 4 and len(read) > 3
+
+
+def test_resuming_large_tables_shows_the_bytes_checked_and_restored(run, tmp_path, monkeypatch, capsys) -> None:
+    # A restore of many GB runs for minutes: a bar for each shard's checksum (the bytes read
+    # from disk), for the tables and for their row-wise state (every byte this process
+    # writes), each counting to its total, on stderr.
     trainer, saved = run
     folder = _copy(saved, tmp_path / "run", prefix="a.ckpt")
     bars: list[progress.tqdm] = []
@@ -369,11 +386,12 @@ def test_resuming_large_tables_shows_the_bytes_restored(run, tmp_path, monkeypat
     monkeypatch.setattr(progress, "tqdm", Recorded)
     monkeypatch.setattr(progress, "PROGRESS_FROM_BYTES", 1)
     _fit(2, [], ckpt_path=folder / "a.ckpt")
-    restored = {bar.desc: (bar.n, bar.total) for bar in bars if bar.desc.startswith("loading")}
-    assert set(restored) == {"loading tables", "loading row-wise state"}
+    restored = {bar.desc: (bar.n, bar.total) for bar in bars if bar.desc.startswith(("loading", "checking"))}
+    shard = next(folder.glob("a.ckpt*rank*")).name
+    assert set(restored) == {f"checking {shard}", "loading tables", "loading row-wise state"}
     assert all(n == total > 0 for n, total in restored.values())
     err = capsys.readouterr().err
-    assert "loading tables" in err and "loading row-wise state" in err
+    assert all(desc in err for desc in restored)
 
 
 def test_a_shard_with_rows_missing_is_a_clear_error(run, tmp_path) -> None:
