@@ -60,9 +60,10 @@ def tensors_crc32(tree: Any, crc: int = 0, path: str = "", progress: Progress | 
         crc = zlib.crc32(f"{path}/{tuple(tensor.shape)}/{tensor.dtype}".encode(), crc)
         data = tensor.reshape(-1).view(torch.uint8).numpy()
         for start in range(0, len(data), CHUNK_BYTES):  # the CRC of the whole, continued chunk to chunk
-            crc = zlib.crc32(data[start : start + CHUNK_BYTES], crc)
+            chunk = data[start : start + CHUNK_BYTES]
+            crc = zlib.crc32(chunk, crc)
             if progress is not None:
-                progress(len(data[start : start + CHUNK_BYTES]))
+                progress(len(chunk))
         return crc
     for key, value in _items(tree):
         crc = tensors_crc32(value, crc, f"{path}/{key}" if path else str(key), progress)
