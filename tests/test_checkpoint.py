@@ -39,11 +39,11 @@ class _SaveAt(Callback):
             trainer.save_checkpoint(self.path)
 
 
-def _fit(steps: int, callbacks: list[Callback], ckpt_path: Path | None = None) -> pl.Trainer:
+def _fit(steps: int, callbacks: list[Callback], ckpt_path: Path | None = None, optimizer: str = "rowwise_adagrad") -> pl.Trainer:
     pl.seed_everything(0)
     # Tables of up to ~2k rows against a budget of a tenth of them: some are split, so there are shard files.
     dm = tiny_synthetic(scale=0.004, num_embeddings_cap=None, num_train_samples=8 * 64, batch_size=64)
-    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad"})
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer={"name": optimizer})
     strategy = HotCacheStrategy(device_budget=0.1, profile_batches=2, checkpoint_shards=True)
     trainer = cpu_trainer(
         strategy=strategy, max_steps=steps, limit_val_batches=0, enable_checkpointing=True, callbacks=callbacks
@@ -392,6 +392,16 @@ def test_resuming_large_tables_shows_the_bytes_checked_and_restored(run, tmp_pat
     assert all(n == total > 0 for n, total in restored.values())
     err = capsys.readouterr().err
     assert all(desc in err for desc in restored)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_resuming_with_another_embedding_optimizer_is_a_clear_error(run, tmp_path, optimizer: str) -> None:
+    # Saved with row-wise Adagrad: its momentum cannot become Adam's moments, nor be dropped in
+    # silence (the rows would step differently than the run that saved them).
+    trainer, saved = run
+    folder = _copy(saved, tmp_path / "run", prefix="a.ckpt")
+    with pytest.raises(ValueError, match=rf"state has \['momentum'\], but this model's {optimizer} keeps .*another embedding optimizer"):
+        _fit(2, [], ckpt_path=folder / "a.ckpt", optimizer=optimizer)
 
 
 def test_a_shard_with_rows_missing_is_a_clear_error(run, tmp_path) -> None:
