@@ -21,8 +21,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins import AsyncCheckpointIO
 
 from lightning_hotcache import HotCacheStrategy, progress
-from lightning_hotcache.cache.exchange import RoundRobinRows
 from lightning_hotcache import checkpoint as checkpoint_module
+from lightning_hotcache.cache.exchange import RoundRobinRows
 from lightning_hotcache.checkpoint import SHARDS_KEY, AtomicCheckpointIO, shard_contents, tensor_bytes, tensors_crc32, write_atomically
 from lightning_hotcache.cli import main
 from lightning_hotcache.embedding import hot_cold_modules
