@@ -369,8 +369,12 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         reference = getattr(datamodule, "reference_metrics", None)
         if reference is None or self.trainer.sanity_checking:
             return
+        # Every rank scores the whole split, so the figures agree: their max across ranks is
+        # each rank's value, exactly. Without a sync Lightning warns at every validation of a
+        # distributed strategy (hotcache's, even in one process) that an unsynced epoch value
+        # may differ between ranks.
         for name, value in reference(stage).items():
-            self.log(f"{stage}/{name}", float(value), sync_dist=False)
+            self.log(f"{stage}/{name}", float(value), sync_dist=True, reduce_fx="max")
 
     # Metric states reset by an earlier `trainer.validate` under inference mode are inference
     # tensors, which a later fit's validation (run under no_grad) cannot update in place.

@@ -245,5 +245,7 @@ def test_uneven_epoch_end_and_validation_match_one_process(trained, case: str) -
     # AUC: a rank statistic, within a few of the ~3e5 positive-negative pairs.
     assert two["val"]["val/auc"] == pytest.approx(one["val"]["val/auc"], abs=2e-5)
     assert two["val"]["val/logloss"] == pytest.approx(one["val"]["val/logloss"], rel=1e-5)
+    # The Bayes-optimal figures, scored by every rank on the whole split, come through the sync as they are.
+    assert two["val"]["val/bayes_auc"] == one["val"]["val/bayes_auc"]
     # Issue 29 item 9: the last (uneven) step's logged loss was rank 0's N/n-weighted share.
     assert two["last_train_loss"] == pytest.approx(one["last_train_loss"], rel=1e-5)
