@@ -47,10 +47,10 @@ if TYPE_CHECKING:
 
 Budget = Union[int, float, str]
 PLAN_FORMAT_VERSION = 2
-# Per slot of a split table, static ones included: id_of_slot, last_used, frequency (int64)
-# and dirty (bool) (see DeviceCache). Like the id -> slot map, on the host: the device budget
-# pays for them only where the device is the CPU (`directory_bytes_per_slot`).
-SLOT_BOOKKEEPING_BYTES = 3 * 8 + 1
+# Per slot of a split table, static ones included: id_of_slot, last_used, frequency (int64),
+# holders (int32) and dirty (bool) (see DeviceCache). Like the id -> slot map, on the host: the
+# device budget pays for them only where the device is the CPU (`directory_bytes_per_slot`).
+SLOT_BOOKKEEPING_BYTES = 3 * 8 + 4 + 1
 # The profile's largest unique-rows-per-batch is a sample maximum: later batches exceed it
 # (by up to ~20% seen on Zipf data), and a batch that does not fit its cache cannot train.
 UNIQUE_ROWS_MARGIN = 1.5

@@ -20,13 +20,16 @@ def test_split_hits_locks_the_hits_and_returns_the_misses(gen) -> None:
     slots = torch.where(torch.rand(300, generator=gen) < 0.3, -1, torch.randperm(300, generator=gen))
     counts = torch.randint(1, 9, (300,), generator=gen)
     last_used = torch.zeros(300, dtype=torch.int64)
-    missing, needed, missed_reads, missed = directory.split_hits(distinct, slots, counts, last_used, 7)
+    holders = torch.randint(0, 3, (300,), dtype=torch.int32, generator=gen)  # other batches in flight
+    before = holders.clone()
+    missing, needed, missed_reads, missed = directory.split_hits(distinct, slots, counts, last_used, holders, 7)
     at = (slots < 0).nonzero().squeeze(1)
     assert torch.equal(missing, at) and torch.equal(needed, distinct[at]) and torch.equal(missed_reads, counts[at])
     assert missed == int(counts[at].sum()) and 0 < missed < int(counts.sum())
     expected = torch.zeros(300, dtype=torch.int64)
     expected[slots[slots >= 0]] = 7
     assert torch.equal(last_used, expected)
+    assert torch.equal(holders, before.index_add(0, slots[slots >= 0], torch.ones(300 - len(at), dtype=torch.int32)))
 
 
 def test_install_names_resets_and_locks_the_victims(gen) -> None:
@@ -35,14 +38,23 @@ def test_install_names_resets_and_locks_the_victims(gen) -> None:
     victims = torch.randperm(100, generator=gen)[: len(missing)] + 50
     needed = torch.randint(0, 10**6, (len(missing),), generator=gen)
     id_of_slot, frequency, last_used = torch.full((150,), -1), torch.ones(150, dtype=torch.int64), torch.zeros(150, dtype=torch.int64)
+    holders = torch.zeros(150, dtype=torch.int32)
     expected = slots.clone()
     expected[missing] = victims
-    directory.install(slots, missing, victims, needed, id_of_slot, frequency, last_used, 3)
+    directory.install(slots, missing, victims, needed, id_of_slot, frequency, last_used, holders, 3)
     assert torch.equal(slots, expected)
     assert torch.equal(id_of_slot[victims], needed) and not frequency[victims].any() and (last_used[victims] == 3).all()
+    assert (holders[victims] == 1).all()
     untouched = torch.ones(150, dtype=torch.bool)
     untouched[victims] = False
     assert (id_of_slot[untouched] == -1).all() and (frequency[untouched] == 1).all() and not last_used[untouched].any()
+    assert not holders[untouched].any()
+
+
+def test_letting_go_takes_one_holder_from_each_slot_and_skips_misses() -> None:
+    holders = torch.tensor([2, 1, 0, 3, 1], dtype=torch.int32)
+    directory.let_go(holders, torch.tensor([0, 3, -1, 4]))
+    assert holders.tolist() == [1, 1, 0, 2, 0]
 
 
 def test_reads_counted_and_slots_filtered(gen) -> None:
@@ -67,16 +79,17 @@ def test_dense_map_kept_by_the_steps_that_walk_its_ids(gen) -> None:
     distinct = torch.randperm(rows, generator=gen)[:100].sort().values
     counts = torch.randint(1, 9, (100,), generator=gen)
     last_used, apart = torch.zeros(num_slots, dtype=torch.int64), torch.zeros(num_slots, dtype=torch.int64)
-    slots, *found = directory.look_up_and_split_hits(slot_of_id, distinct, counts, last_used, 5)
+    holders, holders_apart = torch.zeros(num_slots, dtype=torch.int32), torch.zeros(num_slots, dtype=torch.int32)
+    slots, *found = directory.look_up_and_split_hits(slot_of_id, distinct, counts, last_used, holders, 5)
     expected_slots = directory.slots_of(slot_of_id, distinct)
     assert torch.equal(slots, expected_slots) and (slots >= 0).any() and (slots < 0).any()
-    expected = directory.split_hits(distinct, expected_slots.clone(), counts, apart, 5)
+    expected = directory.split_hits(distinct, expected_slots.clone(), counts, apart, holders_apart, 5)
     assert all(torch.equal(a, b) for a, b in zip(found[:3], expected[:3])) and found[3] == expected[3]
-    assert torch.equal(last_used, apart)
+    assert torch.equal(last_used, apart) and torch.equal(holders, holders_apart)
     missing, needed = found[0], found[1]
     victims = torch.arange(80, 80 + len(missing))
     frequency = torch.zeros(num_slots, dtype=torch.int64)
-    directory.install(slots, missing, victims, needed, id_of_slot, frequency, last_used, 6, slot_of_id=slot_of_id)
+    directory.install(slots, missing, victims, needed, id_of_slot, frequency, last_used, holders, 6, slot_of_id=slot_of_id)
     assert torch.equal(slot_of_id[needed], victims.int()) and torch.equal(directory.slots_of(slot_of_id, distinct), slots)
     evicted = torch.tensor([0, 3, 81])
     gone = directory.vacate(evicted, id_of_slot, slot_of_id=slot_of_id)
@@ -122,14 +135,14 @@ def test_ring_entries_wrap_around_the_ring(first: int, count: int) -> None:
 @pytest.mark.parametrize("count", [5, 40, 90, 200])
 def test_window_victims_are_the_torch_top_k(gen, count: int) -> None:
     start, slots, cap = 10, 210, 7
-    last_used = torch.randint(0, 10, (slots,), generator=gen)  # locked above 6
+    holders = torch.randint(0, 4, (slots,), dtype=torch.int32, generator=gen)  # locked above 0
     next_read = torch.where(torch.rand(slots, generator=gen) < 0.2, NEVER, 100 + torch.randint(0, 12, (slots,), generator=gen))
     frequency = torch.randint(0, 12, (slots,), generator=gen)  # ties, and some above the cap
-    spare, victims, free = directory.window_victims(last_used, 6, next_read, frequency, start, count, cap, NEVER)
+    spare, victims, free = directory.window_victims(holders, next_read, frequency, start, count, cap, NEVER)
     # Short of spare slots, the victims are all of them, then the farthest read; else none.
     assert torch.equal(victims[: len(spare)], spare) if len(spare) < count else len(victims) == 0
     farthest = victims[len(spare) :]
-    unlocked = last_used[start:] <= 6
+    unlocked = holders[start:] == 0
     assert free == int(unlocked.sum())
     never = next_read[start:] == NEVER
     assert torch.equal(spare, (unlocked & never).nonzero().squeeze(1) + start)
@@ -294,11 +307,12 @@ def test_eviction_scores_rank_empty_then_by_reads_or_last_use_and_lock_the_batch
     last_used = torch.randint(0, 40, (300,), generator=gen)
     frequency = torch.randint(0, 9, (300,), generator=gen)
     id_of_slot = torch.randint(-1, 1000, (300,), generator=gen)
-    issued, released, start = 40, 31, 50
+    holders = torch.randint(0, 3, (300,), dtype=torch.int32, generator=gen)
+    issued, start = 40, 50
     key = frequency * (issued + 1) + last_used if lfu else last_used
     expected = torch.where(id_of_slot < 0, -1, key)[start:]
-    locked = last_used[start:] > released
-    scores, free = directory.eviction_scores(last_used, frequency, id_of_slot, start, released, issued, lfu)
+    locked = holders[start:] > 0
+    scores, free = directory.eviction_scores(last_used, holders, frequency, id_of_slot, start, issued, lfu)
     assert torch.equal(scores, expected.masked_fill(locked, torch.iinfo(torch.int64).max))
     assert free == int((~locked).sum()) and 0 < free < 250
     slots = torch.tensor([7, 299, 50, 7])

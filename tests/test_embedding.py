@@ -110,6 +110,31 @@ def test_cold_cache_fills_empty_slots_before_evicting_anything(policy: str) -> N
     assert torch.equal(cache.weight[slots], host.weight[[1, 11]])
 
 
+@pytest.mark.parametrize("policy", ["lfu", "lru", "lookahead"])
+def test_a_batch_held_while_later_ones_come_and_go_locks_its_own_rows_only(policy: str) -> None:
+    """A training batch staged ahead stays held while evaluation batches are staged and released
+    after it (a mid-epoch validation): its rows stay locked, theirs are free again at once. With
+    a watermark of released tickets, every later batch's rows counted as locked until the held
+    one came back, and 20 such batches overflowed the 10 dynamic slots."""
+    from lightning_hotcache import RowWiseOptimizerConfig
+    from lightning_hotcache.cache import DeviceCache, HostStore
+
+    sgd = RowWiseOptimizerConfig(name="sgd")
+    host = HostStore("t", 100, 4, sgd.state_widths(4))
+    host.load("weight", torch.arange(400, dtype=torch.float32).view(100, 4))
+    cache = DeviceCache("t", 100, 4, sgd, torch.tensor([0]), 10, policy, host, torch.device("cpu"))
+    held_slots, held = cache.acquire(torch.tensor([1, 2, 3]))
+    for first in range(4, 64, 3):
+        batch = torch.tensor([first, first + 1, first + 2, 2])  # row 2 read again by a batch released at once
+        slots, ticket = cache.acquire(batch)
+        assert torch.equal(cache.weight[slots], host.weight[batch])
+        cache.release(ticket)
+        assert cache.num_locked() == 3 and torch.equal(cache.slot_map.lookup(torch.tensor([1, 2, 3])), held_slots)
+    cache.release(held)
+    cache.release(held)  # a ticket released twice lets go once
+    assert cache.num_locked() == 0 and int(cache.holders.min()) == 0
+
+
 def test_reserved_victims_go_in_lfu_order_and_never_a_row_read_since_the_scan() -> None:
     from lightning_hotcache import RowWiseOptimizerConfig
     from lightning_hotcache.cache import DeviceCache, HostStore

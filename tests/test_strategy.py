@@ -448,6 +448,25 @@ def test_prefetch_thread_and_inline_staging_match_auto(thread, reader, kernel, s
     torch.testing.assert_close(model.state_dict(), baselines["dlrm"][0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("thread", "policy"), [(False, "lfu"), (True, "lfu"), (False, "lookahead")], ids=["inline", "thread", "lookahead"])
+def test_validation_in_mid_epoch_at_the_minimum_budget_trains_as_auto(thread: bool, policy: str, stats_path, baselines) -> None:
+    """Validation every 5 steps: its batches are staged and released while training batches
+    wait staged ahead. They hold their rows only while they are read (a watermark of released
+    tickets kept them locked until the training batches ahead were done: the 8 validation
+    batches overflowed a cache sized for the batches in flight, "a batch needs 210 rows that
+    are not on the device, but only 118 of 2652 dynamic cache slots are free"), and the
+    training learns what it learns without them."""
+    strategy = HotCacheStrategy(
+        device_budget=0.001, grow_budget_to_minimum=True, stats_path=str(stats_path), prefetch_thread=thread, cache_policy=policy
+    )
+    with pytest.warns(UserWarning, match="planning with the minimum"):
+        model, trainer, metrics = fit("dlrm", strategy, val_check_interval=5)
+    assert any(not t.on_device for t in trainer.strategy.plan.tables)
+    assert all(c.num_locked() == 0 for m in hot_cold_modules(model).values() for c in m.caches.values())
+    torch.testing.assert_close(model.state_dict(), baselines["dlrm"][0], rtol=1e-5, atol=1e-5)
+    assert_same_val_metrics(metrics, baselines["dlrm"][1])
+
+
 class _HostArraysOutsideWorkers(pl.Callback):
     """Whether, once the loader's workers are forked, the module's large host arrays are kept
     out of them (the ``dc`` VmFlag), and which workers the loader started."""

@@ -4,10 +4,14 @@ Slots ``[0, S)`` hold the plan's hot rows (FAE's static region, never evicted); 
 ``[S, S + C)`` are a dynamic cache (MixCache) refilled from the host store. A batch's ids
 are turned into slots by `acquire` (missing rows are fetched, evicting unlocked slots
 by LRU or LFU and writing changed rows back first) and its slots stay locked until its
-ticket is released, so rows of batches in flight are never evicted. Locks are tickets, not
-counters: a slot is locked while the latest batch that read it is unreleased, which costs
-one scatter per batch instead of two scatter-adds. Optimizer state lives in the
-same slots, so a row and its state always move together.
+ticket is released, so rows of batches in flight are never evicted. Locks are counts: each
+slot counts the batches in flight that read it (`holders`: one more in the compiled pass that
+marks a batch's reads, one fewer when its ticket is released), so tickets come back in any
+order and a slot is free once no batch holds it. (A watermark of released tickets, which this
+replaced, kept every slot read after an unreleased ticket locked: a mid-epoch validation, its
+batches staged while training batches waited staged ahead, locked the rows of every
+validation batch until the training resumed, and a long one filled the cache.) Optimizer
+state lives in the same slots, so a row and its state always move together.
 
 When the static region covers the whole table, slot == id and there is no host copy and
 no bookkeeping at all: the table simply lives on the device.
@@ -180,8 +184,7 @@ class DeviceCache:
         # eviction order, and the ticket during which that scan ran.
         self._reserve = _NO_SLOTS
         self._reserve_ticket = 0
-        self._released_upto = 0
-        self._released_early: set[int] = set()
+        self._held: dict[int, Tensor] = {}  # ticket -> the distinct slots its batch holds
         self._write_backs: deque[_WriteBack] = deque()  # oldest first
         # Whether evicted rows reach the host store later, once their copy off the device is
         # done (CUDA), or when evicted (a CPU device: the copy is done when made, and landing
@@ -202,8 +205,10 @@ class DeviceCache:
         self.id_of_slot = new_host_array((num_slots,), torch.int64, fill=-1)
         self.slot_map = make_slot_map(num_embeddings, static_ids, num_slots, self.books, budgeted=torch.device(device) == self.books)
         self.dirty = new_host_array((num_slots,), torch.bool)
-        # Ticket of the latest batch that read each slot; tickets <= _released_upto are done.
+        # Ticket of the latest batch that read each slot (its recency), and how many batches in
+        # flight hold it (locked while above 0).
         self.last_used = new_host_array((num_slots,), torch.int64)
+        self.holders = new_host_array((num_slots,), torch.int32)
         self.frequency = new_host_array((num_slots,), torch.int64)
         self.id_of_slot[: self.num_static] = static_ids
         if policy == "lookahead":
@@ -241,7 +246,7 @@ class DeviceCache:
         bookkeeping (what the planner's budget covers)."""
         arrays = list(self.slots.values())
         if not self.identity and self.device == self.books:
-            arrays += [self.id_of_slot, self.dirty, self.last_used, self.frequency, *self.slot_map.tensors()]
+            arrays += [self.id_of_slot, self.dirty, self.last_used, self.holders, self.frequency, *self.slot_map.tensors()]
         return sum(a.numel() * a.element_size() for a in arrays)
 
     # ------------------------------------------------------------ residency
@@ -324,10 +329,13 @@ class DeviceCache:
         tallies, dense = (self._tallied(_LOOKUPS), self._tallied(_MISSES)), self._dense_map()
         if dense is None:
             slots = self.slot_map.lookup(distinct)
-            at_missing, needed, _, missed = directory.split_hits(distinct, slots, counts, self.last_used, self._issued, *tallies)
+            at_missing, needed, _, missed = directory.split_hits(distinct, slots, counts, self.last_used, self.holders, self._issued, *tallies)
         else:
-            slots, at_missing, needed, _, missed = directory.look_up_and_split_hits(dense, distinct, counts, self.last_used, self._issued, *tallies)
+            slots, at_missing, needed, _, missed = directory.look_up_and_split_hits(
+                dense, distinct, counts, self.last_used, self.holders, self._issued, *tallies
+            )
         acquire = _Acquire(distinct, slots, self._issued, inverse=inverse, counts=counts, next_reads=next_reads)
+        self._held[acquire.ticket] = slots  # the misses' slots are written into it as they are installed
         self.counters.hits += ids.numel() - missed
         if not len(at_missing):
             return acquire
@@ -353,7 +361,7 @@ class DeviceCache:
                 self.slot_map.assign(needed, victims, ascending=True)  # distinct ids come sorted
             alone = self.sharding.world == 1  # every fetched row is this rank's
             directory.install(
-                slots, acquire.missing, victims, needed, self.id_of_slot, self.frequency, self.last_used, acquire.ticket,
+                slots, acquire.missing, victims, needed, self.id_of_slot, self.frequency, self.last_used, self.holders, acquire.ticket,
                 reads, self._tallied(_FETCHED) if alone else None, dense, next_read, acquire.next_reads,
             )  # fmt: skip
             fetched = needed if alone else needed[self.sharding.owned(needed)]
@@ -377,20 +385,20 @@ class DeviceCache:
         self._tally(_FETCHED, ids.to(self.books))  # the owners' rows come where the device reads them
 
     def num_locked(self) -> int:
-        return 0 if self.identity else int((self.last_used > self._released_upto).sum())
+        return 0 if self.identity else int((self.holders > 0).sum())
 
     @torch.no_grad()
     def release(self, ticket: int) -> None:
-        """Unlock the slots of an `acquire` (tickets may come back in any order)."""
+        """Unlock the slots of an `acquire` (tickets may come back in any order; a ticket
+        released already is let go)."""
         if self.identity:
             return
-        self._released_early.add(ticket)
-        while self._released_upto + 1 in self._released_early:
-            self._released_upto += 1
-            self._released_early.remove(self._released_upto)
+        held = self._held.pop(ticket, None)
+        if held is not None:
+            directory.let_go(self.holders, held)
         if self.policy == "static":
             dynamic = torch.arange(self.num_static, self.num_static + self.num_dynamic)
-            unlocked = self.last_used[dynamic] <= self._released_upto
+            unlocked = self.holders[dynamic] == 0
             self._evict(dynamic[(self.id_of_slot[dynamic] >= 0) & unlocked])
 
     @property
@@ -455,7 +463,7 @@ class DeviceCache:
                 return unread[:count]
         if self.window is not None:
             return self._victims_by_window(count)
-        score, free = directory.eviction_scores(self.last_used, self.frequency, self.id_of_slot, start, self._released_upto, self._issued, self._by_reads)
+        score, free = directory.eviction_scores(self.last_used, self.holders, self.frequency, self.id_of_slot, start, self._issued, self._by_reads)
         self._check_capacity(count, free)
         if self.policy == "static":
             return torch.topk(score, count, largest=False).indices + start
@@ -481,7 +489,7 @@ class DeviceCache:
         8,192, 190k dynamic slots, 2 cores; alone, 200k slots: 8.3 -> 1.2 ms)."""
         assert self.window is not None
         spare, short, free = directory.window_victims(
-            self.last_used, self._released_upto, self.window.next_read, self.frequency, self.num_static, count, _USES_CAP, NEVER
+            self.holders, self.window.next_read, self.frequency, self.num_static, count, _USES_CAP, NEVER
         )
         self._check_capacity(count, free)
         self._reserve_ticket = self._issued

@@ -60,7 +60,7 @@ def _optional_view(tensor: Tensor | None) -> np.ndarray:
 
 
 @without_gil
-def _split_hits(distinct, slots, counts, last_used, issued, lookups, misses, ends):  # type: ignore[no-untyped-def]
+def _split_hits(distinct, slots, counts, last_used, holders, issued, lookups, misses, ends):  # type: ignore[no-untyped-def]
     missing = np.empty(len(slots), np.int64)
     needed = np.empty(len(slots), np.int64)
     missed_reads = np.empty(len(slots), np.int64)
@@ -73,6 +73,7 @@ def _split_hits(distinct, slots, counts, last_used, issued, lookups, misses, end
             n += 1
         else:
             last_used[slot] = issued
+            holders[slot] += 1
     if len(ends):
         _tally_ascending(lookups, ends, distinct, counts)
         _tally_ascending(misses, ends, needed[:n], missed_reads[:n])
@@ -80,44 +81,59 @@ def _split_hits(distinct, slots, counts, last_used, issued, lookups, misses, end
 
 
 def split_hits(
-    distinct: Tensor, slots: Tensor, counts: Tensor, last_used: Tensor, issued: int, lookups: Tally | None = None, misses: Tally | None = None
+    distinct: Tensor,
+    slots: Tensor,
+    counts: Tensor,
+    last_used: Tensor,
+    holders: Tensor,
+    issued: int,
+    lookups: Tally | None = None,
+    misses: Tally | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, int]:
     """Lock the hits among ``distinct`` ids (ascending; ``slots``: each one's slot, -1 for a
-    miss; ``counts``: its reads) with ticket ``issued``; the misses' positions, ids and reads,
-    and their reads in all. ``lookups`` / ``misses``, where given, tally the reads and the
+    miss; ``counts``: its reads): one more holder each, last used by ticket ``issued``; the
+    misses' positions, ids and reads, and their reads in all. ``lookups`` / ``misses``, where given, tally the reads and the
     missed reads in the same call (one GIL hand-over, not three)."""
     lookups_at, missed_at, ends = _hit_tally_views(lookups, misses)
     missing, needed, missed_reads, total = _split_hits(
-        _view(distinct), _view(slots), _view(counts), _view(last_used), issued, lookups_at, missed_at, ends
+        _view(distinct), _view(slots), _view(counts), _view(last_used), _view(holders), issued, lookups_at, missed_at, ends
     )
     return torch.from_numpy(missing), torch.from_numpy(needed), torch.from_numpy(missed_reads), int(total)
 
 
 @without_gil
-def _look_up_and_split_hits(slot_of_id, distinct, counts, last_used, issued, lookups, misses, ends):  # type: ignore[no-untyped-def]
+def _look_up_and_split_hits(slot_of_id, distinct, counts, last_used, holders, issued, lookups, misses, ends):  # type: ignore[no-untyped-def]
     slots = _slots_of(slot_of_id, distinct)
-    return (slots, *_split_hits(distinct, slots, counts, last_used, issued, lookups, misses, ends))
+    return (slots, *_split_hits(distinct, slots, counts, last_used, holders, issued, lookups, misses, ends))
 
 
 def look_up_and_split_hits(
-    slot_of_id: Tensor, distinct: Tensor, counts: Tensor, last_used: Tensor, issued: int, lookups: Tally | None = None, misses: Tally | None = None
+    slot_of_id: Tensor,
+    distinct: Tensor,
+    counts: Tensor,
+    last_used: Tensor,
+    holders: Tensor,
+    issued: int,
+    lookups: Tally | None = None,
+    misses: Tally | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
     """`slots_of` in a dense id -> slot map, then `split_hits`, in one call: the ``distinct``
     ids' slots (-1 for a miss), then what `split_hits` returns."""
     lookups_at, missed_at, ends = _hit_tally_views(lookups, misses)
     slots, missing, needed, missed_reads, total = _look_up_and_split_hits(
-        _view(slot_of_id), _view(distinct), _view(counts), _view(last_used), issued, lookups_at, missed_at, ends
+        _view(slot_of_id), _view(distinct), _view(counts), _view(last_used), _view(holders), issued, lookups_at, missed_at, ends
     )
     return torch.from_numpy(slots), torch.from_numpy(missing), torch.from_numpy(needed), torch.from_numpy(missed_reads), int(total)
 
 
 @without_gil
-def _install(slots, missing, victims, needed, id_of_slot, frequency, last_used, ticket, reads, fetched, ends, slot_of_id, next_read, next_reads):  # type: ignore[no-untyped-def]
+def _install(slots, missing, victims, needed, id_of_slot, frequency, last_used, holders, ticket, reads, fetched, ends, slot_of_id, next_read, next_reads):  # type: ignore[no-untyped-def]
     for k in range(len(victims)):
         victim = victims[k]
         id_of_slot[victim] = needed[k]
         frequency[victim] = 0
         last_used[victim] = ticket
+        holders[victim] += 1
         slots[missing[k]] = victim
         if len(slot_of_id):
             slot_of_id[needed[k]] = victim
@@ -135,6 +151,7 @@ def install(
     id_of_slot: Tensor,
     frequency: Tensor,
     last_used: Tensor,
+    holders: Tensor,
     ticket: int,
     reads: Tensor | None = None,
     fetched: Tally | None = None,
@@ -143,13 +160,13 @@ def install(
     next_reads: Tensor | None = None,
 ) -> None:
     """The ``needed`` ids (ascending) fetched into ``victims``: named there, uses reset, locked
-    with ``ticket``, and each one's slot written at its position (``missing``) in ``slots``.
+    (one holder each, last used by ``ticket``), and each one's slot written at its position (``missing``) in ``slots``.
     In the same call, where given: every slot's ``reads`` and ``next_reads`` noted
     (`count_reads`, after the reset), the fetched ids tallied, and their slots put in the
     dense id -> slot map."""
     fetched_at, ends = _tally_views(fetched)
     _install(
-        _view(slots), _view(missing), _view(victims), _view(needed), _view(id_of_slot), _view(frequency), _view(last_used), ticket,
+        _view(slots), _view(missing), _view(victims), _view(needed), _view(id_of_slot), _view(frequency), _view(last_used), _view(holders), ticket,
         _optional_view(reads), fetched_at, ends, _map_view(slot_of_id), _optional_view(next_read), _optional_view(next_reads),
     )  # fmt: skip
 
@@ -267,6 +284,19 @@ def vacate(slots: Tensor, id_of_slot: Tensor, evicted: Tally | None = None, slot
 
 
 @without_gil
+def _let_go(holders, slots):  # type: ignore[no-untyped-def]
+    for slot in slots:
+        if slot >= 0:
+            holders[slot] -= 1
+
+
+def let_go(holders: Tensor, slots: Tensor) -> None:
+    """A batch in flight is done with ``slots`` (distinct; -1, a miss never installed, is
+    skipped): one holder fewer each."""
+    _let_go(_view(holders), _view(slots))
+
+
+@without_gil
 def _unread(reserve, last_used, ticket, next_read, never):  # type: ignore[no-untyped-def]
     out = np.empty(len(reserve), np.int64)
     n = 0
@@ -292,11 +322,11 @@ def _score(slot, last_used, frequency, id_of_slot, issued, lfu):  # type: ignore
 
 
 @without_gil
-def _eviction_scores(last_used, frequency, id_of_slot, start, released_upto, issued, lfu):  # type: ignore[no-untyped-def]
+def _eviction_scores(last_used, holders, frequency, id_of_slot, start, issued, lfu):  # type: ignore[no-untyped-def]
     scores = np.empty(len(last_used) - start, np.int64)
     free = 0
     for slot in range(start, len(last_used)):
-        if last_used[slot] > released_upto:
+        if holders[slot] > 0:
             scores[slot - start] = _LOCKED  # a batch in flight reads it
         else:
             scores[slot - start] = _score(slot, last_used, frequency, id_of_slot, issued, lfu)
@@ -305,13 +335,13 @@ def _eviction_scores(last_used, frequency, id_of_slot, start, released_upto, iss
 
 
 def eviction_scores(
-    last_used: Tensor, frequency: Tensor, id_of_slot: Tensor, start: int, released_upto: int, issued: int, lfu: bool
+    last_used: Tensor, holders: Tensor, frequency: Tensor, id_of_slot: Tensor, start: int, issued: int, lfu: bool
 ) -> tuple[Tensor, int]:
     """The eviction score of every slot from ``start`` on (lowest goes first; see `scores_of`),
-    int64's largest for a slot locked by a batch in flight (``last_used`` past
-    ``released_upto``), and how many are not locked. One pass, where torch's ops took nine over
-    the dynamic slots (a scan every few batches)."""
-    scores, free = _eviction_scores(_view(last_used), _view(frequency), _view(id_of_slot), start, released_upto, issued, lfu)
+    int64's largest for a slot locked by a batch in flight (``holders`` above 0), and how many
+    are not locked. One pass, where torch's ops took nine over the dynamic slots (a scan every
+    few batches)."""
+    scores, free = _eviction_scores(_view(last_used), _view(holders), _view(frequency), _view(id_of_slot), start, issued, lfu)
     return torch.from_numpy(scores), int(free)
 
 
@@ -330,12 +360,12 @@ def scores_of(slots: Tensor, last_used: Tensor, frequency: Tensor, id_of_slot: T
 
 
 @without_gil
-def _window_victims(last_used, released_upto, next_read, frequency, start, count, uses_cap, never):  # type: ignore[no-untyped-def]
+def _window_victims(holders, next_read, frequency, start, count, uses_cap, never):  # type: ignore[no-untyped-def]
     spare = np.empty(len(next_read) - start, np.int64)
     awaited = np.empty(len(next_read) - start, np.int64)
     n_spare = n_awaited = 0
     for slot in range(start, len(next_read)):
-        if last_used[slot] > released_upto:
+        if holders[slot] > 0:
             continue  # locked: a batch in flight reads it
         if next_read[slot] == never:
             spare[n_spare] = slot
@@ -393,17 +423,15 @@ def _window_victims(last_used, released_upto, next_read, frequency, start, count
 
 
 def window_victims(
-    last_used: Tensor, released_upto: int, next_read: Tensor, frequency: Tensor, start: int, count: int, uses_cap: int, never: int
+    holders: Tensor, next_read: Tensor, frequency: Tensor, start: int, count: int, uses_cap: int, never: int
 ) -> tuple[Tensor, Tensor, int]:
     """Lookahead's candidates among slots ``start`` on that no batch in flight holds
-    (``last_used`` at most ``released_upto``): those that no announced batch reads
+    (``holders`` 0): those that no announced batch reads
     (``next_read`` is ``never``), in slot order; where they are fewer than ``count``, the
     victims: those, then the rest from the slots read farthest ahead, of those read next by
     one batch the fewest reads (``frequency``, capped at ``uses_cap``) first (else empty); and
     how many slots are unlocked in all."""
-    spare, victims, free = _window_victims(
-        _view(last_used), released_upto, _view(next_read), _view(frequency), start, count, uses_cap, never
-    )
+    spare, victims, free = _window_victims(_view(holders), _view(next_read), _view(frequency), start, count, uses_cap, never)
     return torch.from_numpy(spare), torch.from_numpy(victims), int(free)
 
 
