@@ -91,6 +91,19 @@ class RowWiseOptimizerConfig:
             return {"momentum": 1}
         return {"exp_avg": embedding_dim, "exp_avg_sq": embedding_dim, "step": 1}
 
+    def check_saved_state(self, table: str, saved: Iterable[str]) -> None:
+        """A clear error where a checkpoint's row-wise state of ``table`` (its arrays' names) is
+        not what this rule keeps: it was saved with another embedding optimizer, and resuming
+        would fail on a missing array, or restart the rule's state in silence."""
+        kept = sorted(self.state_widths(1))
+        if sorted(saved) != kept:
+            raise ValueError(
+                f"Table {table!r}: the checkpoint's row-wise optimizer state has {sorted(saved) or 'no arrays'}, but "
+                f"this model's {self.name} keeps {kept or 'none'}: it was saved with another embedding optimizer. "
+                "Resume with the embedding optimizer it was saved with, or start a new run from its weights alone "
+                "(its state_dict)."
+            )
+
     def update_rows(self, weights: Tensor, state: dict[str, Tensor], grads: Tensor) -> None:
         """Apply one step in place to gathered rows.
 

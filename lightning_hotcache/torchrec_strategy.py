@@ -8,15 +8,17 @@ row-wise rule (``model.embedding_optimizer_config``), so the zoo models learn th
 thing as under ``auto`` and ``hotcache``. Process-group set-up and wrapping stay here, out of
 the model (unlike torchrecipes' TorchrecStrategy, which put them in the model).
 
-Checkpoints gather sharded tables into plain tensors under the plain keys, so they load
-under any strategy.
+Checkpoints gather sharded tables into plain tensors under the plain keys, and the fused
+optimizer's row-wise state (row-wise Adagrad's momentum, kept inside TorchRec's kernels, out of
+Lightning's optimizer states) into the row-state format every strategy reads
+(`ROW_STATE_KEY`), so a run resumes exactly under any strategy.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -30,7 +32,7 @@ from lightning_hotcache.accumulation import refuse_gradient_accumulation
 from lightning_hotcache.even_batches import check_even_batches
 from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
 from lightning_hotcache.planner import _quiet_torchrec_planner
-from lightning_hotcache.rowwise import RowWiseOptimizerConfig
+from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +62,22 @@ def _torchrec_optimizer(config: RowWiseOptimizerConfig) -> tuple[type[torch.opti
     )
 
 
+# TorchRec's (FBGEMM's) name of a table's row-wise state array -> ours
+# (`RowWiseOptimizerConfig.state_widths`): row-wise Adagrad's one value per row, kept by
+# TorchRec as (rows,), by us as (rows, 1).
+_FUSED_STATE_NAMES = {"momentum1": "momentum"}
+
+
 def _shard_index(shard: Any) -> tuple[slice, ...]:
     """Where a ShardedTensor's local shard sits in the full tensor."""
     return tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes))
+
+
+def _row_state_key(parameter: str) -> str:
+    """A table weight's parameter name (``<collection>.embedding_bags.<table>.weight``) -> its
+    key in a checkpoint's row state (``<collection>.<table>``)."""
+    collection, table = parameter.removesuffix(".weight").rsplit(".embedding_bags.", 1)
+    return f"{collection}.{table}"
 
 
 class TorchRecStrategy(LikeAutoInOneProcess):
@@ -84,8 +99,9 @@ class TorchRecStrategy(LikeAutoInOneProcess):
             ``"popen"`` (spawned processes would hand back sharded tensors, which cannot be
             pickled) are refused.
 
-    TorchRec's fused optimizer state (e.g. row-wise Adagrad's momentum) lives inside its
-    kernels and is not in Lightning checkpoints yet: resuming restarts it. After a run the
+    TorchRec's fused optimizer state (row-wise Adagrad's momentum) lives inside its kernels;
+    checkpoints hold it gathered, as the other strategies' row state, and a resume puts it
+    back (from a checkpoint of any strategy). After a run the
     model is unwrapped (``trainer.model`` is the LightningModule again, as under DDP), but its
     tables stay TorchRec's sharded modules; checkpoints and ``lightning_module_state_dict()``
     hold plain tensors.
@@ -111,6 +127,11 @@ class TorchRecStrategy(LikeAutoInOneProcess):
         super().__init__(**kwargs)
         self.sharding_types = list(sharding_types)
         self.sharding_plan: Any = None
+        # A restored checkpoint's row state, put into the fused optimizer once sharding built it.
+        self._restored_row_state: Mapping[str, Mapping[str, torch.Tensor]] = {}
+        # TorchRec's fused optimizer of the sharded tables; kept past teardown, which unwraps
+        # the model, so that a checkpoint saved after fit holds its state too.
+        self._fused_optimizer: Any = None
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -172,8 +193,12 @@ class TorchRecStrategy(LikeAutoInOneProcess):
                 self.model, device=self.root_device, plan=self.sharding_plan, data_parallel_wrapper=self._dense_ddp()
             )
         # Sharding builds new tables with fresh initial values: put the model's own back
-        # (its initialization, or the weights a checkpoint restored before setup).
+        # (its initialization, or the weights a checkpoint restored before setup), and the
+        # restored row state into the fresh fused optimizer.
         self._copy_into_shards(tables)
+        self._fused_optimizer = self.model.fused_optimizer
+        self._load_fused_row_state(self._restored_row_state, config)
+        self._restored_row_state = {}
 
     def _dense_ddp(self) -> Any:
         """How DistributedModelParallel wraps the dense layers: in a DDP with this strategy's
@@ -194,6 +219,7 @@ class TorchRecStrategy(LikeAutoInOneProcess):
 
         if isinstance(self.model, DistributedModelParallel):  # as DDPStrategy unwraps its DDP
             self.model = self.lightning_module
+        self._restored_row_state = {}  # a validate's restored state is no later fit's
         super().teardown()
 
     @torch.no_grad()
@@ -209,6 +235,36 @@ class TorchRecStrategy(LikeAutoInOneProcess):
             else:
                 value.copy_(full[key])
 
+    @torch.no_grad()
+    def _load_fused_row_state(self, saved: Mapping[str, Mapping[str, torch.Tensor]], config: RowWiseOptimizerConfig) -> None:
+        """Copy a checkpoint's row state (`ROW_STATE_KEY` format) into the fused optimizer's
+        shards, every table checked before any is written."""
+        if not saved:
+            return
+        optimizer = self._fused_optimizer
+        state = optimizer.state_dict()["state"]
+        copies = []
+        for parameter in optimizer.params:
+            key = _row_state_key(parameter)
+            if key not in saved:
+                continue
+            config.check_saved_state(key, saved[key])
+            for name, value in state.get(parameter, {}).items():
+                copies.append((value, saved[key][_FUSED_STATE_NAMES[name.rsplit(".", 1)[1]]]))
+        for value, values in copies:
+            for shard in value.local_shards():
+                shard.tensor.copy_(values.reshape(value.size())[_shard_index(shard)])
+
+    def _gathered(self, size: torch.Size, dtype: torch.dtype, shards: Sequence[Any]) -> torch.Tensor:
+        """A ShardedTensor of ``size`` as one plain CPU tensor, on every rank (a collective across
+        ranks): ``shards`` are this rank's local shards of it (none where it holds no piece)."""
+        full = torch.zeros(size, dtype=dtype, device=self.root_device)
+        for shard in shards:
+            full[_shard_index(shard)] = shard.tensor.to(self.root_device)
+        if self.world_size > 1:  # each rank holds some tables: sum the zero-padded pieces
+            collectives.all_reduce(full)
+        return full.cpu()
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full state dict with sharded tables gathered into plain tensors (on every rank)."""
@@ -217,10 +273,41 @@ class TorchRecStrategy(LikeAutoInOneProcess):
         state = self.lightning_module.state_dict()
         for key, value in state.items():
             if isinstance(value, ShardedTensor):
-                full = torch.zeros(value.size(), dtype=value.dtype, device=self.root_device)
-                for shard in value.local_shards():
-                    full[_shard_index(shard)] = shard.tensor.to(self.root_device)
-                if self.world_size > 1:  # each rank holds some tables: sum the zero-padded pieces
-                    collectives.all_reduce(full)
-                state[key] = full.cpu()
+                state[key] = self._gathered(value.size(), value.dtype, value.local_shards())
         return state
+
+    def fused_row_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The fused optimizer's row-wise state, gathered (on every rank) in the `ROW_STATE_KEY`
+        format: ``"<collection>.<table>"`` -> state name -> (rows, width)."""
+        if self._fused_optimizer is None:
+            return {}
+        local = {
+            (parameter, name): value
+            for parameter, arrays in self._fused_optimizer.state_dict()["state"].items()
+            for name, value in arrays.items()
+        }
+        # Unlike the model's state dict, each rank's optimizer state holds only the tables it has
+        # shards of: the ranks agree on every array first, then gather them in one order.
+        arrays = {key: (value.size(), value.dtype) for key, value in local.items()}
+        if self.world_size > 1:
+            everyone: list[Any] = [None] * self.world_size
+            dist.all_gather_object(everyone, arrays)
+            arrays = {key: spec for part in everyone for key, spec in part.items()}
+        row_state: dict[str, dict[str, torch.Tensor]] = {}
+        for (parameter, name), (size, dtype) in sorted(arrays.items()):
+            rows = self._gathered(size, dtype, local[parameter, name].local_shards() if (parameter, name) in local else [])
+            row_state.setdefault(_row_state_key(parameter), {})[_FUSED_STATE_NAMES[name.rsplit(".", 1)[1]]] = rows.view(len(rows), -1)
+        return row_state
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        # Every rank saves (and takes part in the gathering); rank 0 writes.
+        row_state = self.fused_row_state()
+        if row_state:
+            checkpoint[ROW_STATE_KEY] = {**checkpoint.get(ROW_STATE_KEY, {}), **row_state}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict)
+        self._restored_row_state = checkpoint.get(ROW_STATE_KEY, {})

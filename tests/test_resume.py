@@ -54,10 +54,7 @@ def _fit(
     pl.seed_everything(0)
     # Tables up to ~100k rows against batches of 64, so a small budget splits them.
     dm = tiny_synthetic(scale=0.01, num_embeddings_cap=None, num_train_samples=4 * 64, batch_size=64, shuffle=shuffle)
-    # TorchRec's fused optimizer state is not in checkpoints (see TorchRecStrategy), so it
-    # resumes exactly only with a stateless rule.
-    optimizer = {"name": "sgd" if strategy == "torchrec" else "rowwise_adagrad"}
-    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=optimizer)
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad"})
     trainer = cpu_trainer(
         strategy=_strategy(strategy),
         max_epochs=max_epochs,
@@ -116,6 +113,24 @@ def test_resumed_run_equals_uninterrupted(
     torch.testing.assert_close(_weights(trainer), expected.state_dict)
 
 
+@pytest.mark.parametrize(
+    ("saved_by", "resumed_by"), [("torchrec", "auto"), ("torchrec", "hotcache"), ("auto", "torchrec"), ("hotcache", "torchrec")]
+)
+def test_resumed_under_another_strategy_equals_uninterrupted(
+    saved_by: str, resumed_by: str, uninterrupted: Callable[..., Uninterrupted]
+) -> None:
+    """Every strategy saves the row-wise state in one format, TorchRec's fused optimizer too
+    (its momentum gathered from its kernels' shards, and put back into them), so a run saved
+    mid-epoch under one resumes under another and learns what the uninterrupted run learns (to
+    float rounding: the strategies sum a batch's duplicate ids in other orders). Before, a
+    TorchRec checkpoint held no momentum: resumed anywhere, row-wise Adagrad restarted."""
+    expected = uninterrupted("auto", 2, False)
+    saved = uninterrupted(saved_by, 2, False)
+    _, trainer = _fit(resumed_by, 2, False, ckpt_path=saved.checkpoints / POSITIONS["mid_epoch"])
+    assert trainer.global_step == expected.global_step
+    torch.testing.assert_close(_weights(trainer), expected.state_dict, rtol=1e-5, atol=1e-5)
+
+
 def test_reloaded_loader_resumes_after_the_last_batch(uninterrupted: Callable[..., Uninterrupted]) -> None:
     """With reload_dataloaders_every_n_epochs Lightning asks for the loader again once it has
     closed the restored epoch (FitLoop.reset), before the epoch loop's own reset."""
@@ -130,7 +145,7 @@ def test_reloaded_loader_resumes_after_the_last_batch(uninterrupted: Callable[..
 TWO_PROCESS_RESUMES = {  # launched with the other two-process runs (tests/launch.py)
     strategy: planned("test_two_processes_resume_exactly", 2, 128, "rowwise_adagrad", strategy, *options,
                       "--train-samples=1024", "--shuffle", "--steps=12", "--resume-from", "4", "6")
-    for strategy, options in [("ddp", []), ("hotcache", ["--big-tables", "--device-budget=0.05"])]
+    for strategy, options in [("ddp", []), ("torchrec", []), ("hotcache", ["--big-tables", "--device-budget=0.05"])]
 }  # fmt: skip
 
 

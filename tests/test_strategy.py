@@ -17,9 +17,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_hotcache
 from lightning_hotcache import AccessProfiler, HotColdPlanner, HotCacheStrategy, RowWiseOptimizerConfig
-from lightning_hotcache.embedding import hot_cold_modules
-from lightning_hotcache.strategy import _PrefetchingLoader
 from lightning_hotcache.cli import main, model_tables
+from lightning_hotcache.embedding import hot_cold_modules
+from lightning_hotcache.rowwise import ROW_STATE_KEY
+from lightning_hotcache.strategy import _PrefetchingLoader
 from models import MODEL_REGISTRY, CTRModel, create_model
 
 OPTIMIZER = {"name": "rowwise_adagrad", "lr": 0.05}
@@ -273,6 +274,13 @@ def test_torchrec_matches_auto(name, baselines, tmp_path) -> None:
         plain = create_model(name, dm.tables, dm.num_dense_features)
         plain_metrics = cpu_trainer().validate(plain, dm, ckpt_path=tmp_path / "torchrec.ckpt", verbose=False)[0]
         assert plain_metrics["val/auc"] == pytest.approx(metrics["val/auc"], abs=1e-6)
+        # Saved after the fit (the model unwrapped), it holds the fused optimizer's momentum,
+        # which is auto's row-wise Adagrad state.
+        saved = torch.load(tmp_path / "torchrec.ckpt", weights_only=False)[ROW_STATE_KEY]
+        auto_model, _, _ = fit(name, "auto")
+        expected = {key: auto_model.embedding_optimizer.state[w] for key, w in auto_model._plain_table_weights().items()}
+        assert set(saved) == set(expected) and all(set(saved[key]) == {"momentum"} for key in saved)
+        torch.testing.assert_close({k: v["momentum"] for k, v in saved.items()}, {k: v["momentum"] for k, v in expected.items()})
 
 
 def test_torchrec_refuses_rules_it_cannot_match() -> None:

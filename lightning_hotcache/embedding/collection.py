@@ -449,14 +449,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
     @_whole_tables
     def load_optimizer_state(self, state: dict[str, dict[str, Tensor]]) -> None:
         for name, arrays in state.items():  # every table checked before any row is written
-            kept = sorted(key for key in self.caches[name].slots if key != "weight")
-            if sorted(arrays) != kept:
-                raise ValueError(
-                    f"Table {name!r}: the checkpoint's row-wise optimizer state has {sorted(arrays) or 'no arrays'}, but "
-                    f"this model's {self.optimizer.name} keeps {kept or 'none'}: it was saved with another embedding "
-                    "optimizer. Resume with the embedding optimizer it was saved with, or start a new run from its "
-                    "weights alone (its state_dict)."
-                )
+            self.optimizer.check_saved_state(name, arrays)
         loads = [(name, key, values) for name, arrays in state.items() for key, values in arrays.items()]
         with self._load_bar("loading row-wise state", [(name, key) for name, key, _ in loads]) as bar:
             for name, key, values in loads:
