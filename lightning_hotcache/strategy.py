@@ -79,6 +79,7 @@ from lightning_hotcache.planner import (
     prefetch_thread_used,
     resolve_budget,
 )
+from lightning_hotcache.precision import refuse_half_true_precision
 from lightning_hotcache.profiling import AccessStats, profile_batches, run_batch_size
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
 from lightning_hotcache.table_init import deferred_tables_left_out_of_moves, draw_seed, is_deferred
@@ -444,6 +445,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
     def setup(self, trainer: pl.Trainer) -> None:
         if any(isinstance(m, (EmbeddingBagCollection, HotColdEmbeddingBagCollection)) for m in self.lightning_module.modules()):
             refuse_gradient_accumulation(trainer, self.strategy_name)
+            refuse_half_true_precision(trainer, f"strategy={self.strategy_name!r}")
         self._install_hot_cold_embeddings(trainer)
         super().setup(trainer)
         if self.cache_metrics and self.plan is not None:

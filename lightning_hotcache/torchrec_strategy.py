@@ -32,6 +32,7 @@ from lightning_hotcache.accumulation import refuse_gradient_accumulation
 from lightning_hotcache.even_batches import check_even_batches
 from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
 from lightning_hotcache.planner import _quiet_torchrec_planner
+from lightning_hotcache.precision import refuse_half_true_precision
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class TorchRecStrategy(LikeAutoInOneProcess):
     def setup(self, trainer: pl.Trainer) -> None:
         if any(isinstance(m, EmbeddingBagCollection) for m in self.lightning_module.modules()):
             refuse_gradient_accumulation(trainer, self.strategy_name)  # rows are stepped in backward
+            refuse_half_true_precision(trainer, f"strategy={self.strategy_name!r}")
         if self.world_size > 1 and not self.lightning_module.automatic_optimization:
             # Lightning's manual optimization drives its own DDP module around the training step
             # (forward redirection, prepare_for_backward); the DDP inside DistributedModelParallel

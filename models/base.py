@@ -46,6 +46,7 @@ from lightning_hotcache.guards import (
     finite_loss_or_skip,
 )
 from lightning_hotcache.host_rows import release_helpers
+from lightning_hotcache.precision import refuse_half_true_precision
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
 from lightning_hotcache.sparse_ddp import average_row_gradients, keep_out_of_ddp
 from lightning_hotcache.stacked_tables import move_stacked_tables, stack_tables
@@ -427,6 +428,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
 
     @override
     def setup(self, stage: str) -> None:
+        refuse_half_true_precision(self.trainer, f"{type(self).__name__} (a zoo model)")
         # Refused now, not at the first NaN hours in: Lightning does not let a training_step
         # return None with several processes, and a zero loss in its place would still move
         # Adam's moments (dense and lazy row state), so it would not be a skip.

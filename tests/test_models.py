@@ -64,6 +64,35 @@ def test_validation_under_a_distributed_strategy_warns_of_no_unsynced_figure() -
     assert not [str(w.message) for w in caught if "sync_dist" in str(w.message)]
 
 
+@pytest.mark.parametrize("strategy", ["auto", "hotcache", "torchrec"])
+def test_precision_casting_the_tables_to_half_is_a_clear_error(strategy: str) -> None:
+    """The tables stay float32 under every strategy; "bf16-true" failed deep in the dense layers
+    ("mat1 and mat2 must have the same dtype"), under `auto` too. Refused up front, naming the
+    mixed precision that trains."""
+    dm = tiny_synthetic(num_train_samples=256, batch_size=64)
+    with pytest.raises(ValueError, match=r"precision='bf16-true'.*Use precision='bf16-mixed'"):
+        cpu_trainer(strategy=strategy, precision="bf16-true", max_steps=1).fit(_model("dlrm", dm), dm)
+
+
+def test_a_user_model_under_hotcache_at_half_precision_is_a_clear_error() -> None:
+    """Not the zoo's refusal: the strategy's own, for any model with tables."""
+
+    class UserModel(pl.LightningModule):
+        def __init__(self, tables) -> None:
+            super().__init__()
+            self.tables = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+
+        def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+            return self.tables(batch.sparse_features).values().sum()
+
+        def configure_optimizers(self) -> None:
+            return None
+
+    dm = tiny_synthetic(num_train_samples=256, batch_size=64)
+    with pytest.raises(ValueError, match=r"strategy='hotcache' keeps the embedding tables.*float32"):
+        cpu_trainer(strategy="hotcache", precision="bf16-true", max_steps=1).fit(UserModel(dm.tables), dm)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
 def test_only_looked_up_rows_move(optimizer: str) -> None:
     dm = tiny_synthetic(num_train_samples=256)
