@@ -81,19 +81,13 @@ def _split_hits(distinct, slots, counts, last_used, holders, issued, lookups, mi
 
 
 def split_hits(
-    distinct: Tensor,
-    slots: Tensor,
-    counts: Tensor,
-    last_used: Tensor,
-    holders: Tensor,
-    issued: int,
-    lookups: Tally | None = None,
-    misses: Tally | None = None,
-) -> tuple[Tensor, Tensor, Tensor, int]:
+    distinct: Tensor, slots: Tensor, counts: Tensor, last_used: Tensor, holders: Tensor, issued: int,
+    lookups: Tally | None = None, misses: Tally | None = None,
+) -> tuple[Tensor, Tensor, Tensor, int]:  # fmt: skip
     """Lock the hits among ``distinct`` ids (ascending; ``slots``: each one's slot, -1 for a
     miss; ``counts``: its reads): one more holder each, last used by ticket ``issued``; the
-    misses' positions, ids and reads, and their reads in all. ``lookups`` / ``misses``, where given, tally the reads and the
-    missed reads in the same call (one GIL hand-over, not three)."""
+    misses' positions, ids and reads, and their reads in all. ``lookups`` / ``misses``, where
+    given, tally the reads and the missed reads in the same call (one GIL hand-over, not three)."""
     lookups_at, missed_at, ends = _hit_tally_views(lookups, misses)
     missing, needed, missed_reads, total = _split_hits(
         _view(distinct), _view(slots), _view(counts), _view(last_used), _view(holders), issued, lookups_at, missed_at, ends
@@ -108,15 +102,9 @@ def _look_up_and_split_hits(slot_of_id, distinct, counts, last_used, holders, is
 
 
 def look_up_and_split_hits(
-    slot_of_id: Tensor,
-    distinct: Tensor,
-    counts: Tensor,
-    last_used: Tensor,
-    holders: Tensor,
-    issued: int,
-    lookups: Tally | None = None,
-    misses: Tally | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    slot_of_id: Tensor, distinct: Tensor, counts: Tensor, last_used: Tensor, holders: Tensor, issued: int,
+    lookups: Tally | None = None, misses: Tally | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:  # fmt: skip
     """`slots_of` in a dense id -> slot map, then `split_hits`, in one call: the ``distinct``
     ids' slots (-1 for a miss), then what `split_hits` returns."""
     lookups_at, missed_at, ends = _hit_tally_views(lookups, misses)
