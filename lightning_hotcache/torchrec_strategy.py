@@ -69,6 +69,11 @@ def _torchrec_optimizer(config: RowWiseOptimizerConfig) -> tuple[type[torch.opti
 _FUSED_STATE_NAMES = {"momentum1": "momentum"}
 
 
+def _our_state_name(fused_name: str) -> str:
+    """A fused optimizer state's key (``<table>.momentum1``) -> our name of the array."""
+    return _FUSED_STATE_NAMES[fused_name.rsplit(".", 1)[1]]
+
+
 def _shard_index(shard: Any) -> tuple[slice, ...]:
     """Where a ShardedTensor's local shard sits in the full tensor."""
     return tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes))
@@ -252,7 +257,7 @@ class TorchRecStrategy(LikeAutoInOneProcess):
                 continue
             config.check_saved_state(key, saved[key])
             for name, value in state.get(parameter, {}).items():
-                copies.append((value, saved[key][_FUSED_STATE_NAMES[name.rsplit(".", 1)[1]]]))
+                copies.append((value, saved[key][_our_state_name(name)]))
         for value, values in copies:
             for shard in value.local_shards():
                 shard.tensor.copy_(values.reshape(value.size())[_shard_index(shard)])
@@ -298,7 +303,7 @@ class TorchRecStrategy(LikeAutoInOneProcess):
         row_state: dict[str, dict[str, torch.Tensor]] = {}
         for (parameter, name), (size, dtype) in sorted(arrays.items()):
             rows = self._gathered(size, dtype, local[parameter, name].local_shards() if (parameter, name) in local else [])
-            row_state.setdefault(_row_state_key(parameter), {})[_FUSED_STATE_NAMES[name.rsplit(".", 1)[1]]] = rows.view(len(rows), -1)
+            row_state.setdefault(_row_state_key(parameter), {})[_our_state_name(name)] = rows.view(len(rows), -1)
         return row_state
 
     @override
