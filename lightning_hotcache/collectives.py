@@ -71,6 +71,14 @@ def all_reduce(tensor: Tensor, group: Any = None) -> None:
     tensor.copy_(on_device)
 
 
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order. torch moves the pickled bytes to the
+    group's device itself (for NCCL, the current CUDA device)."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
 @torch.no_grad()
 def broadcast_from_rank_zero(tensors: Iterable[Tensor], group: Any = None) -> None:
     """Give every rank of ``group`` rank 0's values of ``tensors`` (in place; a

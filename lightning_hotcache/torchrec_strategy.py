@@ -297,9 +297,7 @@ class TorchRecStrategy(LikeAutoInOneProcess):
         # shards of: the ranks agree on every array first, then gather them in one order.
         arrays = {key: (value.size(), value.dtype) for key, value in local.items()}
         if self.world_size > 1:
-            everyone: list[Any] = [None] * self.world_size
-            dist.all_gather_object(everyone, arrays)
-            arrays = {key: spec for part in everyone for key, spec in part.items()}
+            arrays = {key: spec for part in collectives.all_gather_object(arrays) for key, spec in part.items()}
         row_state: dict[str, dict[str, torch.Tensor]] = {}
         for (parameter, name), (size, dtype) in sorted(arrays.items()):
             rows = self._gathered(size, dtype, local[parameter, name].local_shards() if (parameter, name) in local else [])
