@@ -41,6 +41,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
@@ -83,6 +84,7 @@ from lightning_hotcache.precision import refuse_half_true_precision
 from lightning_hotcache.profiling import AccessStats, profile_batches, run_batch_size
 from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
 from lightning_hotcache.table_init import deferred_tables_left_out_of_moves, draw_seed, is_deferred
+from lightning_hotcache.torchrec_strategy import refuse_sharded_tables
 
 PLAN_KEY = "hotcache_plan"
 
@@ -443,6 +445,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            refuse_sharded_tables(self.lightning_module, f"strategy={self.strategy_name!r}")
         if any(isinstance(m, (EmbeddingBagCollection, HotColdEmbeddingBagCollection)) for m in self.lightning_module.modules()):
             refuse_gradient_accumulation(trainer, self.strategy_name)
             refuse_half_true_precision(trainer, f"strategy={self.strategy_name!r}")

@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torchrec import EmbeddingBagCollection
 from typing_extensions import override
 
@@ -86,6 +87,22 @@ def _row_state_key(parameter: str) -> str:
     return f"{collection}.{table}"
 
 
+def refuse_sharded_tables(module: torch.nn.Module, who: str) -> None:
+    """Raise where ``module``'s tables are TorchRec's sharded modules, which a fit under this
+    strategy leaves in the model: no strategy fits from them (TorchRec's own would shard them
+    again), and one that found no tables would train the rest around them."""
+    from torchrec.distributed.types import ShardedModule
+
+    if any(isinstance(m, ShardedModule) for m in module.modules()):
+        raise ValueError(
+            f"{who}: this model's embedding tables are TorchRec's sharded modules, left in it by an earlier fit under "
+            "strategy='torchrec', and no fit starts from them. To train on, fit a new model from that fit's checkpoint "
+            "(`trainer.fit(new_model, ckpt_path=...)`: it holds plain tables and their row-wise optimizer state, so the "
+            "run goes on exactly, under any strategy), or load `trainer.strategy.lightning_module_state_dict()` into a "
+            "new model."
+        )
+
+
 class TorchRecStrategy(LikeAutoInOneProcess):
     """Shard embedding tables with TorchRec's planner and DistributedModelParallel.
 
@@ -141,6 +158,8 @@ class TorchRecStrategy(LikeAutoInOneProcess):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            refuse_sharded_tables(self.lightning_module, f"strategy={self.strategy_name!r}")
         if any(isinstance(m, EmbeddingBagCollection) for m in self.lightning_module.modules()):
             refuse_gradient_accumulation(trainer, self.strategy_name)  # rows are stepped in backward
             refuse_half_true_precision(trainer, f"strategy={self.strategy_name!r}")

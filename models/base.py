@@ -51,6 +51,7 @@ from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseO
 from lightning_hotcache.sparse_ddp import average_row_gradients, keep_out_of_ddp
 from lightning_hotcache.stacked_tables import move_stacked_tables, stack_tables
 from lightning_hotcache.table_init import draw_seed, materialize_tables
+from lightning_hotcache.torchrec_strategy import refuse_sharded_tables
 from models.first_order import FirstOrderArch
 
 TableSpec = EmbeddingBagConfig | Mapping[str, Any]
@@ -429,6 +430,8 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     @override
     def setup(self, stage: str) -> None:
         refuse_half_true_precision(self.trainer, f"{type(self).__name__} (a zoo model)")
+        if stage == "fit":
+            refuse_sharded_tables(self, f"{type(self).__name__} (a zoo model)")
         # Refused now, not at the first NaN hours in: Lightning does not let a training_step
         # return None with several processes, and a zero loss in its place would still move
         # Adam's moments (dense and lazy row state), so it would not be a skip.
