@@ -35,6 +35,24 @@ def tiny_synthetic(**overrides: Any):
     return SyntheticCTRDataModule(**settings)
 
 
+class UserModel(pl.LightningModule):
+    """A user's own LightningModule with TorchRec tables, not a zoo model: only the strategies'
+    own checks stand between it and a fit."""
+
+    def __init__(self, tables: Any) -> None:
+        from torchrec import EmbeddingBagCollection
+
+        super().__init__()
+        self.tables = EmbeddingBagCollection(tables=tables)
+        self.head = torch.nn.Linear(len(tables) * tables[0].embedding_dim, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.head(self.tables(batch.sparse_features).values()).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+
 def cpu_trainer(**overrides: Any) -> pl.Trainer:
     settings: dict[str, Any] = dict(
         accelerator="cpu",

@@ -8,7 +8,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import cpu_trainer, tiny_synthetic
+from conftest import UserModel, cpu_trainer, tiny_synthetic
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
 from lightning_hotcache import HotCacheStrategy
@@ -76,18 +76,6 @@ def test_precision_casting_the_tables_to_half_is_a_clear_error(strategy: str) ->
 
 def test_a_user_model_under_hotcache_at_half_precision_is_a_clear_error() -> None:
     """Not the zoo's refusal: the strategy's own, for any model with tables."""
-
-    class UserModel(pl.LightningModule):
-        def __init__(self, tables) -> None:
-            super().__init__()
-            self.tables = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-
-        def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-            return self.tables(batch.sparse_features).values().sum()
-
-        def configure_optimizers(self) -> None:
-            return None
-
     dm = tiny_synthetic(num_train_samples=256, batch_size=64)
     with pytest.raises(ValueError, match=r"strategy='hotcache' keeps the embedding tables.*float32"):
         cpu_trainer(strategy="hotcache", precision="bf16-true", max_steps=1).fit(UserModel(dm.tables), dm)

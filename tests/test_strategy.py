@@ -12,9 +12,8 @@ from typing import Iterator
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import cpu_trainer, mappings_at, tiny_synthetic
+from conftest import UserModel, cpu_trainer, mappings_at, tiny_synthetic
 from lightning.pytorch.strategies import StrategyRegistry
-from torchrec import EmbeddingBagCollection
 
 import lightning_hotcache
 from lightning_hotcache import AccessProfiler, HotColdPlanner, HotCacheStrategy, RowWiseOptimizerConfig
@@ -284,21 +283,6 @@ def test_torchrec_matches_auto(name, baselines, tmp_path) -> None:
         torch.testing.assert_close({k: v["momentum"] for k, v in saved.items()}, {k: v["momentum"] for k, v in expected.items()})
 
 
-class _UserModel(pl.LightningModule):
-    """Not a zoo model: only the strategies' own checks stand between it and a fit."""
-
-    def __init__(self, tables) -> None:
-        super().__init__()
-        self.tables = EmbeddingBagCollection(tables=tables)
-        self.head = torch.nn.Linear(len(tables) * tables[0].embedding_dim, 1)
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        return self.head(self.tables(batch.sparse_features).values()).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.head.parameters(), lr=0.1)
-
-
 @pytest.mark.parametrize("zoo", [True, False], ids=["zoo", "user-model"])
 def test_a_model_left_sharded_by_a_torchrec_fit_is_refused_by_the_next_fit(zoo: bool) -> None:
     """After a fit, the torchrec strategy leaves TorchRec's sharded modules in the model; a
@@ -307,7 +291,7 @@ def test_a_model_left_sharded_by_a_torchrec_fit_is_refused_by_the_next_fit(zoo: 
     with the way on: a new model from the checkpoint."""
     pl.seed_everything(0)
     dm = data()
-    model = create_model("dlrm", dm.tables, dm.num_dense_features) if zoo else _UserModel(dm.tables)
+    model = create_model("dlrm", dm.tables, dm.num_dense_features) if zoo else UserModel(dm.tables)
     cpu_trainer(strategy="torchrec", max_steps=2, limit_val_batches=0).fit(model, dm)
     for strategy in ("torchrec", "hotcache", "auto") if zoo else ("torchrec", "hotcache"):
         with pytest.raises(ValueError, match="TorchRec's sharded modules, left in it by an earlier fit.*ckpt_path"):

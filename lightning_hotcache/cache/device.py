@@ -389,8 +389,8 @@ class DeviceCache:
 
     @torch.no_grad()
     def release(self, ticket: int) -> None:
-        """Unlock the slots of an `acquire` (tickets may come back in any order; a ticket
-        released already is let go)."""
+        """Unlock the slots of an `acquire` (tickets may come back in any order; releasing a
+        ticket a second time changes nothing)."""
         if self.identity:
             return
         held = self._held.pop(ticket, None)
