@@ -37,6 +37,7 @@ _LAZY = {
     "BatchShare": "lightning_hotcache.global_batch",
     "share_mean": "lightning_hotcache.global_batch",
     "real_samples": "lightning_hotcache.global_batch",
+    "PredictionWriter": "lightning_hotcache.predictions",
 }
 
 # Registered names take no settings (Lightning), so common settings get names of their own;

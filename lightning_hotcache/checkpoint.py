@@ -23,7 +23,7 @@ import re
 import secrets
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, BinaryIO, Callable, Iterable, Mapping
 
 import torch
 from fsspec.core import url_to_fs
@@ -108,11 +108,17 @@ def shard_path(checkpoint_path: _PATH, save_id: str, rank: int, world: int) -> P
 def write_atomically(obj: Any, path: _PATH) -> None:
     """``torch.save(obj, path)`` such that ``path`` holds the previous file or the whole new one,
     also after a kill or a power loss."""
+    write_file_atomically(path, lambda f: torch.save(obj, f))
+
+
+def write_file_atomically(path: _PATH, write: Callable[[BinaryIO], None]) -> None:
+    """``write(f)`` into a new file that then replaces ``path``, synced: ``path`` holds the previous
+    file or the whole new one, also after a kill or a power loss."""
     path = Path(path)
     temp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
     try:
         with open(temp, "xb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, path)

@@ -4,12 +4,15 @@
     hotcache fit --model models.DeepFM --data datamodules.SyntheticCTRDataModule --trainer.max_epochs 1
     hotcache profile -c configs/dlrm_synthetic.yaml --out stats.npz --plot coverage.png
     hotcache plan -c configs/dlrm_synthetic.yaml --budget 2GB [--stats stats.npz] [--out plan.json] [--world-size 8]
+    hotcache predict -c configs/dlrm_synthetic.yaml --ckpt_path last   # scores into predictions.csv
     hotcache consolidate checkpoints/run/last.ckpt --out plain.ckpt   # from checkpoint_shards=True
 
 Model and data are given by class path (subclass mode), so user subclasses work too. The
 datamodule's ``tables`` and ``num_dense_features`` are linked into the model, so a config
 never repeats table sizes. After ``fit`` the final validation metrics are printed as a
-table, with the data's Bayes-optimal figures beside them when it knows them.
+table, with the data's Bayes-optimal figures beside them when it knows them. ``predict``
+writes its scores to ``predictions.csv`` in the trainer's root folder unless a prediction
+writer is configured (`lightning_hotcache.PredictionWriter` takes another path or format).
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ import os
 import sys
 import warnings
 from importlib import import_module
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, LightningArgumentParser
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from rich.console import Console
@@ -35,6 +39,9 @@ from typing_extensions import override
 from lightning_hotcache._compat import has_last_checkpoint
 from lightning_hotcache.cache import CACHE_POLICIES
 from lightning_hotcache.cache.lookahead import default_lookahead_batches
+from lightning_hotcache.predictions import PredictionWriter
+
+DEFAULT_PREDICTIONS_FILE = "predictions.csv"
 
 
 class HotCacheCLI(LightningCLI):
@@ -111,7 +118,15 @@ class HotCacheCLI(LightningCLI):
                 "config and a ModelCheckpoint with save_last: true), or pass a checkpoint file."
             )
 
-    before_validate = before_test = before_predict = _check_last_checkpoint_exists
+    before_validate = before_test = _check_last_checkpoint_exists
+
+    def before_predict(self) -> None:
+        self._check_last_checkpoint_exists()
+        # LightningCLI returns `predict`'s predictions to nobody: without a writer of the user's,
+        # the scores go to a file in the run's folder.
+        if not any(isinstance(c, BasePredictionWriter) for c in self.trainer.callbacks):
+            path = Path(self.trainer.default_root_dir) / DEFAULT_PREDICTIONS_FILE
+            self.trainer.callbacks.append(PredictionWriter(path))
 
 
 def _check_strategy_class_path(class_path: str) -> type[Strategy]:

@@ -58,6 +58,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nan-at-step", type=int, help="poison one dense value of the last rank's batch at this step")
     parser.add_argument("--manual-optimization", action="store_true", help="the model steps its optimizers itself")
     parser.add_argument("--predict-batches", type=int, help="predict this many batches of a plain DataLoader instead of fitting")
+    parser.add_argument("--predict-to", type=Path, help="after the fit, predict the test split into this file (PredictionWriter)")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args(argv)
 
@@ -221,6 +222,11 @@ def run(args: argparse.Namespace) -> None:
         trainer.save_checkpoint(args.sharded_checkpoint)
         trainer.save_checkpoint(args.sharded_checkpoint)  # over the first save: the shards of its every rank go
         trainer.strategy.checkpoint_shards = False
+    if args.predict_to is not None:
+        from lightning_hotcache import PredictionWriter
+
+        trainer.callbacks.append(PredictionWriter(args.predict_to))
+        trainer.predict(model, datamodule=trainer.datamodule, return_predictions=False)
     state = trainer.strategy.lightning_module_state_dict()  # sharded tables gathered
     # Rows this rank's host stores hold, and rows fetched into its caches (hotcache only).
     caches = [c for m in hot_cold_modules(model).values() for c in m.caches.values() if c.host is not None]

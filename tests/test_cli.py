@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lightning_hotcache.cli import main
@@ -364,6 +365,23 @@ def test_ckpt_path_last_without_a_run_is_an_error(subcommand: str, tmp_path: Pat
     folder = tmp_path / "checkpoints" / "deepfm_synthetic"
     with pytest.raises(FileNotFoundError, match=re.escape(f"--ckpt_path last: no last checkpoint in {folder}. Train")):
         main([subcommand, "-c", str(config), "--ckpt_path", "last", *SMALL_SYNTHETIC])
+
+
+def test_predict_writes_its_scores_to_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # LightningCLI returns the predictions to nobody: without a writer they were lost.
+    monkeypatch.chdir(tmp_path)
+    config = REPO / "configs" / "dlrm_synthetic.yaml"
+    batches = [*_data_overrides(config, tmp_path), "--trainer.limit_predict_batches=2", "--trainer.logger=false"]
+    main(["predict", "-c", str(config), *batches])
+    header, *lines = (tmp_path / "predictions.csv").read_text().splitlines()
+    assert header == "prediction" and len(lines) == 2 * 256
+    assert all(0 < float(line) < 1 for line in lines)
+    # A writer the user configures takes the place of the default one.
+    (tmp_path / "predictions.csv").unlink()
+    own = ["--trainer.callbacks+=lightning_hotcache.PredictionWriter", "--trainer.callbacks.path=scores.npy"]
+    main(["predict", "-c", str(config), *batches, *own])
+    assert np.load(tmp_path / "scores.npy").shape == (2 * 256,)
+    assert not (tmp_path / "predictions.csv").exists()
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["-h"], []], ids=["--help", "-h", "no-args"])
