@@ -48,7 +48,8 @@ RESULTS = Path(__file__).parent / "results"
 def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
     pl.seed_everything(0)
     dm = SyntheticCTRDataModule(scale=args.scale, embedding_dim=args.dim, batch_size=args.batch_size,
-                                num_train_samples=args.batch_size * (args.steps + 200), shuffle=False)  # fmt: skip
+                                num_train_samples=args.batch_size * (args.steps + 200), shuffle=False,
+                                num_workers=args.num_workers)  # fmt: skip
     model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer, "lr": 0.05})
     pieces = PieceClock() if args.pieces else None
     clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer) | (pieces.probe() if pieces else {}))
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the tables' row-wise rule; adam runs hotcache's PyTorch path (FBGEMM has no lazy Adam) "
                              "and not torchrec (its Adam is not row-lazy)")  # fmt: skip
     parser.add_argument("--strategies", nargs="+", help="a subset to run (default: all; auto is the baseline)")
+    parser.add_argument("--num-workers", type=int, default=0,
+                        help="DataLoader worker processes drawing the synthetic batches (0: the training loop draws them)")
     parser.add_argument("--pieces", action="store_true", help="also time staging's pieces (benchmarks/pieces.py), per batch of the timed steps")
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_throughput.json")
     parser.add_argument("--job", help=argparse.SUPPRESS)  # one run in this process; prints its JSON
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     chosen = [name for name in runs if name in args.strategies] if args.strategies else [name for name in runs if "+" not in name]
     settings = ["--scale", str(args.scale), "--dim", str(args.dim), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-                "--warmup", str(args.warmup), "--optimizer", args.optimizer, *(["--pieces"] if args.pieces else [])]  # fmt: skip
+                "--warmup", str(args.warmup), "--optimizer", args.optimizer, "--num-workers", str(args.num_workers),
+                *(["--pieces"] if args.pieces else [])]  # fmt: skip
     results = rounds_of_jobs(__file__, settings, chosen, args.rounds)
     add_ratios(results, ("auto", "torchrec"))
     # "paired": the median over rounds of the ratio within a round (see report.add_ratios).
