@@ -7,7 +7,9 @@ keeps each batch's predictions on the host, gathers every process's at the epoch
 writes them from rank 0 as one file, batch by batch and within a batch rank by rank. That is
 the order one process reads the samples in for the zoo's datamodules (each process reads the
 ``r``-th consecutive slice of every global batch, `lightning_hotcache.global_batch`), under
-every strategy; a loader of another kind gets its own order, batch by batch and rank by rank.
+every strategy. A loader of another kind gets its own order, batch by batch and rank by rank:
+across processes Lightning gives a plain DataLoader a DistributedSampler, which deals samples
+to ranks in turn and repeats some to even the ranks out, and the file holds them as they came.
 """
 
 from __future__ import annotations
