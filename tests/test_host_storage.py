@@ -227,6 +227,13 @@ def test_read_only_host_storage_is_a_clear_error(tmp_path, monkeypatch) -> None:
         HostDirectory(tmp_path)
 
 
+def test_host_storage_that_cannot_be_made_is_a_clear_error(tmp_path) -> None:
+    (tmp_path / "a_file").write_text("")  # a folder cannot be made inside a file
+    path = tmp_path / "a_file" / "rows"
+    with pytest.raises(OSError, match=rf"host_storage {path} cannot be made \(Not a directory\).*'memory'"):
+        HostDirectory(path)
+
+
 def test_filesystem_that_cannot_reserve_gets_a_sparse_file_and_a_warning(tmp_path, monkeypatch) -> None:
     def unsupported(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))

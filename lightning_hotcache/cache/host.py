@@ -73,11 +73,15 @@ class HostDirectory:
             self.path.mkdir(parents=True, exist_ok=True)
             self.acquire()  # the first write there: the lock file
         except OSError as err:
-            if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                problem = "is not writable"
+            elif err.errno in (errno.ENOENT, errno.ENOTDIR):  # a folder on its way that cannot hold folders
+                problem = "cannot be made"
+            else:
                 raise
             raise OSError(
                 err.errno,
-                f"host_storage {self.path} is not writable ({err.strerror}): the memory-mapped tables and the run's "
+                f"host_storage {self.path} {problem} ({err.strerror}): the memory-mapped tables and the run's "
                 "lock are written there. Give a writable directory, or 'memory'.",
             ) from None
 
