@@ -102,9 +102,10 @@ class PredictionWriter(BasePredictionWriter):
         loaders = sorted({index for ranks in gathered for index in ranks})
         if not loaders:
             rank_zero_warn(f"The predict run read no batch: nothing written to {self.path}.")
+        several = len(trainer.num_predict_batches) > 1  # a file each, named by index even where one read nothing
         for index in loaders:
             predictions = torch.cat(_in_data_order([ranks.get(index, []) for ranks in gathered]))
-            path = self.path if len(loaders) == 1 else self.path.with_name(f"{self.path.stem}_{index}{self.path.suffix}")
+            path = self.path.with_name(f"{self.path.stem}_{index}{self.path.suffix}") if several else self.path
             write_file_atomically(path, lambda f: _write(f, path.suffix, predictions))
             rank_zero_info(f"Predictions of {len(predictions):,} samples written to {path}")
 
