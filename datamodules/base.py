@@ -231,6 +231,10 @@ class CTRDataModule(pl.LightningDataModule):
         return {}
 
     def dataloader(self, split: Split, shuffle: bool = False) -> DataLoader[BatchShare]:
+        return self.loader_of(self.source(split), shuffle)
+
+    def loader_of(self, source: BatchSource, shuffle: bool = False) -> DataLoader[BatchShare]:
+        """The loader of ``source``'s samples (a split's, or other data's) for this process."""
         # Each process reads its share of every global batch (see `BatchDataset`), in an order
         # that is the same in every process and every run: our own sampler follows `shuffle`
         # with a fixed seed per epoch (Lightning's injected sampler always shuffles training
@@ -238,7 +242,7 @@ class CTRDataModule(pl.LightningDataModule):
         # order depend on the strategy). N processes x batch B thus see the batches of
         # 1 process x N*B, shuffled or not, with no sample repeated at an uneven epoch end.
         num_shares, share = self._shares()
-        dataset = BatchDataset(self.source(split), self.batch_size, num_shares, share)
+        dataset = BatchDataset(source, self.batch_size, num_shares, share)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         return DataLoader(
             dataset,

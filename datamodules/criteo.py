@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, Optional, Union
 
 import numpy as np
+from torch.utils.data import DataLoader
 from torchrec.datasets.criteo import (
     CAT_FEATURE_COUNT,
     DEFAULT_CAT_NAMES,
@@ -22,8 +23,10 @@ from torchrec.datasets.criteo import (
     BinaryCriteoUtils,
 )
 from torchrec.datasets.utils import Batch
+from typing_extensions import override
 
 from datamodules.base import CTRDataModule, Split, check_fractions, make_batch, split_ranges
+from lightning_hotcache.global_batch import BatchShare
 
 NUM_COLUMNS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
 NPY_SUFFIXES = ("_dense.npy", "_sparse.npy", "_labels.npy")
@@ -40,9 +43,14 @@ def _natural_key(path: Path) -> list[Union[int, str]]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
 
 
-def _line_error(path: Path, lineno: int, fields: list[str]) -> ValueError:
+def _line_error(path: Path, lineno: int, fields: list[str], labeled: bool = True) -> ValueError:
     where = f"{path}, line {lineno}"
-    if len(fields) != NUM_COLUMNS:
+    if not labeled and len(fields) != NUM_COLUMNS:  # "0" put before the line's fields
+        problem = (
+            f"expected {NUM_COLUMNS - 1} tab-separated columns ({INT_FEATURE_COUNT} integer, {CAT_FEATURE_COUNT} hex "
+            f"categorical: no label, as the file's first line), got {len(fields) - 1}"
+        )
+    elif len(fields) != NUM_COLUMNS:
         problem = (
             f"expected {NUM_COLUMNS} tab-separated columns (label, {INT_FEATURE_COUNT} integer, "
             f"{CAT_FEATURE_COUNT} hex categorical), got {len(fields)}"
@@ -58,24 +66,31 @@ def _line_error(path: Path, lineno: int, fields: list[str]) -> ValueError:
     return ValueError(f"malformed Criteo line ({where}): {problem}")
 
 
-def parse_tsv(path: Path, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def parse_tsv(path: Path, rows: np.ndarray, unlabeled: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Parse one Criteo TSV file into (dense log(1 + max(x, 0)) float32 (N, 13), ids (N, 26), labels (N,)).
 
     Missing fields are 0 before the transforms (as torchrec does); ids are already ``value mod rows``.
     Blank lines are skipped; any other malformed line raises ValueError with file and line number.
+    ``unlabeled``: a file whose first line has no label column (39 columns, as Criteo Kaggle's
+    ``test.txt``) is read with labels 0, every line the same way (data to predict on).
     """
     dense: list[list[int]] = []
     sparse: list[list[int]] = []
     labels: list[int] = []
     table_rows = rows.tolist()
+    labeled: bool | None = None  # decided by the first line
     with open(path, encoding="ascii", errors="replace", newline="") as f:
         for lineno, line in enumerate(f, start=1):
             line = line.rstrip("\r\n")
             if not line:
                 continue
+            if labeled is None:
+                labeled = not unlabeled or line.count("\t") != NUM_COLUMNS - 2
+            if not labeled:
+                line = "0\t" + line
             fields = line.split("\t")
             if not _LINE.fullmatch(line):
-                raise _line_error(path, lineno, fields)
+                raise _line_error(path, lineno, fields, labeled)
             labels.append(int(fields[0]))
             dense.append([int(x or 0) for x in fields[1 : 1 + INT_FEATURE_COUNT]])
             sparse.append([int(x or "0", 16) % r for x, r in zip(fields[1 + INT_FEATURE_COUNT :], table_rows)])
@@ -155,7 +170,11 @@ class CriteoDataModule(CTRDataModule):
         format: "tsv", "npy", or "auto" (npy if the directory holds ``*_dense.npy`` files).
         num_embeddings_per_feature: table rows, one int for all 26 features or a list of 26.
         val_fraction: fraction of rows, just before the test rows, used for validation.
-        test_fraction: fraction of rows at the end used for test (and predict).
+        test_fraction: fraction of rows at the end used for test (and predict, unless
+            ``predict_path`` is given).
+        predict_path: data to predict on instead of the test split (as ``path``, read whole;
+            TSV files may lack the label column, as Criteo Kaggle's ``test.txt`` does), hashed
+            into the same tables.
         **kwargs: `CTRDataModule` options (batch_size, num_workers, embedding_dim, shuffle).
     """
 
@@ -166,6 +185,7 @@ class CriteoDataModule(CTRDataModule):
         num_embeddings_per_feature: Union[int, list[int]] = 100_000,
         val_fraction: float = 0.05,
         test_fraction: float = 0.05,
+        predict_path: Union[str, list[str], None] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -182,7 +202,8 @@ class CriteoDataModule(CTRDataModule):
                 f"got {num_embeddings_per_feature}"
             )
         check_fractions(val_fraction, test_fraction)
-        self.paths = [Path(p) for p in ([path] if isinstance(path, str) else path)]
+        self.paths = _paths(path)
+        self.predict_paths = None if predict_path is None else _paths(predict_path)
         self.format = format
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
@@ -190,27 +211,35 @@ class CriteoDataModule(CTRDataModule):
         self.feature_cardinalities = dict(zip(DEFAULT_CAT_NAMES, rows))
         self.num_dense_features = INT_FEATURE_COUNT
         # Found now, not in setup: LightningCLI builds the model (GBs of tables) in between.
-        self._format, self._files = self._resolve()
+        self._format, self._files = self._resolve(self.paths)
         self._parts: Optional[list[_Part]] = None
+        self._predict_files = None if self.predict_paths is None else self._resolve(self.predict_paths)
+        self._predict_parts: Optional[list[_Part]] = None
 
     def setup(self, stage: Optional[str] = None) -> None:
-        if self._parts is None:
-            files = self._files
-            if self._format == "npy":
-                self._parts = [_NpyPart(p, BinaryCriteoUtils.get_shape_from_npy(p + NPY_SUFFIXES[0])[0]) for p in files]
-            else:
-                self._parts = [_ArrayPart(*parse_tsv(Path(p), self.rows)) for p in files]
-            if sum(p.num_rows for p in self._parts) == 0:
-                raise ValueError(f"Criteo data at {', '.join(files)} has no rows")
+        if stage == "predict" and self._predict_files is not None:
+            if self._predict_parts is None:  # the training files are not read: only their tables' sizes count
+                self._predict_parts = self._read(*self._predict_files, unlabeled=True)
+        elif self._parts is None:
+            self._parts = self._read(self._format, self._files)
 
-    def _resolve(self) -> tuple[str, list[str]]:
-        """(format, TSV files or npy prefixes), in time order."""
+    def _read(self, fmt: str, files: list[str], unlabeled: bool = False) -> list[_Part]:
+        if fmt == "npy":
+            parts: list[_Part] = [_NpyPart(p, BinaryCriteoUtils.get_shape_from_npy(p + NPY_SUFFIXES[0])[0]) for p in files]
+        else:
+            parts = [_ArrayPart(*parse_tsv(Path(p), self.rows, unlabeled)) for p in files]
+        if sum(p.num_rows for p in parts) == 0:
+            raise ValueError(f"Criteo data at {', '.join(files)} has no rows")
+        return parts
+
+    def _resolve(self, paths: list[Path]) -> tuple[str, list[str]]:
+        """(format, TSV files or npy prefixes) of ``paths``, in time order."""
         expected = (
             "a Criteo TSV file (.tsv/.txt/day_N), a directory of them, "
             "or a directory of *_dense.npy/*_sparse.npy/*_labels.npy triples"
         )
         files: list[Path] = []
-        for p in self.paths:
+        for p in paths:
             if p.is_dir():
                 files += sorted((c for c in p.iterdir() if c.is_file()), key=_natural_key)
             elif p.is_file():
@@ -224,14 +253,14 @@ class CriteoDataModule(CTRDataModule):
             missing = [p + s for p in prefixes for s in NPY_SUFFIXES if not os.path.isfile(p + s)]
             if not prefixes or missing:
                 raise FileNotFoundError(
-                    f"Criteo npy data incomplete in {', '.join(map(str, self.paths))}: "
+                    f"Criteo npy data incomplete in {', '.join(map(str, paths))}: "
                     f"missing {missing or '*_dense.npy'}; expected {expected}"
                 )
             return fmt, prefixes
         # Files named explicitly are taken whatever their name; directory listings are filtered.
-        tsv = [f for f in files if f in self.paths or _TSV_NAME.fullmatch(f.name)]
+        tsv = [f for f in files if f in paths or _TSV_NAME.fullmatch(f.name)]
         if not tsv:
-            raise FileNotFoundError(f"no Criteo TSV files in {', '.join(map(str, self.paths))}: expected {expected}")
+            raise FileNotFoundError(f"no Criteo TSV files in {', '.join(map(str, paths))}: expected {expected}")
         return fmt, [str(f) for f in tsv]
 
     def source(self, split: Split) -> _CriteoSplit:
@@ -241,3 +270,16 @@ class CriteoDataModule(CTRDataModule):
         data = f"Criteo data at {', '.join(map(str, self.paths))}"
         start, stop = split_ranges(total, self.val_fraction, self.test_fraction, data)[split]
         return _CriteoSplit(self._parts, start, stop, self.rows)
+
+    @override
+    def predict_dataloader(self) -> DataLoader[BatchShare]:
+        if self._predict_files is None:
+            return super().predict_dataloader()
+        self.setup("predict")
+        assert self._predict_parts is not None
+        total = sum(p.num_rows for p in self._predict_parts)
+        return self.loader_of(_CriteoSplit(self._predict_parts, 0, total, self.rows))
+
+
+def _paths(path: Union[str, list[str]]) -> list[Path]:
+    return [Path(p) for p in ([path] if isinstance(path, str) else path)]

@@ -384,6 +384,20 @@ def test_predict_writes_its_scores_to_a_file(tmp_path: Path, monkeypatch: pytest
     assert not (tmp_path / "predictions.csv").exists()
 
 
+def test_predict_scores_criteo_data_without_labels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Scoring new logs (Criteo Kaggle's test.txt has no label column) with a trained model.
+    monkeypatch.chdir(tmp_path)
+    config = REPO / "configs" / "dlrm_criteo.yaml"
+    small = _data_overrides(config, tmp_path)
+    main(["fit", "-c", str(config), *small, "--trainer.max_steps=2", "--trainer.logger=false"])
+    lines = (tmp_path / "criteo.tsv").read_text().splitlines()[:10]
+    (tmp_path / "test.txt").write_text("".join(line.split("\t", 1)[1] + "\n" for line in lines))
+    main(["predict", "-c", str(config), *small, "--data.init_args.predict_path=test.txt", "--ckpt_path=last",
+          "--trainer.logger=false"])  # fmt: skip
+    header, *scores = (tmp_path / "predictions.csv").read_text().splitlines()
+    assert header == "prediction" and len(scores) == 10
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["-h"], []], ids=["--help", "-h", "no-args"])
 def test_help_lists_every_command(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_:

@@ -286,6 +286,37 @@ def test_criteo_file_too_small_for_a_split_says_so(tmp_path: Path, val_fraction:
         dm.dataloader("train")
 
 
+def test_criteo_predicts_on_data_of_its_own_with_or_without_labels(tmp_path: Path) -> None:
+    train = write_tsv(tmp_path / "train.tsv", CRITEO_ROWS * 4)
+    labeled = write_tsv(tmp_path / "new.tsv", CRITEO_ROWS[::-1])
+    unlabeled = write_tsv(tmp_path / "test.txt", [row[1:] for row in CRITEO_ROWS[::-1]])  # Kaggle's test.txt: no label
+    kwargs = dict(num_embeddings_per_feature=list(range(5, 31)), val_fraction=0, test_fraction=0.25, batch_size=2)
+    read_whole = concat(*CriteoDataModule(str(labeled), **kwargs | dict(test_fraction=0)).dataloader("train"))
+    with_labels = CriteoDataModule(str(train), predict_path=str(labeled), **kwargs)
+    assert_same(concat(*with_labels.predict_dataloader()), read_whole)
+    without = concat(*CriteoDataModule(str(train), predict_path=[str(unlabeled)], **kwargs).predict_dataloader())
+    assert_same({**without, "labels": read_whole["labels"]}, read_whole)
+    np.testing.assert_array_equal(without["labels"], np.zeros(len(CRITEO_ROWS)))
+    assert with_labels._parts is None  # predicting reads no training data
+    # Without predict_path, predict reads the test split, as before.
+    plain = CriteoDataModule(str(train), **kwargs)
+    assert_same(concat(*plain.predict_dataloader()), concat(*plain.dataloader("test")))
+
+
+def test_criteo_data_to_predict_on_is_checked_like_training_data(tmp_path: Path) -> None:
+    train = write_tsv(tmp_path / "train.tsv", CRITEO_ROWS * 4)
+    with pytest.raises(FileNotFoundError, match="nowhere.tsv.*expected a Criteo TSV file"):  # at construction
+        CriteoDataModule(str(train), predict_path=str(tmp_path / "nowhere.tsv"))
+    bad = write_tsv(tmp_path / "test.txt", [CRITEO_ROWS[1][1:], CRITEO_ROWS[1][2:]])
+    dm = CriteoDataModule(str(train), predict_path=str(bad), val_fraction=0, test_fraction=0)
+    with pytest.raises(ValueError, match=r"test\.txt, line 2\): expected 39 tab-separated columns \(13 integer, 26 hex "
+                                         r"categorical: no label, as the file's first line\), got 38"):  # fmt: skip
+        dm.predict_dataloader()
+    # Training data must have its labels.
+    with pytest.raises(ValueError, match=r"test\.txt, line 1\): expected 40 tab-separated columns.*got 39"):
+        CriteoDataModule(str(bad)).setup("fit")
+
+
 # ---------------------------------------------------------------- movielens
 
 ML_USERS = [("7", 24, "M", "technician", "85711"), ("3", 53, "F", "other", "94043"), ("9", 17, "M", "writer", "T8H1N")]
