@@ -203,7 +203,6 @@ class CriteoDataModule(CTRDataModule):
             )
         check_fractions(val_fraction, test_fraction)
         self.paths = _paths(path)
-        self.predict_paths = None if predict_path is None else _paths(predict_path)
         self.format = format
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
@@ -213,7 +212,7 @@ class CriteoDataModule(CTRDataModule):
         # Found now, not in setup: LightningCLI builds the model (GBs of tables) in between.
         self._format, self._files = self._resolve(self.paths)
         self._parts: Optional[list[_Part]] = None
-        self._predict_files = None if self.predict_paths is None else self._resolve(self.predict_paths)
+        self._predict_files = None if predict_path is None else self._resolve(_paths(predict_path))
         self._predict_parts: Optional[list[_Part]] = None
 
     def setup(self, stage: Optional[str] = None) -> None:

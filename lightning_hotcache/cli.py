@@ -39,9 +39,7 @@ from typing_extensions import override
 from lightning_hotcache._compat import has_last_checkpoint
 from lightning_hotcache.cache import CACHE_POLICIES
 from lightning_hotcache.cache.lookahead import default_lookahead_batches
-from lightning_hotcache.predictions import PredictionWriter
-
-DEFAULT_PREDICTIONS_FILE = "predictions.csv"
+from lightning_hotcache.predictions import DEFAULT_PATH, PredictionWriter
 
 
 class HotCacheCLI(LightningCLI):
@@ -125,7 +123,7 @@ class HotCacheCLI(LightningCLI):
         # LightningCLI returns `predict`'s predictions to nobody: without a writer of the user's,
         # the scores go to a file in the run's folder.
         if not any(isinstance(c, BasePredictionWriter) for c in self.trainer.callbacks):
-            path = Path(self.trainer.default_root_dir) / DEFAULT_PREDICTIONS_FILE
+            path = Path(self.trainer.default_root_dir) / DEFAULT_PATH
             self.trainer.callbacks.append(PredictionWriter(path))
 
 

@@ -21,7 +21,6 @@ from typing import Any, BinaryIO, Sequence
 import lightning.pytorch as pl
 import numpy as np
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -32,6 +31,7 @@ from lightning_hotcache import collectives
 from lightning_hotcache.checkpoint import check_output_file, write_file_atomically
 
 FORMATS = (".csv", ".npy", ".pt")
+DEFAULT_PATH = "predictions.csv"  # also where `hotcache predict` writes, in the trainer's root folder
 
 
 class PredictionWriter(BasePredictionWriter):
@@ -45,7 +45,7 @@ class PredictionWriter(BasePredictionWriter):
             one. With several predict dataloaders, one file each, ``<stem>_<index><suffix>``.
     """
 
-    def __init__(self, path: _PATH = "predictions.csv") -> None:
+    def __init__(self, path: _PATH = DEFAULT_PATH) -> None:
         super().__init__(write_interval="batch")
         self.path = Path(path)
         if self.path.suffix not in FORMATS:
@@ -95,7 +95,7 @@ class PredictionWriter(BasePredictionWriter):
     @override
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_predict_epoch_end(trainer, pl_module)
-        gathered = _from_every_rank(self._batches)
+        gathered = [self._batches] if trainer.world_size == 1 else collectives.all_gather_object(self._batches)
         self._batches = {}
         if not trainer.is_global_zero:
             return
@@ -108,13 +108,6 @@ class PredictionWriter(BasePredictionWriter):
             path = self.path.with_name(f"{self.path.stem}_{index}{self.path.suffix}") if several else self.path
             write_file_atomically(path, lambda f: _write(f, path.suffix, predictions))
             rank_zero_info(f"Predictions of {len(predictions):,} samples written to {path}")
-
-
-def _from_every_rank(batches: dict[int, list[Tensor]]) -> list[dict[int, list[Tensor]]]:
-    """Each rank's batches, in rank order (this rank's alone where no process group runs)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [batches]
-    return collectives.all_gather_object(batches)
 
 
 def _in_data_order(per_rank: list[list[Tensor]]) -> list[Tensor]:
