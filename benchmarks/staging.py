@@ -39,6 +39,7 @@ share of GPU staging; compare budgets and commits within one run, or on one mach
     python benchmarks/staging.py [--scale 1.0] [--dim 128] [--budgets 0.1 0.01] [--batches 30] [--forked-workers 4] [--lookahead 64]
     OMP_NUM_THREADS=1 python benchmarks/staging.py --scale 0.3 --dim 64 --budgets 0.01 --batches 60 --beside-python
     python benchmarks/staging.py --budgets 0.01 --lookahead 64 --pieces   # and where a batch's time goes (benchmarks/pieces.py)
+    python benchmarks/staging.py --budgets 0.01 --staging-threads 1 2 --rounds 3   # one thread against two, alternated
 """
 
 from __future__ import annotations
@@ -114,13 +115,16 @@ class PythonLoop:
 
 
 def stage_batches(
-    args: argparse.Namespace, budget: float, dm: SyntheticCTRDataModule, stats: AccessStats, batches: list[KeyedJaggedTensor]
-) -> dict[str, float]:
+    args: argparse.Namespace, budget: float, dm: SyntheticCTRDataModule, stats: AccessStats, batches: list[KeyedJaggedTensor],
+    threads: int = 1,
+) -> dict[str, float]:  # fmt: skip
     policy = "lookahead" if args.lookahead else "lfu"
     planner = HotColdPlanner(budget, OPTIMIZER, prefetch_depth=1, cache_policy=policy, device=args.device, grow_budget_to_minimum=True,
                              lookahead_batches=args.lookahead)  # fmt: skip
     plan = planner.plan(dm.tables, stats)
-    module = HotColdEmbeddingBagCollection(dm.tables, plan, OPTIMIZER, device=args.device, cache_policy=policy, kernel="pytorch")
+    module = HotColdEmbeddingBagCollection(
+        dm.tables, plan, OPTIMIZER, device=args.device, cache_policy=policy, kernel="pytorch", staging_threads=threads
+    )
     for cache in module._staging.caches.values():  # every host page written once, as table init does, before timing
         for array in [] if cache.host is None else cache.host.arrays.values():
             array.fill_(0.01)
@@ -179,6 +183,20 @@ def stage_batches(
     return out
 
 
+def _median_round(rounds: list[dict]) -> dict:
+    """The rounds' median of every figure (the per-round staging times kept as ``rounds_ms``)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out = {key: _median_of([r[key] for r in rounds]) for key in rounds[0]}
+    return out | {"rounds_ms": [r["staging_ms_per_batch"] for r in rounds]}
+
+
+def _median_of(values: list) -> object:
+    if isinstance(values[0], dict):
+        return {key: _median_of([v[key] for v in values]) for key in values[0]}
+    return statistics.median(values)
+
+
 def _timings(announcing: list[float], staging_seconds: list[float], batches: list[int]) -> dict[str, float]:
     """Median milliseconds of ``batches``' staging, and of its reader and prefetch parts; and the
     prefetch part's mean, which counts the work done every few batches (the victim reserve's
@@ -224,12 +242,17 @@ def main(argv: list[str] | None = None) -> dict:
                         help="stage every other timed batch beside a thread running Python, as a training loop does (reported apart)")
     parser.add_argument("--python-gap-us", type=float, default=10.0, help="--beside-python's Python between two of its torch calls, in microseconds")
     parser.add_argument("--pieces", action="store_true", help="also time staging's pieces (benchmarks/pieces.py) and report them")
+    parser.add_argument("--staging-threads", type=int, nargs="+", default=[1],
+                        help="stage with each of these numbers of threads (the strategy's staging_threads), in turn, every budget")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the runs this many times, alternated (medians reported)")
     parser.add_argument("--out", type=Path, default=RESULTS / "staging.json")
     args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.batches:
         parser.error(f"--warmup must be in [0, --batches - 1] so that some batches are timed; got {args.warmup} of {args.batches}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
+    if min(args.staging_threads) < 1 or args.rounds < 1:
+        parser.error(f"--staging-threads and --rounds must be >= 1, got {args.staging_threads} and {args.rounds}")
     if args.lookahead < 0:
         parser.error(f"--lookahead must be >= 0, got {args.lookahead}")
     if args.beside_python and args.batches - args.warmup < 2:
@@ -242,14 +265,23 @@ def main(argv: list[str] | None = None) -> dict:
     drawn = [source.batch(i * args.batch_size, (i + 1) * args.batch_size) for i in range(count)]
     stats = profile_batches(drawn[: args.profile_batches], dm.tables, progress=False)
     batches = [b.sparse_features for b in drawn[args.profile_batches :]]
-    results = {f"hotcache@{budget:g}": stage_batches(args, budget, dm, stats, batches) for budget in args.budgets}
-    print(f"{'budget':<16}{'staging ms/batch':>18}{'reader ms':>11}{'prefetch ms':>13}{'(mean)':>8}{'hit rate':>10}{'fetched rows/batch':>20}")
+    runs = {
+        f"hotcache@{budget:g}" + ("" if threads == 1 else f"+{threads}threads"): (budget, threads)
+        for budget in args.budgets
+        for threads in args.staging_threads
+    }
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
+    for _ in range(args.rounds):  # alternated, so that the machine's drift hits every run alike
+        for name, (budget, threads) in runs.items():
+            rounds[name].append(stage_batches(args, budget, dm, stats, batches, threads))
+    results = {name: _median_round(got) for name, got in rounds.items()}
+    print(f"{'run':<26}{'staging ms/batch':>18}{'reader ms':>11}{'prefetch ms':>13}{'(mean)':>8}{'hit rate':>10}{'fetched rows/batch':>20}")
     for name, r in results.items():
-        print(f"{name:<16}{r['staging_ms_per_batch']:>18.2f}{r['reader_ms_per_batch']:>11.2f}{r['prefetch_ms_per_batch']:>13.2f}"
+        print(f"{name:<26}{r['staging_ms_per_batch']:>18.2f}{r['reader_ms_per_batch']:>11.2f}{r['prefetch_ms_per_batch']:>13.2f}"
               f"{r['prefetch_mean_ms_per_batch']:>8.2f}{r['hit_rate']:>10.3f}{r['fetched_rows_per_batch']:>20,.0f}")  # fmt: skip
         if "beside_python" in r:
             b = r["beside_python"]
-            print(f"{'  beside Python':<16}{b['staging_ms_per_batch']:>18.2f}{b['reader_ms_per_batch']:>11.2f}{b['prefetch_ms_per_batch']:>13.2f}"
+            print(f"{'  beside Python':<26}{b['staging_ms_per_batch']:>18.2f}{b['reader_ms_per_batch']:>11.2f}{b['prefetch_ms_per_batch']:>13.2f}"
                   f"   x{b['x_alone']:.2f} of alone")  # fmt: skip
     print_pieces(results, "pieces_ms_per_batch")
     return write_report("staging", args, results)

@@ -53,6 +53,7 @@ from lightning_hotcache.accumulation import refuse_gradient_accumulation
 from lightning_hotcache.cache import check_cache_policy
 from lightning_hotcache.cache.lookahead import default_lookahead_batches
 from lightning_hotcache.cache.fused import KernelChoice, check_kernel_choice
+from lightning_hotcache.cache.side_by_side import check_staging_threads, default_staging_threads
 from lightning_hotcache.cache.upload import batch_to_device
 from lightning_hotcache.checkpoint import (
     SHARDS_KEY,
@@ -348,6 +349,10 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             this overlaps the staging of the batch before. Default: on CUDA devices; not on
             CPU, where a third busy thread beside the step's took 12% off training at 1% with
             the lookahead policy on 2 cores (LFU: no change).
+        staging_threads: threads that stage a batch's caches at once (in one process each
+            width's split tables are then stacked in that many caches, of about equal dynamic
+            slots, each with a directory of its own; see `lightning_hotcache.cache.side_by_side`).
+            Default (`default_staging_threads`): 2 on a CUDA host with 8 cores or more, else 1.
         cache_metrics: add a `CacheMetrics` callback (hit rates, traffic) unless one is there.
         kernel: the device tier's kernel: ``"auto"`` (FBGEMM's fused table-batched kernel
             where it trains exactly, except row-wise Adagrad on a CPU, where PyTorch's measured
@@ -382,6 +387,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         lookahead_batches: int | None = None,
         prefetch_thread: bool | None = None,
         reader_thread: bool | None = None,
+        staging_threads: int | None = None,
         cache_metrics: bool = True,
         checkpoint_shards: bool = False,
         kernel: KernelChoice = "auto",
@@ -399,6 +405,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             raise ValueError("cache_policy='lookahead' reads batches ahead of staging: it needs prefetch_depth >= 1.")
         if profile_batches < 1:
             raise ValueError(f"profile_batches must be >= 1, got {profile_batches}.")
+        if staging_threads is not None:
+            check_staging_threads(staging_threads)
         if reader_thread and prefetch_thread is False:
             raise ValueError("reader_thread=True reads batches ahead of the prefetch thread: it needs prefetch_thread=True (or None).")
         if host_storage != "memory" and Path(host_storage).exists() and not Path(host_storage).is_dir():
@@ -426,6 +434,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         self.window_batches = lookahead_batches or default_lookahead_batches(None)
         self.prefetch_thread = prefetch_thread
         self.reader_thread = reader_thread
+        self.staging_threads = staging_threads
         self.cache_metrics = cache_metrics
         self.checkpoint_shards = checkpoint_shards
         self.kernel = kernel
@@ -436,6 +445,10 @@ class HotCacheStrategy(LikeAutoInOneProcess):
     @property
     def uses_prefetch_thread(self) -> bool:
         return prefetch_thread_used(self.prefetch_thread, self.root_device)
+
+    @property
+    def staging_threads_used(self) -> int:
+        return default_staging_threads(self.root_device) if self.staging_threads is None else self.staging_threads
 
     @property
     def uses_reader_thread(self) -> bool:
@@ -534,7 +547,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
                 broadcast_from_rank_zero(collection.parameters())
             hot = HotColdEmbeddingBagCollection.from_ebc(
                 collection, self.plan, optimizer, self.root_device, self.cache_policy,  # type: ignore[arg-type]
-                self._rank_storage(), group, seed, self.kernel,
+                self._rank_storage(), group, seed, self.kernel, self.staging_threads_used,
             )  # fmt: skip
             rank_zero_info(f"hotcache embedding kernel ({path}): {hot.kernel_note}")
             model.set_submodule(path, hot)

@@ -32,9 +32,10 @@ TABLES = [
 STEPS, BATCH = 8, 32
 
 
-def zipf_batches(steps: int = STEPS, seed: int = 0, weighted: bool = False) -> list[KeyedJaggedTensor]:
+def zipf_batches(steps: int = STEPS, seed: int = 0, weighted: bool = False, extra: dict[str, int] | None = None) -> list[KeyedJaggedTensor]:
+    """Zipf-skewed batches of TABLES' features (and ``extra`` features: name -> rows)."""
     rng = np.random.default_rng(seed)
-    rows = {"user": 1500, "item": 700, "item_hist": 700, "tag": 90}
+    rows = {"user": 1500, "item": 700, "item_hist": 700, "tag": 90, **(extra or {})}
     perm = {f: rng.permutation(n) for f, n in rows.items()}  # hot ids scattered
     batches = []
     for _ in range(steps):
@@ -84,12 +85,13 @@ def train_reference(config: RowWiseOptimizerConfig, batches, upstream, tables=TA
 
 
 def train_hotcache(
-    config, batches, upstream, plan, policy, host_storage, depth, tables=TABLES, weighted=False, kernel="auto", reads_sorted_on_device=False
-):
+    config, batches, upstream, plan, policy, host_storage, depth, tables=TABLES, weighted=False, kernel="auto", reads_sorted_on_device=False,
+    staging_threads=1,
+):  # fmt: skip
     torch.manual_seed(0)
     module = HotColdEmbeddingBagCollection.from_ebc(
         EmbeddingBagCollection(tables=tables, is_weighted=weighted), plan, config, cache_policy=policy,
-        host_storage=host_storage, kernel=kernel,
+        host_storage=host_storage, kernel=kernel, staging_threads=staging_threads,
     )  # fmt: skip
     if reads_sorted_on_device:  # what the PyTorch path does on CUDA, here on the CPU
         assert module._staging.sums_gradients

@@ -20,6 +20,7 @@ from conftest import cpu_trainer, tiny_synthetic
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hotcache import HotCacheStrategy
+from lightning_hotcache.embedding import hot_cold_modules
 from models import CTRModel, create_model
 from launch import planned
 
@@ -30,16 +31,18 @@ POSITIONS = {"mid_epoch": "step=6.ckpt", "last_batch": "step=4.ckpt", "epoch_end
 # embedding_bag with staging on the prefetch thread in one process, what a CUDA run without
 # FBGEMM's CUDA kernels gets by default. "hotcache/lookahead":
 # the lookahead policy with a window of 2 of an epoch's 4 batches, so a mid-epoch checkpoint
-# falls with batches announced and not yet staged.
-STRATEGIES = ["auto", "torchrec", "hotcache", "hotcache/pytorch+thread", "hotcache/lookahead"]
+# falls with batches announced and not yet staged; "+2threads": the same with each width's
+# split tables in two caches staged side by side.
+STRATEGIES = ["auto", "torchrec", "hotcache", "hotcache/pytorch+thread", "hotcache/lookahead", "hotcache/lookahead+2threads"]
 
 
 def _strategy(name: str) -> str | HotCacheStrategy:
     # A budget below the tables' size, so rows really move between the cache and the host store.
     if name == "hotcache/pytorch+thread":
         return HotCacheStrategy(device_budget=0.05, profile_batches=2, kernel="pytorch", prefetch_thread=True, reader_thread=True)
-    if name == "hotcache/lookahead":
-        return HotCacheStrategy(device_budget=0.05, profile_batches=2, cache_policy="lookahead", lookahead_batches=2)
+    if name.startswith("hotcache/lookahead"):
+        threads = 2 if name.endswith("+2threads") else 1
+        return HotCacheStrategy(device_budget=0.05, profile_batches=2, cache_policy="lookahead", lookahead_batches=2, staging_threads=threads)
     return HotCacheStrategy(device_budget=0.05, profile_batches=2, kernel="fbgemm") if name == "hotcache" else name
 
 
@@ -91,9 +94,11 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, in
                 ModelCheckpoint(directory, "{step}", every_n_train_steps=2, save_top_k=-1),
                 ModelCheckpoint(directory, "end-{epoch}", save_top_k=-1, save_on_train_epoch_end=True),
             ]
-            _, trainer = _fit(strategy, max_epochs, shuffle, callbacks=callbacks)
+            model, trainer = _fit(strategy, max_epochs, shuffle, callbacks=callbacks)
             if strategy.startswith("hotcache"):
                 assert any(not t.on_device for t in trainer.strategy.plan.tables), "some table is split"
+            if strategy.endswith("+2threads"):
+                assert all("side by side by 2 threads" in m.kernel_note for m in hot_cold_modules(model).values())
             assert set(POSITIONS.values()) <= {p.name for p in directory.iterdir()}
             runs[key] = Uninterrupted(_weights(trainer), trainer.global_step, directory)
         return runs[key]

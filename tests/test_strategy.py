@@ -508,6 +508,23 @@ def test_validation_in_mid_epoch_at_the_minimum_budget_trains_as_auto(thread: bo
     assert_same_val_metrics(metrics, baselines["dlrm"][1])
 
 
+@pytest.mark.parametrize(("thread", "policy"), [(False, "lfu"), (True, "lookahead")], ids=["inline-lfu", "thread-lookahead"])
+def test_staging_threads_train_as_auto(thread: bool, policy: str, stats_path, baselines) -> None:
+    """Each width's split tables in two caches, staged side by side (`staging_threads=2`), at
+    the minimum budget: the same weights and metrics as `auto`, every row unlocked after."""
+    strategy = HotCacheStrategy(
+        device_budget=0.001, grow_budget_to_minimum=True, stats_path=str(stats_path), prefetch_thread=thread, cache_policy=policy,
+        staging_threads=2,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="planning with the minimum"):
+        model, trainer, metrics = fit("dlrm", strategy)
+    modules = hot_cold_modules(model).values()
+    assert all("staged side by side by 2 threads" in m.kernel_note for m in modules), [m.kernel_note for m in modules]
+    assert all(c.num_locked() == 0 for m in modules for c in m.caches.values())
+    torch.testing.assert_close(model.state_dict(), baselines["dlrm"][0], rtol=1e-5, atol=1e-5)
+    assert_same_val_metrics(metrics, baselines["dlrm"][1])
+
+
 class _HostArraysOutsideWorkers(pl.Callback):
     """Whether, once the loader's workers are forked, the module's large host arrays are kept
     out of them (the ``dc`` VmFlag), and which workers the loader started."""

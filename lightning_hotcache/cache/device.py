@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -59,6 +59,7 @@ from lightning_hotcache.cache.exchange import RoundRobinRows, RowSharding, gathe
 from lightning_hotcache.cache.host import HostStore, RowsAt
 from lightning_hotcache.cache.host_arrays import new_array, new_host_array
 from lightning_hotcache.cache.lookahead import NEVER, LookaheadWindow
+from lightning_hotcache.cache.side_by_side import SideBySide
 from lightning_hotcache.cache.slot_map import DenseSlotMap, make_slot_map
 from lightning_hotcache.cache.upload import RowUpload
 from lightning_hotcache.host_rows import on_cpu, put_rows
@@ -90,6 +91,10 @@ _PIECE_ROWS = 1 << 16
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 _LOOKUPS, _MISSES, _FETCHED, _EVICTED, _WRITTEN_BACK, _READ_AHEAD = range(6)  # DeviceCache._segment_tally's tallies
+
+
+def _one_by_one(work: Callable[[int], Any], items: Sequence[int]) -> list[Any]:
+    return [work(item) for item in items]
 
 
 class CacheCapacityError(RuntimeError):
@@ -259,20 +264,29 @@ class DeviceCache:
     @staticmethod
     @torch.no_grad()
     def acquire_all(
-        caches: Sequence["DeviceCache"], ids: Sequence[Tensor], announced: bool = False, found: Sequence[Distinct | None] | None = None
+        caches: Sequence["DeviceCache"],
+        ids: Sequence[Tensor],
+        announced: bool = False,
+        found: Sequence[Distinct | None] | None = None,
+        side_by_side: SideBySide | None = None,
     ) -> list[Acquired]:
         """`acquire` for several caches at once (misses of every cache first, then every
         install: a prefetch thread sees no cache half-staged); ``announced``: the batch is the
         oldest `announce`d one; ``found``: each cache's ids deduplicated by `unique` (with
-        counts) ahead, where the caller has them. Slots are on the host; only the fetched rows
-        and their slots go to the device."""
+        counts) ahead, where the caller has them; ``side_by_side``: threads that work on the
+        caches at once (each cache's work on one of them). Slots are on the host; only the
+        fetched rows and their slots go to the device."""
         found = found if found is not None else [None] * len(caches)
-        started = [cache._begin_acquire(i, announced, f) for cache, i, f in zip(caches, ids, found)]
-        rows = [None if a.needed is None else cache._read_own(a.needed) for cache, a in zip(caches, started)]
-        acquired = [cache._finish_acquire(a, r) for cache, a, r in zip(caches, started, rows)]
-        for cache in caches:
-            cache._land_write_backs(everything=False)
-        return acquired
+        each = side_by_side.map if side_by_side is not None else _one_by_one
+        started = each(lambda k: caches[k]._begin_acquire(ids[k], announced, found[k]), range(len(caches)))
+        rows = each(lambda k: None if started[k].needed is None else caches[k]._read_own(started[k].needed), range(len(caches)))
+
+        def install(k: int) -> Acquired:
+            acquired = caches[k]._finish_acquire(started[k], rows[k])
+            caches[k]._land_write_backs(everything=False)
+            return acquired
+
+        return each(install, range(len(caches)))
 
     def announce(self, ids: Tensor, found: Distinct | None = None) -> Tensor | None:
         """A future batch will read ``ids`` (acquired with ``announced=True``, in announcing

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from lightning_hotcache.cache import CachePolicy, DeviceCache, HostDirectory, HostStore
 from lightning_hotcache.cache.exchange import RowSharding
 from lightning_hotcache.cache.fused import FusedTables, KernelChoice, check_kernel_choice, fused_unavailable
+from lightning_hotcache.cache.side_by_side import check_staging_threads
 from lightning_hotcache.cache.group import TableInGroup
 from lightning_hotcache.cache.host_arrays import new_array
 from lightning_hotcache.cache.owned_rows import OwnedRows
@@ -122,6 +123,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
             (see `OwnersUpdate`); a forward first fetches the current copies of the other
             ranks' rows it reads. Every rank must make the same calls (forward, prefetch,
             state_dict) in the same order.
+        staging_threads: threads that stage a batch's caches at once. In one process each
+            width's split tables are then stacked in up to this many caches (of about equal
+            dynamic slots, in the width's one device table), each staged on a thread of its own
+            (see `lightning_hotcache.cache.side_by_side`); across processes a width keeps one
+            stack, and the threads share out the widths' stacks.
     """
 
     def __init__(
@@ -135,9 +141,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
         is_weighted: bool = False,
         process_group: Any = None,
         kernel: KernelChoice = "auto",
+        staging_threads: int = 1,
     ) -> None:
         super().__init__()
         check_kernel_choice(kernel)
+        check_staging_threads(staging_threads)
         self._is_weighted = is_weighted
         self.process_group = process_group
         # False while a strategy saves split tables shard by shard instead of gathering them.
@@ -161,7 +169,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
         }
         split = {t.name for t in self._tables if not plan.table(t.name).on_device}
         reason = self._why_not_fused(kernel, min(slot_counts.values()))
-        self.layout = build_layout(self._tables, slot_counts, split, reason is None, sharding.world)
+        dynamic = {t.name: plan.table(t.name).cache_slots for t in self._tables}
+        self.layout = build_layout(self._tables, slot_counts, split, reason is None, sharding.world, staging_threads, dynamic)
         self._fused = None if reason is not None else self._fused_tables(self.layout)
         # Each device table's arrays (weight and optimizer state): the TBE's memory, or, on the
         # PyTorch path, arrays of our own.
@@ -174,7 +183,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         for key, members in self.layout.stacks.items():
             # One host store for the stack (a rank's rows of global id g are at g // world);
             # each table's rows in it are a store of their own, sharing its memory.
-            host = self._host_store(f"split_tables_dim{members[0].embedding_dim}", self.layout.stack_ids[key] // sharding.world, members[0].embedding_dim)
+            host = self._host_store(self._stack_store_name(key), self.layout.stack_ids[key] // sharding.world, members[0].embedding_dim)
             self._caches[key] = self._stack(key, members, host, cache_policy)
             for k, table in enumerate(members):
                 start = self.layout.id_starts[table.name]
@@ -182,7 +191,12 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 self.caches[table.name] = TableInGroup(self._caches[key], k, start, rows, table.num_embeddings)
         if self.layout.stacks:
             stacked = sum(len(m) for m in self.layout.stacks.values())
-            where = "one cache" if len(self.layout.stacks) == 1 else f"{len(self.layout.stacks)} caches (one per width)"
+            widths = len({m[0].embedding_dim for m in self.layout.stacks.values()})
+            where = "one cache" if len(self.layout.stacks) == 1 else f"{len(self.layout.stacks)} caches"
+            if len(self.layout.stacks) > widths:
+                where += f" staged side by side by {staging_threads} threads"
+            elif widths > 1:
+                where += " (one per width)"
             self.kernel_note += f", {stacked} split table(s) stacked in {where}"
         for table in self._tables:
             if table.name in self.caches:
@@ -204,7 +218,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self.caches[table.name] = self._caches[table.name] = cache
         self.caches = {t.name: self.caches[t.name] for t in self._tables}  # in table order
         self._caches = {key: self._caches[key] for key in self.layout.cache_keys}  # in layout order
-        self._staging = Staging(self.layout, self._caches, self.device)
+        self._staging = Staging(self.layout, self._caches, self.device, staging_threads)
         self._lookup, self._update = self._step_parts()
 
     def _step_parts(self) -> tuple[Callable[[Any], Tensor], Any]:
@@ -273,6 +287,13 @@ class HotColdEmbeddingBagCollection(nn.Module):
         widths = self.optimizer.state_widths(dim)
         return HostStore(name, rows, dim, widths, self.host_directory)
 
+    def _stack_store_name(self, key: str) -> str:
+        """The host store's name of stack ``key``: ``split_tables_dim<width>``, with ``_part<k>`` (from 1) where the width has several."""
+        members = self.layout.stacks[key]
+        parts = [k for k, m in self.layout.stacks.items() if m[0].embedding_dim == members[0].embedding_dim]
+        name = f"split_tables_dim{members[0].embedding_dim}"
+        return name if len(parts) == 1 else f"{name}_part{parts.index(key) + 1}"
+
     def _stack(self, key: str, members: list[EmbeddingBagConfig], host: HostStore, policy: CachePolicy) -> DeviceCache:
         """One cache over the global ids of ``members`` (see `Layout`)."""
         starts = [self.layout.id_starts[t.name] for t in members] + [self.layout.stack_ids[key]]
@@ -313,13 +334,14 @@ class HotColdEmbeddingBagCollection(nn.Module):
         process_group: Any = None,
         seed: int | None = None,
         kernel: KernelChoice = "auto",
+        staging_threads: int = 1,
     ) -> "HotColdEmbeddingBagCollection":
         """Replace ``ebc``: same tables, its current weights, rows placed by ``plan``. When
         ``ebc`` is deferred (declared on the meta device) its rows are initialized where they
         live, from ``seed`` (every rank must pass the same; None draws one), never all in memory."""
         module = cls(
             ebc.embedding_bag_configs(), plan, optimizer, device, cache_policy, host_storage, ebc.is_weighted(),
-            process_group, kernel,
+            process_group, kernel, staging_threads,
         )  # fmt: skip
         if is_deferred(ebc):
             module.initialize(draw_seed() if seed is None else seed)

@@ -1,7 +1,7 @@
 """Where a collection's rows live on the device, decided once when it is built.
 
 A `Layout` names the caches (one per table, or one stack per embedding width holding every
-split table of that width), the device tables that hold their slots (FBGEMM TBE tables, or
+split table of that width, or a few: "parts" below), the device tables that hold their slots (FBGEMM TBE tables, or
 a cache's own arrays on the PyTorch path) and each cache's region in them, and the column
 of every feature in the output. The parts of a step (staging, lookup, update) read it and
 never test the configuration again.
@@ -11,6 +11,15 @@ where its table starts; tables start at multiples of the world size, so that a g
 owner (``id % world``) is its table row's owner (see `RowSharding`). Across processes there
 are stacks wherever a table is split; in one process where the stack's ids fit the hash map's
 32 bits (`INT32_IDS_BELOW`; past it, each table keeps a map of its own).
+
+Parts: in one process a width's split tables can be stacked in several caches instead of one
+(``parts``, the strategy's ``staging_threads``), each with a directory of its own, so that
+threads stage a batch's caches side by side (`lightning_hotcache.cache.side_by_side`). Each
+part takes tables whole and about the same number of dynamic slots, which the planner spread
+in proportion to the misses each table is expected to have: a part's staging work is mostly
+its misses. The parts are regions of the width's one device table, so a step still reads and
+updates a width at once. (Across processes the owners' update addresses a device table's
+stacked rows by one stack's global ids, so there a width keeps one stack.)
 
 Shared device tables: one device table per width, holding that width's stack first, then
 each whole table of that width ("regions"), so that a step reads (one ``embedding_bag`` per
@@ -34,9 +43,22 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from lightning_hotcache.cache.slot_map import INT32_IDS_BELOW
 
 
-def stack_key(dim: int) -> str:
-    """Cache key of the stack of split tables of width ``dim``."""
-    return f"<split tables of dim {dim}>"
+def stack_key(dim: int, part: int = 0, parts: int = 1) -> str:
+    """Cache key of the stack of split tables of width ``dim`` (its ``part`` of ``parts``)."""
+    return f"<split tables of dim {dim}>" if parts == 1 else f"<split tables of dim {dim}, part {part + 1} of {parts}>"
+
+
+def balanced_parts(members: Sequence[EmbeddingBagConfig], weights: dict[str, int], parts: int) -> list[list[EmbeddingBagConfig]]:
+    """``members`` in at most ``parts`` groups of about equal ``weights``, each group in the order
+    of ``members`` (the heaviest table to the lightest group first: greedy, within 4/3 of the best)."""
+    groups: list[list[EmbeddingBagConfig]] = [[] for _ in range(min(parts, len(members)))]
+    filled = [0] * len(groups)
+    for table in sorted(members, key=lambda t: -weights[t.name]):  # stable: ties keep the tables' order
+        lightest = filled.index(min(filled))
+        groups[lightest].append(table)
+        filled[lightest] += weights[table.name]
+    order = {t.name: k for k, t in enumerate(members)}
+    return [sorted(group, key=lambda t: order[t.name]) for group in groups]
 
 
 @dataclass(frozen=True)
@@ -94,18 +116,27 @@ def padded(rows: int, world: int) -> int:
 
 
 def build_layout(
-    tables: Sequence[EmbeddingBagConfig], slots: dict[str, int], split: set[str], fused: bool, world: int
-) -> Layout:
+    tables: Sequence[EmbeddingBagConfig], slots: dict[str, int], split: set[str], fused: bool, world: int,
+    parts: int = 1, dynamic: dict[str, int] | None = None,
+) -> Layout:  # fmt: skip
     """The layout of ``tables`` whose caches hold ``slots[table]`` rows, the ``split`` ones
-    cached from host stores, on FBGEMM's kernel (``fused``) or PyTorch's, across ``world`` ranks."""
+    cached from host stores, on FBGEMM's kernel (``fused``) or PyTorch's, across ``world`` ranks,
+    each width's split tables stacked in up to ``parts`` caches (one process only) of about
+    equal ``dynamic`` slots (default: ``slots``)."""
+    if parts < 1:
+        raise ValueError(f"parts must be at least 1, got {parts}.")
+    if world > 1:
+        parts = 1
     names = get_embedding_names_by_table(tables)
     features = [name for table_names in names for name in table_names]
     input_of = {name: f for t, table_names in zip(tables, names) for name, f in zip(table_names, t.feature_names)}
     table_of = {name: t for t, table_names in zip(tables, names) for name in table_names}
     columns = np.cumsum([0] + [table_of[f].embedding_dim for f in features]).tolist()
     dims = sorted({t.embedding_dim for t in tables})
-    stacks = {stack_key(d): [t for t in tables if t.name in split and t.embedding_dim == d] for d in dims}
-    stacks = {key: members for key, members in stacks.items() if members}
+    stacks = {}
+    for d in dims:
+        groups = balanced_parts([t for t in tables if t.name in split and t.embedding_dim == d], dynamic or slots, parts)
+        stacks.update({stack_key(d, k, len(groups)): group for k, group in enumerate(groups)})
     id_starts: dict[str, int] = {}
     stack_ids: dict[str, int] = {}
     for key, members in stacks.items():
@@ -114,7 +145,8 @@ def build_layout(
         stack_ids[key] = starts[-1]
     if world == 1 and stacks and max(stack_ids.values()) >= INT32_IDS_BELOW:
         stacks, id_starts, stack_ids = {}, {}, {}
-    cache_of = {f: stack_key(table_of[f].embedding_dim) if table_of[f].name in id_starts else table_of[f].name for f in features}
+    stack_of = {t.name: key for key, members in stacks.items() for t in members}
+    cache_of = {f: stack_of.get(table_of[f].name, table_of[f].name) for f in features}
     unstacked = [t for t in tables if t.name not in id_starts]
     # Across ranks the owners' update reads one device table per width as one set of rows
     # (`OwnedRows`), and the PyTorch path reads and updates a width at once: only FBGEMM's
@@ -132,10 +164,9 @@ def build_layout(
     device_rows, device_dims = [], []
     for d in dims:
         table, start = len(device_rows), 0
-        if stack_key(d) in stacks:
-            rows = sum(slots[t.name] for t in stacks[stack_key(d)])
-            regions[stack_key(d)] = Region(table, 0, rows)
-            start = rows
+        for key in (key for key, members in stacks.items() if members[0].embedding_dim == d):  # the width's stacks first
+            regions[key] = Region(table, start, sum(slots[t.name] for t in stacks[key]))
+            start += regions[key].rows
         for t in unstacked:
             if t.embedding_dim == d:
                 regions[t.name] = Region(table, start, slots[t.name])

@@ -7,8 +7,8 @@ rows it missed, and is never read. (A batch handed over on the device is copied 
 host first, which waits for it: prefetching stages the batch before its move.)
 
 The caches that lock rows are acquired all at once (`DeviceCache.acquire_all`: every cache's misses
-are read before any is installed, so a prefetch thread never leaves one half-staged), under the
-module's lock; the rest of a batch's staging (checking and ordering its ids, its slots in
+are read before any is installed, so a prefetch thread never leaves one half-staged; with
+``staging_threads`` the caches side by side, each on a thread), under the module's lock; the rest of a batch's staging (checking and ordering its ids, its slots in
 place, its distinct rows per device table, the copies to the device) touches no cache and runs
 outside it, so that on a prefetch thread it overlaps the step's forward and backward. Those
 need no lock in training: a batch taken from the queue is the step's own, and the rows an
@@ -31,6 +31,7 @@ from torch import Tensor
 from torchrec import KeyedJaggedTensor
 
 from lightning_hotcache.cache.device import DeviceCache
+from lightning_hotcache.cache.side_by_side import SideBySide
 from lightning_hotcache.cache.upload import to_device
 from lightning_hotcache.embedding.batch import (
     StagedBatch,
@@ -61,10 +62,12 @@ class Staging:
     """Stages batches into ``caches`` (cache key -> cache) laid out by ``layout``, and keeps
     the staged batches until their rows may be unlocked."""
 
-    def __init__(self, layout: Layout, caches: dict[str, DeviceCache], device: torch.device) -> None:
+    def __init__(self, layout: Layout, caches: dict[str, DeviceCache], device: torch.device, threads: int = 1) -> None:
         self.layout = layout
         self.device = device
         self.caches = caches
+        # Threads that work on a batch's caches at once (see `lightning_hotcache.cache.side_by_side`).
+        self.side_by_side = SideBySide(threads, device)
         # The module's lock. Staging (possibly on a prefetch thread), forward and the backward
         # update all change the caches' directories; this re-entrant lock keeps those changes
         # from interleaving. It is held for the directories' work alone, not for a batch's
@@ -139,7 +142,7 @@ class Staging:
             self._announced.append((features, prepared, found))
             return
         with self.locked():
-            coming = [self.caches[key].announce(ids, distinct) for key, ids, distinct in zip(self._acquired, prepared[4], found)]
+            coming = self.side_by_side.map(lambda k: self.caches[self._acquired[k]].announce(prepared[4][k], found[k]), range(len(found)))
             self._announced.append((features, prepared, found))
         for key, misses in zip(self._acquired, coming):
             if misses is not None:
@@ -176,7 +179,7 @@ class Staging:
         ours, values, indices, spans, ids = prepared
         bounds, per_key = ours.offset_per_key(), ours.length_per_key()
         with self.locked():
-            acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids, announced, found)
+            acquired = DeviceCache.acquire_all([self.caches[k] for k in self._acquired], ids, announced, found, self.side_by_side)
             for key in self._counted_only:
                 self.caches[key].count_lookups(sum(per_key[k] for k in self._positions[key]))
         tickets: dict[str, list[int]] = {}

@@ -1,0 +1,98 @@
+"""Threads that stage several caches at once: one batch's work on caches whose directories are
+apart (the parts of a width's split tables, `lightning_hotcache.embedding.layout`) spread over
+a few threads.
+
+On a GPU host staging is the 1% cache's bound: the prefetch thread took 13.9 ms a batch at
+scale 1.0, batch 8,192, against `auto`'s 11.1 ms step (H200, 16 cores, most of them idle),
+and its work (the directory's compiled passes, the row gathers and writes) is one thread's,
+pass after pass. The directory's passes hold no GIL and torch's copies release it, so caches
+of their own staged on threads of their own run side by side.
+
+Written by hand around `concurrent.futures`: its pool's threads do not see the caller's
+thread-local torch state, which staging's copies need (no autograd on the device tables, the
+caller's CUDA stream, which orders the copies with the step's work); a map here carries both,
+runs one share of the work on the calling thread, and returns only once every share is done,
+failed or not, so that no thread still works on a cache when the caller goes on or reports
+the error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, Iterator, Sequence, TypeVar
+
+import torch
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
+# Cores a host needs before staging takes a second thread by default: a GPU host's prefetch
+# thread, reader thread, training loop and loader workers beside it (on the H200's 16, the
+# 1% cache's staging was the step's bound while most cores idled).
+CORES_FOR_TWO_THREADS = 8
+
+
+def default_staging_threads(device: torch.device | str) -> int:
+    """Two on a CUDA host with `CORES_FOR_TWO_THREADS` cores or more; else one: on a CPU the
+    step's own threads take every core (on 2 cores staging inline beside them ...)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 2 if torch.device(device).type == "cuda" and cores >= CORES_FOR_TWO_THREADS else 1
+
+
+def check_staging_threads(threads: object) -> None:
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"staging_threads must be a whole number of threads, at least 1; got {threads!r}.")
+
+
+class SideBySide:
+    """Maps work over items on up to ``threads`` threads (the caller's among them), each item's
+    work on one thread; ``device``: where the work's copies go (its current CUDA stream is
+    carried to the other threads)."""
+
+    def __init__(self, threads: int, device: torch.device) -> None:
+        check_staging_threads(threads)
+        self.threads = threads
+        self.device = device
+        self._pool: ThreadPoolExecutor | None = None
+
+    def map(self, work: Callable[[Item], Result], items: Sequence[Item]) -> list[Result]:
+        """``[work(item) for item in items]``, shared among the threads (items round-robin)."""
+        shares = min(self.threads, len(items))
+        if shares <= 1:
+            return [work(item) for item in items]
+        carried = self._carried_state()
+
+        def share(k: int) -> list[Result]:
+            with carried():
+                return [work(item) for item in items[k::shares]]
+
+        pool = self._threads()
+        others = [pool.submit(share, k) for k in range(1, shares)]
+        try:
+            done = [share(0)]
+        finally:
+            wait(others)  # every share ends before the caller goes on, or raises
+        done += [future.result() for future in others]  # the first error among them, if any
+        return [done[k % shares][k // shares] for k in range(len(items))]
+
+    def _carried_state(self) -> Callable[[], contextlib.AbstractContextManager[None]]:
+        grad = torch.is_grad_enabled()
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+        @contextlib.contextmanager
+        def carried() -> Iterator[None]:
+            with torch.set_grad_enabled(grad), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+                yield
+
+        return carried
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="hotcache-staging")
+            # Idle threads end with the staging that owns them (not at the interpreter's exit).
+            weakref.finalize(self, self._pool.shutdown, wait=False)
+        return self._pool
