@@ -17,10 +17,12 @@ Prints a table and writes benchmarks/results/cpu_throughput.json.
     python benchmarks/cpu_throughput.py --optimizer sgd --strategies torchrec hotcache@0.1+fbgemm hotcache@0.1+pytorch
     python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.01 hotcache@0.01+lookahead
     python benchmarks/cpu_throughput.py --strategies hotcache@0.01 hotcache@0.01+lookahead --pieces   # and where staging's time goes (benchmarks/pieces.py)
+    python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.01 hotcache@0.01+2threads   # staging on two threads
 
 By default every strategy but the ``+lookahead`` (the lookahead cache policy), ``+thread``
-(staging on the prefetch thread) and ``+fbgemm`` / ``+pytorch`` (the device tier's kernel named,
-not chosen) ones runs.
+(staging on the prefetch thread), ``+2threads`` (inline, the split tables in two caches staged
+side by side: ``staging_threads=2``) and ``+fbgemm`` / ``+pytorch`` (the device tier's kernel
+named, not chosen) ones runs.
 """
 
 from __future__ import annotations
@@ -112,12 +114,13 @@ def main(argv: list[str] | None = None) -> None:
     # named (the device tier's, "auto" choosing by default).
     for budget in (1.0, 0.1, 0.01):
         for policy in ("", "+lookahead") if budget < 1 else ("",):
-            for thread in ("", "+thread") if budget < 1 else ("",):
+            for thread in ("", "+thread", "+2threads") if budget < 1 else ("",):
                 for kernel in ("", "+fbgemm", "+pytorch"):
                     runs[f"hotcache@{budget:g}{policy}{thread}{kernel}"] = (
                         lambda b=budget, policy=policy, thread=thread, kernel=kernel: HotCacheStrategy(
                             device_budget=b, profile_batches=50, cache_policy="lookahead" if policy else "lfu",
-                            prefetch_thread=bool(thread), kernel=kernel[1:] or "auto",
+                            prefetch_thread=thread == "+thread", staging_threads=2 if thread == "+2threads" else 1,
+                            kernel=kernel[1:] or "auto",
                         )
                     )  # fmt: skip
     if args.optimizer == "adam":
