@@ -739,6 +739,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
                 module.clear_prefetched()
                 module.flush()
             finally:
+                module.release_staging_threads()
                 module.release_host_storage()
         release_helpers()  # the row copies' helper threads: none outlives the fit
         with deferred_tables_left_out_of_moves(self.lightning_module):

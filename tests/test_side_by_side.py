@@ -177,3 +177,13 @@ def test_tables_staged_side_by_side_equal_one_stack_after_training() -> None:
     for name, arrays in two.optimizer_state().items():
         for key, value in arrays.items():
             torch.testing.assert_close(value, one.optimizer_state()[name][key], rtol=0, atol=0)
+
+
+def test_released_threads_end_and_come_back_for_the_next_batch() -> None:
+    side_by_side = SideBySide(2, torch.device("cpu"))
+    side_by_side.map(lambda x: x, range(2))
+    assert [t.name for t in threading.enumerate()].count("hotcache-staging_0") == 1
+    side_by_side.release()
+    assert "hotcache-staging_0" not in [t.name for t in threading.enumerate()]
+    assert side_by_side.map(lambda x: x + 1, range(2)) == [1, 2]
+    side_by_side.release()

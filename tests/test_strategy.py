@@ -521,6 +521,7 @@ def test_staging_threads_train_as_auto(thread: bool, policy: str, stats_path, ba
     modules = hot_cold_modules(model).values()
     assert all("staged side by side by 2 threads" in m.kernel_note for m in modules), [m.kernel_note for m in modules]
     assert all(c.num_locked() == 0 for m in modules for c in m.caches.values())
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("hotcache-staging")]  # none outlives the fit
     torch.testing.assert_close(model.state_dict(), baselines["dlrm"][0], rtol=1e-5, atol=1e-5)
     assert_same_val_metrics(metrics, baselines["dlrm"][1])
 

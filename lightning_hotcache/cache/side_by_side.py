@@ -37,8 +37,10 @@ CORES_FOR_TWO_THREADS = 8
 
 
 def default_staging_threads(device: torch.device | str) -> int:
-    """Two on a CUDA host with `CORES_FOR_TWO_THREADS` cores or more; else one: on a CPU the
-    step's own threads take every core (on 2 cores staging inline beside them ...)."""
+    """Two on a CUDA host with `CORES_FOR_TWO_THREADS` cores or more, else one. Staging alone on
+    2 free cores of an AMD EPYC took 0.76-0.84x the time on two threads (0.6x with one OpenMP
+    thread each); training on those 2 cores, staging inline, lost 10-20% with a second thread,
+    which competes with the step's own threads (benchmarks/README.md, "Staging on two threads")."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return 2 if torch.device(device).type == "cuda" and cores >= CORES_FOR_TWO_THREADS else 1
 
@@ -58,6 +60,7 @@ class SideBySide:
         self.threads = threads
         self.device = device
         self._pool: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()  # the process whose threads the pool holds
 
     def map(self, work: Callable[[Item], Result], items: Sequence[Item]) -> list[Result]:
         """``[work(item) for item in items]``, shared among the threads (items round-robin)."""
@@ -90,9 +93,18 @@ class SideBySide:
 
         return carried
 
+    def release(self) -> None:
+        """End the threads (the next map starts them again): the strategy's teardown calls it,
+        so that no thread outlives a fit."""
+        pool, self._pool = self._pool, None
+        if pool is not None and self._pid == os.getpid():
+            pool.shutdown(wait=True)
+
     def _threads(self) -> ThreadPoolExecutor:
-        if self._pool is None:
+        # A forked child (a loader worker) inherits the pool but not its threads: it makes its own.
+        if self._pool is None or self._pid != os.getpid():
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="hotcache-staging")
-            # Idle threads end with the staging that owns them (not at the interpreter's exit).
+            self._pid = os.getpid()
+            # Idle threads end with the staging that owns them, if no teardown ended them first.
             weakref.finalize(self, self._pool.shutdown, wait=False)
         return self._pool

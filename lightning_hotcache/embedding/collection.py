@@ -445,6 +445,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
         if self.host_directory is not None:
             self.host_directory.acquire()
 
+    def release_staging_threads(self) -> None:
+        """End the threads that stage caches side by side (``staging_threads``; the next batch
+        staged starts them again)."""
+        self._staging.side_by_side.release()
+
     def release_host_storage(self) -> None:
         """Let another run use the host storage directory; this module's rows stay readable."""
         if self.host_directory is not None:
