@@ -44,10 +44,10 @@ from tqdm.auto import tqdm
 from lightning_hotcache.cache import CachePolicy, DeviceCache, HostDirectory, HostStore
 from lightning_hotcache.cache.exchange import RowSharding
 from lightning_hotcache.cache.fused import FusedTables, KernelChoice, check_kernel_choice, fused_unavailable
-from lightning_hotcache.cache.side_by_side import check_staging_threads
 from lightning_hotcache.cache.group import TableInGroup
 from lightning_hotcache.cache.host_arrays import new_array
 from lightning_hotcache.cache.owned_rows import OwnedRows
+from lightning_hotcache.cache.side_by_side import check_staging_threads
 from lightning_hotcache.embedding.layout import Layout, build_layout
 from lightning_hotcache.embedding.lookup import EmbeddingBagLookup, FusedLookup, LookupForOwners
 from lightning_hotcache.embedding.staging import Staging
@@ -194,7 +194,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             widths = len({m[0].embedding_dim for m in self.layout.stacks.values()})
             where = "one cache" if len(self.layout.stacks) == 1 else f"{len(self.layout.stacks)} caches"
             if len(self.layout.stacks) > widths:
-                where += f" staged side by side by {staging_threads} threads"
+                where += f" staged side by side by {min(staging_threads, len(self.layout.stacks))} threads"
             elif widths > 1:
                 where += " (one per width)"
             self.kernel_note += f", {stacked} split table(s) stacked in {where}"
