@@ -205,6 +205,21 @@ def test_gpu_path_two_gpus_match_one_with_their_batches_together(tmp_path, strat
     assert two["val"]["val/logloss"] == pytest.approx(one["val"]["val/logloss"], rel=1e-5)
 
 
+@pytest.mark.parametrize("policy", ["lfu", "lookahead"])
+def test_gpu_path_staged_side_by_side_matches_auto(policy: str, stats_paths, cuda_baselines) -> None:
+    """Two staging threads (a GPU host's default where it has 8 cores): each thread's copies on
+    the prefetch thread's stream, learning what `auto` learns on CUDA."""
+    strategy = HotCacheStrategy(
+        device_budget=0.001, grow_budget_to_minimum=True, stats_path=str(stats_paths["dlrm"]), cache_policy=policy, staging_threads=2
+    )
+    with pytest.warns(UserWarning, match="planning with the minimum"):
+        model, _, metrics = fit("dlrm", strategy, **CUDA)
+    modules = hot_cold_modules(model).values()
+    assert all("staged side by side by 2 threads" in m.kernel_note for m in modules), [m.kernel_note for m in modules]
+    torch.testing.assert_close(model.state_dict(), cuda_baselines["dlrm"][0], rtol=1e-5, atol=1e-5)
+    assert metrics["val/logloss"] == pytest.approx(cuda_baselines["dlrm"][1]["val/logloss"], rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize(("name", "budget", "policy"), CASES)
 def test_hotcache_matches_auto_on_cuda(name, budget, policy, stats_paths, cuda_baselines) -> None:
     assert_hotcache_matches_auto(name, budget, policy, stats_paths[name], cuda_baselines[name], **CUDA)
