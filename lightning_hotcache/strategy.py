@@ -349,8 +349,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             this overlaps the staging of the batch before. Default: on CUDA devices; not on
             CPU, where a third busy thread beside the step's took 12% off training at 1% with
             the lookahead policy on 2 cores (LFU: no change).
-        staging_threads: threads that stage a batch's caches at once (in one process each
-            width's split tables are then stacked in that many caches, of about equal dynamic
+        staging_threads: threads that stage a batch's caches at once (each width's split
+            tables are then stacked in that many caches, of about equal dynamic
             slots, each with a directory of its own; see `lightning_hotcache.cache.side_by_side`).
             Default (`default_staging_threads`): 2 on a CUDA host with 8 cores or more, else 1.
         cache_metrics: add a `CacheMetrics` callback (hit rates, traffic) unless one is there.

@@ -51,6 +51,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefetch-thread", action="store_true", help="hotcache: stage on a background thread")
     parser.add_argument("--kernel", default="auto", help="hotcache: the device tier's kernel (auto, fbgemm, pytorch)")
     parser.add_argument("--cache-policy", default="lfu", help="hotcache: the caches' policy")
+    parser.add_argument("--staging-threads", type=int, default=1, help="hotcache: threads staging a batch's caches side by side")
     parser.add_argument(
         "--resume-from", type=int, nargs="+", help="checkpoint every 2 steps, then resume from these steps' checkpoints"
     )
@@ -138,6 +139,7 @@ def fit(
         strategy = HotCacheStrategy(
             device_budget=args.device_budget, profile_batches=2, checkpoint_shards=args.sharded_checkpoint is not None,
             prefetch_thread=args.prefetch_thread, kernel=args.kernel, cache_policy=args.cache_policy,
+            staging_threads=args.staging_threads,
         )
     trainer = cpu_trainer(
         strategy=strategy,

@@ -88,8 +88,10 @@ def test_ranks_seeded_apart_start_from_rank_zeros_weights(trained, strategy: str
     torch.testing.assert_close(two["state_dict"], one["state_dict"], rtol=1e-5, atol=1e-5)
 
 
-HOTCACHE_CASES = {  # id: (processes, optimizer, staging thread / lookahead, kernel)
+HOTCACHE_CASES = {  # id: (processes, optimizer, staging thread / lookahead, kernel[, staging threads])
     "2-sgd": (2, "sgd", False, "fbgemm"),
+    # Each width's split tables in two caches, staged side by side, on their owners' keys.
+    "2-rowwise_adagrad-lookahead-2threads": (2, "rowwise_adagrad", "lookahead", "pytorch", 2),
     "2-rowwise_adagrad-prefetch_thread": (2, "rowwise_adagrad", True, "fbgemm"),
     "2-rowwise_adagrad-lookahead": (2, "rowwise_adagrad", "lookahead", "fbgemm"),
     "2-rowwise_adagrad-pytorch": (2, "rowwise_adagrad", False, "pytorch"),
@@ -99,8 +101,8 @@ HOTCACHE_CASES = {  # id: (processes, optimizer, staging thread / lookahead, ker
 }  # 4 x row-wise Adagrad: the torchrun test
 
 
-def _hotcache_runs(procs: int, optimizer: str, thread: bool | str, kernel: str) -> tuple:
-    split = ["--big-tables", "--device-budget=0.05", *(["--prefetch-thread"] if thread else [])]
+def _hotcache_runs(procs: int, optimizer: str, thread: bool | str, kernel: str, staging_threads: int = 1) -> tuple:
+    split = ["--big-tables", "--device-budget=0.05", *(["--prefetch-thread"] if thread else []), f"--staging-threads={staging_threads}"]
     if thread == "lookahead":
         split.append("--cache-policy=lookahead")
     test = "test_hotcache_processes_match_one_with_their_batches_together"
@@ -117,11 +119,13 @@ def test_hotcache_processes_match_one_with_their_batches_together(trained, case:
     gradient, other ranks' rows fetched in the forward that reads them (with staging on a
     background thread, too, and on it under the lookahead policy), on FBGEMM's kernel and on
     PyTorch's: the same tables as 1 process with all the ranks' batches."""
-    procs, optimizer, _, kernel = HOTCACHE_CASES[case]
+    procs, optimizer, _, kernel, *staging_threads = HOTCACHE_CASES[case]
     many, one = (trained(run) for run in HOTCACHE_RUNS[case])
     sharded = many["dir"] / "sharded.ckpt"
     assert many["world_size"] == procs
     assert [note.split()[0] for note in many["kernels"]] == [kernel], many["kernels"]
+    if staging_threads:
+        assert all("staged side by side by 2 threads" in note for note in many["kernels"]), many["kernels"]
     assert many["fetched_rows"] > 0  # the caches really fetched rows from the ranks' stores
     # rank 0 holds every procs-th row of each of the 26 split tables, rounded up
     assert many["host_rows"] * procs - many["table_rows"] in range(0, 26 * (procs - 1) + 1)

@@ -1,7 +1,8 @@
 """Staging threads (`staging_threads`): a width's split tables stacked in several caches, each
 staged on a thread of its own (`lightning_hotcache.cache.side_by_side`), learn exactly what
 TorchRec learns, with every table's counters its own; the map's threads carry the caller's
-torch state and end before it goes on; bad settings are clear errors."""
+torch state and end before it goes on; bad settings are clear errors. (Across processes:
+test_ddp's ``2-rowwise_adagrad-lookahead-2threads``.)"""
 
 from __future__ import annotations
 
@@ -63,9 +64,14 @@ def test_parts_are_regions_of_the_widths_one_device_table() -> None:
     }
     assert layout.device_rows == [110, 80]
     assert layout.id_starts == {"t2": 0, "t0": 0, "t1": 100, "t_wide": 0}  # each part's global ids start at 0
-    # Across processes a width keeps one stack, whatever is asked.
-    across = build_layout(tables, slots, split={"t0", "t1", "t2", "t_wide"}, fused=False, world=2, parts=2)
-    assert list(across.stacks) == ["<split tables of dim 8>", "<split tables of dim 16>"]
+    # Across processes too, each part's tables starting at multiples of the world size (a
+    # global id's owner is its row's owner) and each part spanning a multiple of it (`OwnedRows`
+    # gives each part the next keys).
+    across = build_layout(tables, slots, split={"t0", "t1", "t2", "t_wide"}, fused=False, world=4, parts=2)
+    assert list(across.stacks) == list(layout.stacks)
+    assert across.id_starts == {"t2": 0, "t0": 0, "t1": 100, "t_wide": 0}
+    assert across.stack_ids == {"<split tables of dim 8, part 1 of 2>": 300, "<split tables of dim 8, part 2 of 2>": 300,
+                                "<split tables of dim 16>": 80}  # fmt: skip
 
 
 CASES = list(itertools.product(["10%", "minimum"], ["lfu", "lookahead"], ["fbgemm", "pytorch"], ["memory", "mmap"], [0, 2]))

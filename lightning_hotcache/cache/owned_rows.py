@@ -1,7 +1,7 @@
 """One device table's rows across ranks, addressed by keys whose owner is ``key % world``.
 
-A device table of the stacked layout (see `lightning_hotcache.embedding.layout`) holds a
-stack's slots first, then whole tables' rows. Across ranks every row has one owner, and the
+A device table of the stacked layout (see `lightning_hotcache.embedding.layout`) holds its
+stacks' slots first (a width's split tables, in one stack or in parts), then whole tables' rows. Across ranks every row has one owner, and the
 owners' update and the forward's fetch of other ranks' rows work on all of a device table's
 rows at once: a row read is named by its key (a stack slot by the global id it holds, a whole
 table's row by where its table starts in the key space, a multiple of the world size, plus
@@ -23,14 +23,14 @@ from lightning_hotcache.rowwise import RowWiseOptimizerConfig, step_rows
 
 
 class OwnedRows:
-    """Rows of one device table: ``stack`` (a stacked `DeviceCache` over keys ``[0,
-    stack_keys)``, its slots at rows ``[0, len(stack slots))``) and ``wholes`` (tables wholly on
-    the device: each its cache and first row), in row order.
+    """Rows of one device table: ``stacks`` (stacked `DeviceCache`s, the parts of a width's
+    split tables, each over keys of its own: the first over ``[0, keys)``, the next from
+    there, and so on) and ``wholes`` (tables wholly on the device), each with its first row, in
+    row order.
 
     Args:
         storage: the device table's arrays (``weight`` and the optimizer state), all rows.
-        stack: the stack, or None.
-        stack_keys: keys the stack spans (a multiple of the world size).
+        stacks: (stack, first row, keys it spans: a multiple of the world size) of each stack.
         wholes: (cache, first row) of each whole table, in row order.
         sharding: this rank among the ranks sharing the rows.
     """
@@ -38,29 +38,32 @@ class OwnedRows:
     def __init__(
         self,
         storage: dict[str, Tensor],
-        stack: DeviceCache | None,
-        stack_keys: int,
+        stacks: Sequence[tuple[DeviceCache, int, int]],
         wholes: Sequence[tuple[DeviceCache, int]],
         sharding: RowSharding,
     ) -> None:
         self.storage = storage
-        self.stack = stack
-        self.stack_keys = stack_keys
+        self.stacks = [stack for stack, _, _ in stacks]
         self.wholes = [cache for cache, _ in wholes]
         self.sharding = sharding
         self.width = storage["weight"].shape[1]
         device = storage["weight"].device
-        stack_rows = 0 if stack is None else len(stack.weight)
-        # Region k: rows from row_starts[k], keys from key_starts[k] (the stack's entry is a
-        # placeholder: its keys come from its slots).
-        row_starts, key_starts = [0], [0]
-        next_key = stack_keys
+        # Region k (the stacks', then the whole tables'): rows from row_starts[k], keys from
+        # key_starts[k]. A stack's row holds the key of the global id its slot holds.
+        row_starts, key_starts = [], []
+        next_key = 0
+        for stack, first_row, keys in stacks:
+            row_starts.append(first_row)
+            key_starts.append(next_key)
+            next_key += keys
+        self.stack_keys = next_key  # keys below it are stacked rows'
+        self._stack_spans = [(first_row, first_row + len(stack.weight)) for stack, first_row, _ in stacks]
+        self._stack_keys = [(first_key, first_key + keys) for first_key, (_, _, keys) in zip(key_starts, stacks)]
         for cache, first_row in wholes:
             row_starts.append(first_row)
             key_starts.append(next_key)
             next_key += -(-cache.num_embeddings // sharding.world) * sharding.world
         self.num_keys = next_key
-        self._stack_rows = stack_rows
         self._row_starts = torch.tensor(row_starts, device=device)
         self._key_starts = torch.tensor(key_starts, device=device)
         self._key_minus_row = self._key_starts - self._row_starts
@@ -70,46 +73,58 @@ class OwnedRows:
         return {key: array for key, array in self.storage.items() if key != "weight"}
 
     def regions_of_rows(self, rows: Tensor) -> Tensor:
-        """Region of each row (0: the stack, or the first whole table when there is no stack)."""
+        """Region of each row: its stack's index, or the number of stacks plus its whole table's."""
         return torch.searchsorted(self._row_starts, rows, right=True) - 1
 
     def keys_of_rows(self, rows: Tensor, regions: Tensor) -> Tensor:
         """The key of each of ``rows`` (ascending resident rows, with their `regions_of_rows`)."""
         keys = rows + self._key_minus_row[regions]
-        if self.stack is not None:  # the stack's rows come first
-            cut = int(torch.searchsorted(rows, self._stack_rows))
-            keys[:cut] = self.stack.ids_of_slots(rows[:cut])
+        for k, stack in enumerate(self.stacks):
+            at = regions == k
+            keys[at] = stack.ids_of_slots(rows[at] - self._stack_spans[k][0]) + self._stack_keys[k][0]
         return keys
+
+    def ids_in_stack(self, keys: Tensor, k: int) -> Tensor:
+        """The global ids in stack ``k`` of its ``keys``."""
+        return keys - self._stack_keys[k][0]
+
+    def _in_stacks(self, keys: Tensor) -> list[tuple[DeviceCache, Tensor, int, int]]:
+        """Each stack with where ``keys`` are its keys, its first row and its first key."""
+        out = []
+        for stack, (first_row, _), (first_key, end_key) in zip(self.stacks, self._stack_spans, self._stack_keys):
+            out.append((stack, (keys >= first_key) & (keys < end_key), first_row, first_key))
+        return out
 
     def rows_of_keys(self, keys: Tensor) -> Tensor:
         """The row of each of ``keys`` on this device, -1 for a stacked row that is not."""
         region = torch.searchsorted(self._key_starts, keys, right=True) - 1
         rows = keys - self._key_minus_row[region]
-        if self.stack is not None:
-            in_stack = keys < self.stack_keys
-            rows[in_stack] = self.stack.cached_slots(keys[in_stack])
+        for stack, at, first_row, first_key in self._in_stacks(keys):
+            slots = stack.cached_slots(keys[at] - first_key)
+            rows[at] = torch.where(slots >= 0, slots + first_row, slots)
         return rows
 
     def serve(self, keys: Tensor) -> Tensor:
         """Current weights of ``keys`` (all owned here): the device's copy, else the host's."""
         rows = self.rows_of_keys(keys)
         weights = self.storage["weight"].index_select(0, rows.clamp(min=0))
-        missing = (rows < 0).nonzero().squeeze(1)
-        if len(missing):
-            assert self.stack is not None
-            weights[missing] = self.stack.host_weights(keys[missing]).to(weights.device)
+        missing = rows < 0
+        for stack, at, _, first_key in self._in_stacks(keys):
+            there = (at & missing).nonzero().squeeze(1)
+            if len(there):
+                weights[there] = stack.host_weights(keys[there] - first_key).to(weights.device)
         return weights
 
     @torch.no_grad()
     def apply(self, keys: Tensor, grads: Tensor, optimizer: RowWiseOptimizerConfig) -> None:
         """One row-wise step for distinct ``keys`` (ascending, owned here) with summed ``grads``:
-        one gather-step-scatter on the device table, one on the host for the rest."""
+        one gather-step-scatter on the device table, one on the host per stack for the rest."""
         rows = self.rows_of_keys(keys)
         resident = rows >= 0
         on_device = rows[resident]
         step_rows(optimizer, self.storage["weight"], self._state, on_device, grads[resident])
-        if self.stack is None:
-            return
-        self.stack.mark_updated(on_device[on_device < self._stack_rows])
+        for stack, (first_row, end_row) in zip(self.stacks, self._stack_spans):
+            stack.mark_updated(on_device[(on_device >= first_row) & (on_device < end_row)] - first_row)
         elsewhere = ~resident
-        self.stack.update_host_rows(keys[elsewhere], grads[elsewhere], optimizer)
+        for stack, at, _, first_key in self._in_stacks(keys):
+            stack.update_host_rows(keys[elsewhere & at] - first_key, grads[elsewhere & at], optimizer)

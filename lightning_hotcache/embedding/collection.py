@@ -126,8 +126,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         staging_threads: threads that stage a batch's caches at once. In one process each
             width's split tables are then stacked in up to this many caches (of about equal
             dynamic slots, in the width's one device table), each staged on a thread of its own
-            (see `lightning_hotcache.cache.side_by_side`); across processes a width keeps one
-            stack, and the threads share out the widths' stacks.
+            (see `lightning_hotcache.cache.side_by_side`).
     """
 
     def __init__(
@@ -316,11 +315,9 @@ class HotColdEmbeddingBagCollection(nn.Module):
     def _owned_rows(self, table: int) -> OwnedRows:
         """Device table ``table``'s rows as its owners step them (across ranks, shared device tables)."""
         keys = [k for k, region in self.layout.regions.items() if region.table == table]
-        stacks = [k for k in keys if k in self.layout.stacks]
-        stack = self._caches[stacks[0]] if stacks else None
+        stacks = [(self._caches[k], self.layout.regions[k].start, self.layout.stack_ids[k]) for k in keys if k in self.layout.stacks]
         wholes = [(self._caches[k], self.layout.regions[k].start) for k in keys if k not in self.layout.stacks]
-        stack_keys = self.layout.stack_ids[stacks[0]] if stacks else 0
-        return OwnedRows(self._device_tables[table], stack, stack_keys, wholes, self._sharding)
+        return OwnedRows(self._device_tables[table], stacks, wholes, self._sharding)
 
     @classmethod
     def from_ebc(

@@ -12,14 +12,14 @@ owner (``id % world``) is its table row's owner (see `RowSharding`). Across proc
 are stacks wherever a table is split; in one process where the stack's ids fit the hash map's
 32 bits (`INT32_IDS_BELOW`; past it, each table keeps a map of its own).
 
-Parts: in one process a width's split tables can be stacked in several caches instead of one
+Parts: a width's split tables can be stacked in several caches instead of one
 (``parts``, the strategy's ``staging_threads``), each with a directory of its own, so that
 threads stage a batch's caches side by side (`lightning_hotcache.cache.side_by_side`). Each
 part takes tables whole and about the same number of dynamic slots, which the planner spread
 in proportion to the misses each table is expected to have: a part's staging work is mostly
 its misses. The parts are regions of the width's one device table, so a step still reads and
-updates a width at once. (Across processes the owners' update addresses a device table's
-stacked rows by one stack's global ids, so there a width keeps one stack.)
+updates a width at once (across processes each part's global ids are keys of their own in
+the owners' key space: `OwnedRows`).
 
 Shared device tables: one device table per width, holding that width's stack first, then
 each whole table of that width ("regions"), so that a step reads (one ``embedding_bag`` per
@@ -121,12 +121,10 @@ def build_layout(
 ) -> Layout:  # fmt: skip
     """The layout of ``tables`` whose caches hold ``slots[table]`` rows, the ``split`` ones
     cached from host stores, on FBGEMM's kernel (``fused``) or PyTorch's, across ``world`` ranks,
-    each width's split tables stacked in up to ``parts`` caches (one process only) of about
-    equal ``dynamic`` slots (default: ``slots``)."""
+    each width's split tables stacked in up to ``parts`` caches of about equal ``dynamic``
+    slots (default: ``slots``)."""
     if parts < 1:
         raise ValueError(f"parts must be at least 1, got {parts}.")
-    if world > 1:
-        parts = 1
     names = get_embedding_names_by_table(tables)
     features = [name for table_names in names for name in table_names]
     input_of = {name: f for t, table_names in zip(tables, names) for name, f in zip(table_names, t.feature_names)}

@@ -240,11 +240,13 @@ class OwnersUpdate:
         fetched = fetch_rows(route, [o.serve for o in self.owned], [o.width for o in self.owned], self.sharding)
         for owned, weights, keys, (rows, regions) in zip(self.owned, fetched, requests, remote_rows):
             owned.storage["weight"][rows] = weights
-            per_region = torch.bincount(regions, minlength=len(owned.wholes) + 1).tolist()
-            for cache, count in zip(owned.wholes, per_region[1:]):
+            stacks = len(owned.stacks)
+            per_region = torch.bincount(regions, minlength=stacks + len(owned.wholes)).tolist()
+            for cache, count in zip(owned.wholes, per_region[stacks:]):
                 cache.counters.fetched_rows += count
-            if owned.stack is not None and per_region[0]:
-                owned.stack.count_fetched(keys[regions == 0])
+            for k, stack in enumerate(owned.stacks):
+                if per_region[k]:
+                    stack.count_fetched(owned.ids_in_stack(keys[regions == k], k))
         staged.exchange = _Reads(reads, route)
 
     def attach(self, staged: StagedBatch, output: Tensor) -> None:
