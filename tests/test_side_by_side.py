@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from forked import from_a_fresh_process, in_forked_child
 from test_embedding_exactness import (
     BUDGETS,
     ONE_WIDTH_TABLES,
@@ -193,3 +194,23 @@ def test_released_threads_end_and_come_back_for_the_next_batch() -> None:
     assert "hotcache-staging_0" not in [t.name for t in threading.enumerate()]
     assert side_by_side.map(lambda x: x + 1, range(2)) == [1, 2]
     side_by_side.release()
+
+
+_SIDE_BY_SIDE = SideBySide(2, torch.device("cpu"))
+
+
+def _maps_in_child() -> bool:
+    return _SIDE_BY_SIDE.map(lambda x: x * 2, range(4)) == [0, 2, 4, 6]
+
+
+def fork_with_the_threads_started(tmp_path) -> str:
+    """In a fresh process (`forked.from_a_fresh_process`): the staging threads started, then a fork."""
+    _SIDE_BY_SIDE.map(lambda x: x, range(2))
+    assert "hotcache-staging_0" in [t.name for t in threading.enumerate()]
+    return in_forked_child(_maps_in_child, tmp_path)
+
+
+def test_a_forked_process_stages_on_threads_of_its_own(tmp_path) -> None:
+    # Threads do not survive a fork: a child that kept the parent's pool would wait for ever.
+    answer = from_a_fresh_process("test_side_by_side:fork_with_the_threads_started", tmp_path)
+    assert answer == "True", answer
