@@ -1,13 +1,14 @@
 """One device table's rows across ranks, addressed by keys whose owner is ``key % world``.
 
 A device table of the stacked layout (see `lightning_hotcache.embedding.layout`) holds its
-stacks' slots first (a width's split tables, in one stack or in parts), then whole tables' rows. Across ranks every row has one owner, and the
-owners' update and the forward's fetch of other ranks' rows work on all of a device table's
-rows at once: a row read is named by its key (a stack slot by the global id it holds, a whole
-table's row by where its table starts in the key space, a multiple of the world size, plus
-its id), and an owner finds a key's row (or, for a stacked row not on its device, its host
-row) with a few tensor ops whatever the number of tables. The whole step for a width is then
-one gather-step-scatter on the device table and one on the host, not one per table.
+stacks' slots first (a width's split tables, one stack or several parts), then whole tables'
+rows. Across ranks every row has one owner, and the owners' update and the forward's fetch of
+other ranks' rows work on all of a device table's rows at once: a row read is named by its key
+(a stack slot by the global id it holds plus where its stack's keys start, a whole table's row
+by where its table starts in the key space, plus its id; every start a multiple of the world
+size), and an owner finds a key's row (or, for a stacked row not on its device, its host row)
+with a few tensor ops whatever the number of tables. The whole step for a width is then one
+gather-step-scatter on the device table and one on the host per stack, not one per table.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ class OwnedRows:
             row_starts.append(first_row)
             key_starts.append(next_key)
             next_key += keys
-        self.stack_keys = next_key  # keys below it are stacked rows'
         self._stack_spans = [(first_row, first_row + len(stack.weight)) for stack, first_row, _ in stacks]
         self._stack_keys = [(first_key, first_key + keys) for first_key, (_, _, keys) in zip(key_starts, stacks)]
         for cache, first_row in wholes:
