@@ -79,7 +79,7 @@ CASES = list(itertools.product(["10%", "minimum"], ["lfu", "lookahead"], ["fbgem
 
 
 @pytest.mark.parametrize(("budget", "policy", "kernel", "storage", "depth"), CASES)
-def test_stacks_staged_side_by_side_learn_what_torchrec_learns(budget, policy, kernel, storage, depth, tmp_path) -> None:
+def test_stacks_staged_side_by_side_learn_what_torchrec_learns(budget, policy, kernel, storage, depth, tmp_path, monkeypatch) -> None:
     config = RowWiseOptimizerConfig(name="rowwise_adagrad", lr=0.05)
     batches = zipf_batches(seed=3, extra={"shop": 400})
     plan = make_plan(batches, BUDGETS[budget], depth, policy, FOUR_TABLES)
@@ -92,14 +92,11 @@ def test_stacks_staged_side_by_side_learn_what_torchrec_learns(budget, policy, k
         stages_on.add(threading.get_ident())
         return begin(self, *args, **kwargs)
 
-    DeviceCache._begin_acquire = watched
-    try:
-        module = train_hotcache(
-            config, batches, upstream, plan, policy, "memory" if storage == "memory" else tmp_path, depth, FOUR_TABLES,
-            kernel=kernel, staging_threads=2,
-        )  # fmt: skip
-    finally:
-        DeviceCache._begin_acquire = begin
+    monkeypatch.setattr(DeviceCache, "_begin_acquire", watched)
+    module = train_hotcache(
+        config, batches, upstream, plan, policy, "memory" if storage == "memory" else tmp_path, depth, FOUR_TABLES,
+        kernel=kernel, staging_threads=2,
+    )  # fmt: skip
     assert "4 split table(s) stacked in 2 caches staged side by side by 2 threads" in module.kernel_note, module.kernel_note
     assert len(stages_on) == 2  # each part's acquire on a thread of its own
     assert_same(module, reference)
