@@ -193,10 +193,15 @@ class _PrefetchingLoader:
                 item = next(batches, _END)
                 if item is _END:
                     return
-                read, cpu = time.perf_counter(), time.thread_time()
+                read, cpu, helped = time.perf_counter(), time.thread_time(), _helper_cpu(modules)
                 staged = self._stage(*item, modules)
-                self.strategy.staging_work.add(read - started, time.perf_counter() - read, time.thread_time() - cpu)
+                cpu = time.thread_time() - cpu + _helper_cpu(modules) - helped
+                self.strategy.staging_work.add(read - started, time.perf_counter() - read, cpu)
                 yield staged
+
+
+def _helper_cpu(modules: list[HotColdEmbeddingBagCollection]) -> float:
+    return sum(module.staging_helper_cpu_seconds() for module in modules)
 
 
 def _in_thread(items: Iterator[Any], depth: int, name: str, waits: "StagingWaits | None" = None) -> Iterator[Any]:
@@ -267,10 +272,12 @@ class StagingWaits:
 class StagingWork:
     """What the prefetch thread spent per batch: waiting for the reader thread (the loader,
     and announcing the batch: checking, ordering and deduplicating its ids), and staging,
-    in wall time and in the thread's own CPU time; and the time announcing took, wall (on the
+    in wall time and in CPU time (the thread's own and, with ``staging_threads``, its staging
+    threads'); and the time announcing took, wall (on the
     reader thread where there is one; inline staging counts it too). Staging whose wall time
     far exceeds its CPU time waited (for the GIL, the module's lock, a copy's event) rather
-    than worked (the thread works its share of a parallel op, so that counts)."""
+    than worked (the thread works its share of a parallel op, so that counts; on several
+    staging threads the CPU time may exceed the wall time)."""
 
     batches: int = 0
     reading_seconds: float = 0.0

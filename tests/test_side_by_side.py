@@ -211,3 +211,24 @@ def test_a_forked_process_stages_on_threads_of_its_own(tmp_path) -> None:
     # Threads do not survive a fork: a child that kept the parent's pool would wait for ever.
     answer = from_a_fresh_process("test_side_by_side:fork_with_the_threads_started", tmp_path)
     assert answer == "True", answer
+
+
+def test_the_other_threads_cpu_time_is_counted_for_the_caller() -> None:
+    # The prefetch thread's `cache/staging_cpu_ms` adds it to its own: on two threads staging's
+    # CPU time would otherwise be half counted, and read as waiting.
+    def busy(_: int) -> int:
+        ended = time.thread_time() + 0.05
+        while time.thread_time() < ended:
+            pass
+        return 0
+
+    side_by_side = SideBySide(2, torch.device("cpu"))
+    side_by_side.map(busy, range(2))
+    assert side_by_side.helper_cpu_seconds() >= 0.05  # the other thread's share, not the caller's
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(side_by_side.helper_cpu_seconds()))
+    thread.start()
+    thread.join()
+    assert elsewhere == [0.0]  # another caller's maps are its own
+    assert SideBySide(1, torch.device("cpu")).helper_cpu_seconds() == 0.0
+    side_by_side.release()

@@ -522,6 +522,11 @@ def test_staging_threads_train_as_auto(thread: bool, policy: str, stats_path, ba
     assert all("staged side by side by 2 threads" in m.kernel_note for m in modules), [m.kernel_note for m in modules]
     assert all(c.num_locked() == 0 for m in modules for c in m.caches.values())
     assert not [t.name for t in threading.enumerate() if t.name.startswith("hotcache-staging")]  # none outlives the fit
+    # The staging threads' CPU time was counted for whoever staged (the prefetch thread's
+    # `cache/staging_cpu_ms` adds its own).
+    assert sum(sum(m._staging.side_by_side._helper_cpu.values()) for m in modules) > 0
+    if thread:
+        assert trainer.strategy.staging_work.staging_cpu_seconds > 0
     torch.testing.assert_close(model.state_dict(), baselines["dlrm"][0], rtol=1e-5, atol=1e-5)
     assert_same_val_metrics(metrics, baselines["dlrm"][1])
 

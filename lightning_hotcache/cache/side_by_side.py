@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Iterator, Sequence, TypeVar
@@ -61,6 +63,9 @@ class SideBySide:
         self.device = device
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()  # the process whose threads the pool holds
+        # CPU seconds the other threads spent on the shares of each caller (thread id), running
+        # totals: what a caller's maps cost beyond its own CPU time, which holds its own share.
+        self._helper_cpu: dict[int, float] = {}
 
     def map(self, work: Callable[[Item], Result], items: Sequence[Item]) -> list[Result]:
         """``[work(item) for item in items]``, shared among the threads (items round-robin)."""
@@ -69,18 +74,27 @@ class SideBySide:
             return [work(item) for item in items]
         carried = self._carried_state()
 
-        def share(k: int) -> list[Result]:
+        def share(k: int) -> tuple[list[Result], float]:
+            started = time.thread_time()
             with carried():
-                return [work(item) for item in items[k::shares]]
+                return [work(item) for item in items[k::shares]], time.thread_time() - started
 
         pool = self._threads()
         others = [pool.submit(share, k) for k in range(1, shares)]
         try:
-            done = [share(0)]
+            done = [share(0)[0]]
         finally:
             wait(others)  # every share ends before the caller goes on, or raises
-        done += [future.result() for future in others]  # the first error among them, if any
+        caller = threading.get_ident()
+        for future in others:
+            results, cpu = future.result()  # the first error among them, if any
+            done.append(results)
+            self._helper_cpu[caller] = self._helper_cpu.get(caller, 0.0) + cpu
         return [done[k % shares][k // shares] for k in range(len(items))]
+
+    def helper_cpu_seconds(self) -> float:
+        """CPU seconds the other threads have spent on the calling thread's maps, in all."""
+        return self._helper_cpu.get(threading.get_ident(), 0.0)
 
     def _carried_state(self) -> Callable[[], contextlib.AbstractContextManager[None]]:
         grad = torch.is_grad_enabled()

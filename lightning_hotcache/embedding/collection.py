@@ -442,6 +442,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
         if self.host_directory is not None:
             self.host_directory.acquire()
 
+    def staging_helper_cpu_seconds(self) -> float:
+        """CPU seconds the staging threads have spent on the calling thread's staging, in all
+        (beyond its own CPU time: `SideBySide.helper_cpu_seconds`)."""
+        return self._staging.side_by_side.helper_cpu_seconds()
+
     def release_staging_threads(self) -> None:
         """End the threads that stage caches side by side (``staging_threads``; the next batch
         staged starts them again)."""
