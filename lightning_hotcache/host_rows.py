@@ -66,7 +66,8 @@ def _put_rows(target, at, rows):  # type: ignore[no-untyped-def]
 
 
 @functools.cache
-def _cores() -> int:
+def host_cores() -> int:
+    """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -76,7 +77,7 @@ def copy_threads() -> int:
     at most 8, and at least the calling thread alone."""
     configured = os.environ.get("LIGHTNING_HOTCACHE_COPY_THREADS")
     if configured is None:
-        return max(1, min(8, _cores() - 2))
+        return max(1, min(8, host_cores() - 2))
     if not configured.strip().isdigit() or int(configured) < 1:
         raise ValueError(
             f"LIGHTNING_HOTCACHE_COPY_THREADS={configured!r}: give the number of threads a large row copy is "

@@ -118,7 +118,7 @@ def test_a_split_copy_with_an_index_out_of_range_writes_nothing(monkeypatch: pyt
 def test_threads_by_default_are_the_cores_beyond_two_at_most_eight(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LIGHTNING_HOTCACHE_COPY_THREADS", raising=False)
     for cores, threads in ((1, 1), (2, 1), (3, 1), (4, 2), (16, 8), (64, 8)):
-        monkeypatch.setattr(host_rows, "_cores", lambda cores=cores: cores)
+        monkeypatch.setattr(host_rows, "host_cores", lambda cores=cores: cores)
         assert host_rows.copy_threads() == threads
 
 

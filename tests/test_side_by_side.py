@@ -159,11 +159,11 @@ def test_bad_staging_threads_are_clear_errors(bad) -> None:
 
 
 def test_staging_threads_default_to_two_on_a_cuda_host_with_cores_to_spare(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
+    from lightning_hotcache.cache import side_by_side
 
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)))
+    monkeypatch.setattr(side_by_side, "host_cores", lambda: 16)
     assert (default_staging_threads("cpu"), default_staging_threads("cuda")) == (1, 2)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(4)))
+    monkeypatch.setattr(side_by_side, "host_cores", lambda: 4)
     assert default_staging_threads("cuda") == 1
 
 

@@ -28,6 +28,8 @@ from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
+from lightning_hotcache.host_rows import host_cores
+
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
@@ -43,8 +45,7 @@ def default_staging_threads(device: torch.device | str) -> int:
     2 free cores of an AMD EPYC took 0.76-0.84x the time on two threads (0.6x with one OpenMP
     thread each); training on those 2 cores, staging inline, lost 10-20% with a second thread,
     which competes with the step's own threads (benchmarks/README.md, "Staging on two threads")."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 2 if torch.device(device).type == "cuda" and cores >= CORES_FOR_TWO_THREADS else 1
+    return 2 if torch.device(device).type == "cuda" and host_cores() >= CORES_FOR_TWO_THREADS else 1
 
 
 def check_staging_threads(threads: object) -> None:

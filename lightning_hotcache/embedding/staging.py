@@ -6,10 +6,11 @@ the caches keep their directories: the device receives the batch's slots in one 
 rows it missed, and is never read. (A batch handed over on the device is copied back to the
 host first, which waits for it: prefetching stages the batch before its move.)
 
-The caches that lock rows are acquired all at once (`DeviceCache.acquire_all`: every cache's misses
-are read before any is installed, so a prefetch thread never leaves one half-staged; with
-``staging_threads`` the caches side by side, each on a thread), under the module's lock; the rest of a batch's staging (checking and ordering its ids, its slots in
-place, its distinct rows per device table, the copies to the device) touches no cache and runs
+The caches that lock rows are acquired all at once (`DeviceCache.acquire_all`: every cache's
+misses are read before any is installed, so a prefetch thread never leaves one half-staged;
+with ``staging_threads`` the caches side by side, each on a thread), under the module's lock;
+the rest of a batch's staging (checking and ordering its ids, its slots in place, its
+distinct rows per device table, the copies to the device) touches no cache and runs
 outside it, so that on a prefetch thread it overlaps the step's forward and backward. Those
 need no lock in training: a batch taken from the queue is the step's own, and the rows an
 update has changed are marked and unlocked (`finish`) by whoever holds the lock next when a
