@@ -108,11 +108,12 @@ class OwnedRows:
         """Current weights of ``keys`` (all owned here): the device's copy, else the host's."""
         rows = self.rows_of_keys(keys)
         weights = self.storage["weight"].index_select(0, rows.clamp(min=0))
-        missing = rows < 0
-        for stack, at, _, first_key in self._in_stacks(keys):
-            there = (at & missing).nonzero().squeeze(1)
-            if len(there):
-                weights[there] = stack.host_weights(keys[there] - first_key).to(weights.device)
+        missing = (rows < 0).nonzero().squeeze(1)  # stacked rows only: whole tables are all here
+        if len(missing):
+            for stack, at, _, first_key in self._in_stacks(keys[missing]):
+                there = missing[at]
+                if len(there):
+                    weights[there] = stack.host_weights(keys[there] - first_key).to(weights.device)
         return weights
 
     @torch.no_grad()
@@ -125,6 +126,7 @@ class OwnedRows:
         step_rows(optimizer, self.storage["weight"], self._state, on_device, grads[resident])
         for stack, (first_row, end_row) in zip(self.stacks, self._stack_spans):
             stack.mark_updated(on_device[(on_device >= first_row) & (on_device < end_row)] - first_row)
-        elsewhere = ~resident
-        for stack, at, _, first_key in self._in_stacks(keys):
-            stack.update_host_rows(keys[elsewhere & at] - first_key, grads[elsewhere & at], optimizer)
+        elsewhere = (~resident).nonzero().squeeze(1)
+        for stack, at, _, first_key in self._in_stacks(keys[elsewhere]):
+            there = elsewhere[at]
+            stack.update_host_rows(keys[there] - first_key, grads[there], optimizer)
