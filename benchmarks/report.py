@@ -68,12 +68,12 @@ def _gpu() -> dict[str, Any]:
     return {"gpu": torch.cuda.get_device_name(), "gpu_memory_bytes": memory, "gpu_driver": driver, "cuda": torch.version.cuda}
 
 
-def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run with the median ``samples_per_s`` (the upper middle of an even count), with
-    every run's figure under ``rounds``: benchmarks repeat their jobs in rounds because this
-    shared machine drifts between runs."""
-    middle = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
-    return {**middle, "rounds": [r["samples_per_s"] for r in runs]}
+def median_round(runs: list[dict[str, Any]], key: str = "samples_per_s") -> dict[str, Any]:
+    """The run with the median ``key`` figure (the upper middle of an even count), with every
+    run's figure under ``rounds``: benchmarks repeat their jobs in rounds because this shared
+    machine drifts between runs."""
+    middle = sorted(runs, key=lambda r: r[key])[len(runs) // 2]
+    return {**middle, "rounds": [r[key] for r in runs]}
 
 
 def job_in_process(script: str | Path, settings: Sequence[str], name: str, wrapper: Sequence[str] = ()) -> dict[str, Any]:

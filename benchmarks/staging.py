@@ -55,7 +55,7 @@ from typing import Iterator
 
 import torch
 from pieces import PieceClock, per_batch_ms, print_pieces
-from report import write_report
+from report import median_round, write_report
 from torchrec import KeyedJaggedTensor
 
 from datamodules import SyntheticCTRDataModule
@@ -183,20 +183,6 @@ def stage_batches(
     return out
 
 
-def _median_round(rounds: list[dict]) -> dict:
-    """The rounds' median of every figure (the per-round staging times kept as ``rounds_ms``)."""
-    if len(rounds) == 1:
-        return rounds[0]
-    out = {key: _median_of([r[key] for r in rounds]) for key in rounds[0]}
-    return out | {"rounds_ms": [r["staging_ms_per_batch"] for r in rounds]}
-
-
-def _median_of(values: list) -> object:
-    if isinstance(values[0], dict):
-        return {key: _median_of([v[key] for v in values]) for key in values[0]}
-    return statistics.median(values)
-
-
 def _timings(announcing: list[float], staging_seconds: list[float], batches: list[int]) -> dict[str, float]:
     """Median milliseconds of ``batches``' staging, and of its reader and prefetch parts; and the
     prefetch part's mean, which counts the work done every few batches (the victim reserve's
@@ -244,7 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--pieces", action="store_true", help="also time staging's pieces (benchmarks/pieces.py) and report them")
     parser.add_argument("--staging-threads", type=int, nargs="+", default=[1],
                         help="stage with each of these numbers of threads (the strategy's staging_threads), in turn, every budget")
-    parser.add_argument("--rounds", type=int, default=1, help="repeat the runs this many times, alternated (medians reported)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the runs this many times, alternated (each run's round with the median prefetch part reported)")
     parser.add_argument("--out", type=Path, default=RESULTS / "staging.json")
     args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.batches:
@@ -274,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
     for _ in range(args.rounds):  # alternated, so that the machine's drift hits every run alike
         for name, (budget, threads) in runs.items():
             rounds[name].append(stage_batches(args, budget, dm, stats, batches, threads))
-    results = {name: _median_round(got) for name, got in rounds.items()}
+    # The round whose prefetch part (a GPU step's bound) is the median, every round's figure beside it.
+    results = {name: median_round(got, "prefetch_ms_per_batch") for name, got in rounds.items()}
     print(f"{'run':<26}{'staging ms/batch':>18}{'reader ms':>11}{'prefetch ms':>13}{'(mean)':>8}{'hit rate':>10}{'fetched rows/batch':>20}")
     for name, r in results.items():
         print(f"{name:<26}{r['staging_ms_per_batch']:>18.2f}{r['reader_ms_per_batch']:>11.2f}{r['prefetch_ms_per_batch']:>13.2f}"
