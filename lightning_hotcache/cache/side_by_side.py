@@ -42,8 +42,8 @@ CORES_FOR_TWO_THREADS = 8
 
 def default_staging_threads(device: torch.device | str) -> int:
     """Two on a CUDA host with `CORES_FOR_TWO_THREADS` cores or more, else one. Staging alone on
-    2 free cores of an AMD EPYC took 0.76-0.84x the time on two threads (0.6x with one OpenMP
-    thread each); training on those 2 cores, staging inline, lost 10-20% with a second thread,
+    2 free cores of an AMD EPYC took 0.61-1.04x the time on two threads in three runs (median
+    0.87); training on those 2 cores, staging inline, lost 10-20% with a second thread,
     which competes with the step's own threads (benchmarks/README.md, "Staging on two threads")."""
     return 2 if torch.device(device).type == "cuda" and host_cores() >= CORES_FOR_TWO_THREADS else 1
 
