@@ -143,11 +143,30 @@ def test_sum_by_index_is_coalesce_without_the_coo() -> None:
     torch.testing.assert_close(summed, reference.values(), rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("count", [0, 1, 37, 999, 1000, 1500])
-def test_lowest_first_is_the_head_of_torchs_sort(count: int) -> None:
-    values = torch.randint(0, 50, (1000,), generator=torch.Generator().manual_seed(count))  # many ties
+@pytest.mark.parametrize(
+    "size, count",
+    # numpy's partition (small), the sampled threshold (a few percent to nearly all), and more than all
+    [(1000, 0), (1000, 1), (1000, 37), (1000, 999), (1000, 1000), (1000, 1500),
+     (100_000, 1), (100_000, 5_000), (100_000, 40_000), (100_000, 99_999), (RADIX_SORT_FROM, 100)],
+)  # fmt: skip
+def test_lowest_first_is_the_head_of_torchs_sort(size: int, count: int) -> None:
+    generator = torch.Generator().manual_seed(count)
+    values = torch.randint(0, max(size // 20, 50), (size,), generator=generator)  # many ties
     values[::7] = torch.iinfo(torch.int64).max  # locked slots, as the victim scan masks them
+    values[3::11] = -1  # empty slots
     lowest = lowest_first(values, count)
     head = values.sort().indices[:count]
-    assert len(lowest) == len(head) == min(count, 1000) and len(set(lowest.tolist())) == len(lowest)
+    assert len(lowest) == len(head) == min(count, size) and len(set(lowest.tolist())) == len(lowest)
     assert torch.equal(values[lowest], values[head])  # the same values in the same order; ties may swap
+
+
+def test_lowest_first_when_the_sample_misleads() -> None:
+    # The strided sample sees only 0s and sets the threshold there, which keeps too few.
+    values = torch.ones(100_000, dtype=torch.int64)
+    values[-5000:] = torch.arange(5000, 0, -1) + 1
+    values[(torch.arange(4096) * len(values)) // 4096] = 0
+    lowest = lowest_first(values, 10_000)
+    assert torch.equal(values[lowest], values.sort().values[:10_000])
+    assert (values[lowest] == 0).sum() == 4096
+
+
