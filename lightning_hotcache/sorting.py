@@ -181,14 +181,16 @@ def lowest_first(values: Tensor, count: int) -> Tensor:
     """Positions of the ``count`` smallest of 1-D ``values`` (all of them where ``count`` is
     larger), smallest first, ties in no set order: ``values.sort().indices[:count]``.
 
-    A victim scan asks for the lowest few percent of a cache's scores (17.6k of 362k a 10%
-    cache's reserve, 124k of 330k at 1% with batches of 8,192). On the CPU a strided sample's
-    quantile, a little above ``count``'s, sets a threshold; one compiled pass keeps the
-    values at or under it (at least `RADIX_SORT_FROM`, which torch then sorts with its radix
-    sort); only those are sorted. 1.8 / 3.8 / 7.0 ms for those two and 120k of 3.3M, where
-    numpy's partition of them all and sort of the ``count`` took 4.0 / 11.1 / 49.6 (2-core AMD
-    EPYC). A threshold that falls short (a sample far from the whole) falls back to that
-    partition, as do fewer values than torch's radix sort takes."""
+    A victim scan asks for the lowest eight batches' misses among a cache's dynamic slots'
+    scores (17.6k of 362k at 10% of the Kaggle tables with batches of 2,048; 126k of 197k at 1%
+    with batches of 8,192). On the CPU a strided sample's quantile, a little above ``count``'s
+    share, sets a threshold; one compiled pass keeps the values at or under it (at least
+    `RADIX_SORT_FROM` of them, which torch then sorts with its radix sort), and only those are
+    sorted: 1.7 / 3.9 / 6.9 ms for those two and 120k of 3.3M, where numpy's partition of all
+    of them and sort of the ``count`` took 4.2 / 9.2 / 64 (2-core AMD EPYC,
+    `benchmarks/results/lowest_first_amd_avx512/micro.py`). A threshold that keeps too few (a
+    sample unlike the whole) falls back to that partition, as do fewer values than torch's
+    radix sort takes."""
     if values.device.type != "cpu" or values.dim() != 1 or count >= len(values):
         return values.sort().indices[: max(count, 0)]
     if count <= 0:
