@@ -18,6 +18,7 @@ Prints a table and writes benchmarks/results/cpu_throughput.json.
     python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.01 hotcache@0.01+lookahead
     python benchmarks/cpu_throughput.py --strategies hotcache@0.01 hotcache@0.01+lookahead --pieces   # and where staging's time goes (benchmarks/pieces.py)
     python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.01 hotcache@0.01+2threads   # staging on two threads
+    python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.1 hotcache@0.01+lookahead --steps 600 --warmup 200 --interleave 20   # in turns (benchmarks/turns.py)
 
 By default every strategy but the ``+lookahead`` (the lookahead cache policy), ``+thread``
 (staging on the prefetch thread), ``+2threads`` (inline, the split tables in two caches staged
@@ -38,6 +39,7 @@ import lightning.pytorch as pl
 from clock import StepClock, cache_counters, hit_rate_text, print_filling_note, still_filling, timed_trainer
 from pieces import PieceClock, print_pieces, window_ms_per_batch
 from report import add_ratios, rounds_of_jobs, write_report
+from turns import Baton, TurnClock, jobs_in_turns, train_in_turns
 
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotCacheStrategy  # importing the package registers "torchrec" too
@@ -47,14 +49,17 @@ from models import DLRM
 RESULTS = Path(__file__).parent / "results"
 
 
-def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
+def train(strategy: Any, args: argparse.Namespace, baton: Baton | None = None) -> dict[str, Any]:
     pl.seed_everything(0)
     dm = SyntheticCTRDataModule(scale=args.scale, embedding_dim=args.dim, batch_size=args.batch_size,
                                 num_train_samples=args.batch_size * (args.steps + 200), shuffle=False,
                                 num_workers=args.num_workers)  # fmt: skip
     model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer, "lr": 0.05})
     pieces = PieceClock() if args.pieces else None
-    clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer) | (pieces.probe() if pieces else {}))
+    def probe() -> dict[str, Any]:
+        return cache_counters(model) | staging_totals(trainer) | (pieces.probe() if pieces else {})
+
+    clock = StepClock(args.warmup, probe) if baton is None else TurnClock(args.warmup, args.block, baton, probe)
     trainer = timed_trainer(strategy, args.steps, clock)
     with pieces or contextlib.nullcontext():
         trainer.fit(model, dm)
@@ -76,6 +81,8 @@ def train(strategy: Any, args: argparse.Namespace) -> dict[str, float]:
     }
     if piece_ms is not None:
         out["pieces_ms_per_batch"] = piece_ms
+    if isinstance(clock, TurnClock):
+        out["blocks"] = clock.blocks
     plan = getattr(trainer.strategy, "plan", None)
     if plan is not None:
         out["device_mib"] = plan.device_bytes / 2**20
@@ -105,7 +112,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="DataLoader worker processes drawing the synthetic batches (0: the training loop draws them)")
     parser.add_argument("--pieces", action="store_true", help="also time staging's pieces (benchmarks/pieces.py), per batch of the timed steps")
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_throughput.json")
+    parser.add_argument("--interleave", type=int, default=0, metavar="STEPS",
+                        help="run the strategies at once, taking turns of this many timed steps (benchmarks/turns.py): "
+                             "figures paired within seconds, not rounds (instead of --rounds; at most three strategies at scale 1.0 in 24 GiB)")  # fmt: skip
     parser.add_argument("--job", help=argparse.SUPPRESS)  # one run in this process; prints its JSON
+    parser.add_argument("--turns", type=Baton.parse, help=argparse.SUPPRESS)  # the job's place in the turns
+    parser.add_argument("--block", type=int, default=0, help=argparse.SUPPRESS)  # timed steps a turn
     args = parser.parse_args(argv)
 
     runs = {"auto": lambda: "auto", "torchrec": lambda: "torchrec"}
@@ -128,18 +140,26 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(args.strategies or ()) - set(runs)
     if unknown:
         parser.error(f"unknown strategies {sorted(unknown)}; choose from {list(runs)}")
+    if args.interleave and args.rounds != parser.get_default("rounds"):
+        parser.error("--interleave times every strategy once, in turns; drop --rounds")
     if args.job:
-        print(json.dumps(train(runs[args.job](), args)))
+        if args.turns is None:
+            print(json.dumps(train(runs[args.job](), args)))
+        else:
+            print(json.dumps(train_in_turns(args.turns, lambda: train(runs[args.job](), args, args.turns))))
         return
     chosen = [name for name in runs if name in args.strategies] if args.strategies else [name for name in runs if "+" not in name]
     settings = ["--scale", str(args.scale), "--dim", str(args.dim), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
                 "--warmup", str(args.warmup), "--optimizer", args.optimizer, "--num-workers", str(args.num_workers),
                 *(["--pieces"] if args.pieces else [])]  # fmt: skip
-    results = rounds_of_jobs(__file__, settings, chosen, args.rounds)
+    if args.interleave:
+        results = jobs_in_turns(__file__, settings, chosen, args.interleave)
+    else:
+        results = rounds_of_jobs(__file__, settings, chosen, args.rounds)
     add_ratios(results, ("auto", "torchrec"))
     # "paired": the median over rounds of the ratio within a round (see report.add_ratios).
     print(f"{'strategy':<32}{'samples/s':>12}{'x auto':>9}{'x torchrec':>12}{'paired':>8}{'hit rate':>10}{'waits/step':>12}"
-          f"{'wait ms/step':>14}{'rows in/out a step':>20}{'peak RSS MiB':>14}  rounds")  # fmt: skip
+          f"{'wait ms/step':>14}{'rows in/out a step':>20}{'peak RSS MiB':>14}  {'blocks' if args.interleave else 'rounds'}")  # fmt: skip
     for name, r in results.items():
         paired = r.get("x_torchrec_paired", r.get("x_auto_paired", float("nan")))
         hit_rate = hit_rate_text(r)
