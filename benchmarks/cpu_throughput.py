@@ -56,6 +56,7 @@ def train(strategy: Any, args: argparse.Namespace, baton: Baton | None = None) -
                                 num_workers=args.num_workers)  # fmt: skip
     model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer={"name": args.optimizer, "lr": 0.05})
     pieces = PieceClock() if args.pieces else None
+
     def probe() -> dict[str, Any]:
         return cache_counters(model) | staging_totals(trainer) | (pieces.probe() if pieces else {})
 
