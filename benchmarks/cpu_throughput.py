@@ -141,8 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(args.strategies or ()) - set(runs)
     if unknown:
         parser.error(f"unknown strategies {sorted(unknown)}; choose from {list(runs)}")
-    if args.interleave and args.rounds != parser.get_default("rounds"):
-        parser.error("--interleave times every strategy once, in turns; drop --rounds")
+    if args.interleave:
+        if args.rounds != parser.get_default("rounds"):
+            parser.error("--interleave times every strategy once, in turns; drop --rounds")
+        args.rounds = None  # the report's settings then say no rounds ran
     if args.job:
         if args.turns is None:
             print(json.dumps(train(runs[args.job](), args)))

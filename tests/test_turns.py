@@ -72,7 +72,9 @@ def test_cpu_throughput_in_turns_pairs_blocks(tmp_path: Path, capsys) -> None:
     out = tmp_path / "turns.json"
     cpu_throughput.main(["--scale", "0.01", "--batch-size", "256", "--steps", "14", "--warmup", "4", "--interleave", "4",
                          "--strategies", "torchrec", "hotcache@0.1", "--out", str(out)])  # fmt: skip
-    results = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert report["settings"]["interleave"] == 4 and report["settings"]["rounds"] is None
     # 10 timed steps in turns of 4: blocks of 4, 4 and 2 steps, each job's paired with the other's.
     assert [len(r["rounds"]) for r in results.values()] == [3, 3]
     assert results["torchrec"]["x_torchrec_paired"] == 1.0 and results["hotcache@0.1"]["x_torchrec_paired"] > 0
