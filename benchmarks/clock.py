@@ -38,7 +38,7 @@ class StepClock(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx >= self.warmup:
             self.samples += batch.labels.shape[0]
-        last = trainer.is_last_batch or 0 < trainer.max_steps <= trainer.global_step
+        last = is_last_batch(trainer)
         if batch_idx != self.warmup - 1 and not (last and batch_idx >= self.warmup):
             return
         # Only the window's two ends wait for the device (the step's kernels are queued, not
@@ -55,6 +55,11 @@ class StepClock(pl.Callback):
     @property
     def samples_per_s(self) -> float:
         return self.samples / (self.end - self.start)
+
+
+def is_last_batch(trainer: pl.Trainer) -> bool:
+    """Whether the batch that just ended is the fit's last: of the epoch, or of ``max_steps``."""
+    return trainer.is_last_batch or 0 < trainer.max_steps <= trainer.global_step
 
 
 def rss_bytes() -> int:

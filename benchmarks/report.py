@@ -76,20 +76,29 @@ def median_round(runs: list[dict[str, Any]], key: str = "samples_per_s") -> dict
     return {**middle, "rounds": [r[key] for r in runs]}
 
 
-def job_in_process(script: str | Path, settings: Sequence[str], name: str, wrapper: Sequence[str] = ()) -> dict[str, Any]:
-    """Run ``script settings --job name`` in a process of its own (under ``wrapper``, a command
-    prefix) and return the JSON line it printed last (also echoed, so a long run's log keeps
-    every finished job)."""
-    command = [*wrapper, sys.executable, str(script), *settings, "--job", name]
-    # A job's process group is its own: a rendezvous this process set up (Lightning exports its
-    # address and port) would be taken already.
-    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    line = done.stdout.strip().splitlines()[-1]
+def job_env() -> dict[str, str]:
+    """The environment a job's process runs in: a job's process group is its own, and a
+    rendezvous this process set up (Lightning exports its address and port) would be taken
+    already."""
+    return {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+
+
+def job_result(name: str, stdout: str) -> dict[str, Any]:
+    """The JSON line job ``name`` printed last (echoed, so a long run's log keeps every
+    finished job)."""
+    line = stdout.strip().splitlines()[-1]
     print(f"{name}: {line}", flush=True)
     return json.loads(line)
+
+
+def job_in_process(script: str | Path, settings: Sequence[str], name: str, wrapper: Sequence[str] = ()) -> dict[str, Any]:
+    """Run ``script settings --job name`` in a process of its own (under ``wrapper``, a command
+    prefix) and return its `job_result`."""
+    command = [*wrapper, sys.executable, str(script), *settings, "--job", name]
+    done = subprocess.run(command, capture_output=True, text=True, env=job_env())
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return job_result(name, done.stdout)
 
 
 def rounds_of_jobs(

@@ -21,7 +21,6 @@ on around, so no job waits for a token that never comes.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -30,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from clock import StepClock
+from clock import StepClock, is_last_batch
+from report import job_env, job_result
 
 TOKEN = b"t"
 
@@ -63,7 +63,8 @@ class TurnClock(StepClock):
     """`StepClock` for a job that takes turns: its samples/s over the time it held the turn
     in its timed steps, and each block's (``blocks``). The warm-up's last batch hands the turn
     on before the timed steps start, so every job's set-up and warm-up precede every timed
-    block; the last block keeps the turn (the job hands it on once its fit is over: `train_in_turns`)."""
+    block; the last block keeps the turn (the job hands it on once its fit is over: `train_in_turns`).
+    For CPU runs: unlike `StepClock` it never waits for a device's queued work."""
 
     def __init__(self, warmup: int, block: int, baton: Baton, probe: Callable[[], Any] | None = None) -> None:
         super().__init__(warmup, probe)
@@ -90,7 +91,7 @@ class TurnClock(StepClock):
         samples = batch.labels.shape[0]
         self.samples += samples
         self._block_samples += samples
-        last = trainer.is_last_batch or 0 < trainer.max_steps <= trainer.global_step
+        last = is_last_batch(trainer)
         if not last and (batch_idx - self.warmup + 1) % self.block:
             return
         held = time.perf_counter() - self._block_start
@@ -123,8 +124,7 @@ def jobs_in_turns(script: str | Path, settings: Sequence[str], names: Sequence[s
     ``names`` at once, taking turns in that order, and return each job's JSON (its last
     line), with its blocks' samples/s as its ``rounds`` (`report.add_ratios` pairs them)."""
     rings = [os.pipe() for _ in names]
-    # A job's process group is its own: a rendezvous this process set up would be taken already.
-    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    env = job_env()
     jobs: list[tuple[str, subprocess.Popen[str], Any, Any]] = []
     try:
         for k, name in enumerate(names):
@@ -146,9 +146,7 @@ def jobs_in_turns(script: str | Path, settings: Sequence[str], names: Sequence[s
         if process.returncode != 0:
             failed.append(f"{name} (exit {process.returncode}):\n{err.read()[-3000:]}")
             continue
-        line = out.read().strip().splitlines()[-1]
-        print(f"{name}: {line}", flush=True)
-        results[name] = json.loads(line)
+        results[name] = job_result(name, out.read())
         results[name]["rounds"] = results[name].pop("blocks")
     if failed:
         raise RuntimeError("jobs taking turns failed: " + "\n".join(failed))
