@@ -19,11 +19,13 @@ Prints a table and writes benchmarks/results/cpu_throughput.json.
     python benchmarks/cpu_throughput.py --strategies hotcache@0.01 hotcache@0.01+lookahead --pieces   # and where staging's time goes (benchmarks/pieces.py)
     python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.01 hotcache@0.01+2threads   # staging on two threads
     python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.1 hotcache@0.01+lookahead --steps 600 --warmup 200 --interleave 20   # in turns (benchmarks/turns.py)
+    python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.1+thread hotcache@0.1+thread+foreground --steps 600 --warmup 200 --interleave 20   # staging's priority
 
 By default every strategy but the ``+lookahead`` (the lookahead cache policy), ``+thread``
-(staging on the prefetch thread), ``+2threads`` (inline, the split tables in two caches staged
-side by side: ``staging_threads=2``) and ``+fbgemm`` / ``+pytorch`` (the device tier's kernel
-named, not chosen) ones runs.
+(staging on the prefetch thread, at background priority; ``+thread+foreground`` at the step's,
+``+thread+depth3`` three batches ahead), ``+2threads`` (inline, the split tables in two caches
+staged side by side: ``staging_threads=2``) and ``+fbgemm`` / ``+pytorch`` (the device tier's
+kernel named, not chosen) ones runs.
 """
 
 from __future__ import annotations
@@ -122,17 +124,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     runs = {"auto": lambda: "auto", "torchrec": lambda: "torchrec"}
-    # hotcache at 100%, 10% and 1% of the tables; at 10% and 1% with options too: the lookahead
-    # cache policy, staging on the prefetch thread (inline by default on the CPU), a kernel
-    # named (the device tier's, "auto" choosing by default).
+    # hotcache at 100%, 10% and 1% of the tables; with options too: the lookahead cache policy
+    # (10% and 1%), staging on the prefetch thread (inline by default on the CPU; at background
+    # priority unless "+foreground"; "+depth3": three batches staged ahead), a kernel named
+    # (the device tier's, "auto" choosing by default).
     for budget in (1.0, 0.1, 0.01):
         for policy in ("", "+lookahead") if budget < 1 else ("",):
-            for thread in ("", "+thread", "+2threads") if budget < 1 else ("",):
+            for thread in ("", "+thread", "+thread+depth3", "+thread+foreground", "+2threads") if budget < 1 else ("", "+thread"):
                 for kernel in ("", "+fbgemm", "+pytorch"):
                     runs[f"hotcache@{budget:g}{policy}{thread}{kernel}"] = (
                         lambda b=budget, policy=policy, thread=thread, kernel=kernel: HotCacheStrategy(
                             device_budget=b, profile_batches=50, cache_policy="lookahead" if policy else "lfu",
-                            prefetch_thread=thread == "+thread", staging_threads=2 if thread == "+2threads" else 1,
+                            prefetch_thread=thread.startswith("+thread"), background_staging="+foreground" not in thread,
+                            prefetch_depth=3 if "+depth3" in thread else 1, staging_threads=2 if thread == "+2threads" else 1,
                             kernel=kernel[1:] or "auto",
                         )
                     )  # fmt: skip

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -50,6 +51,7 @@ from typing_extensions import override
 
 from lightning_hotcache._compat import fit_train_dataloader, is_wrapping_checkpoint_io
 from lightning_hotcache.accumulation import refuse_gradient_accumulation
+from lightning_hotcache.background import background_priority_supported, run_at_background_priority
 from lightning_hotcache.cache import check_cache_policy
 from lightning_hotcache.cache.lookahead import default_lookahead_batches
 from lightning_hotcache.cache.fused import KernelChoice, check_kernel_choice
@@ -180,10 +182,11 @@ class _PrefetchingLoader:
         # staging of the one before, which on a GPU host was the step's bound at small budgets.
         # The reader runs one batch ahead (under the lookahead policy, one past the window).
         read = self._moved(self._read_ahead(modules))
+        background = self.strategy.stages_in_background
         if self.strategy.uses_reader_thread:
-            read = _in_thread(read, depth=1, name="hotcache-reader")
+            read = _in_thread(read, depth=1, name="hotcache-reader", background=background)
         yield from _in_thread(self._staged(read, modules), depth=self.strategy.prefetch_depth, name="hotcache-prefetch",
-                              waits=self.strategy.staging_waits)  # fmt: skip
+                              waits=self.strategy.staging_waits, background=background)  # fmt: skip
 
     def _staged(self, batches: Iterator[Any], modules: list[HotColdEmbeddingBagCollection]) -> Iterator[Any]:
         """``batches`` staged one by one, the time each took counted in `HotCacheStrategy.staging_work`."""
@@ -204,15 +207,20 @@ def _helper_cpu(modules: list[HotColdEmbeddingBagCollection]) -> float:
     return sum(module.staging_helper_cpu_seconds() for module in modules)
 
 
-def _in_thread(items: Iterator[Any], depth: int, name: str, waits: "StagingWaits | None" = None) -> Iterator[Any]:
+def _in_thread(
+    items: Iterator[Any], depth: int, name: str, waits: "StagingWaits | None" = None, background: bool = False
+) -> Iterator[Any]:
     """``items``, produced on a thread of their own at most ``depth`` ahead of this generator's
-    consumer. An error raised there is raised here; closing this generator stops the thread,
-    which closes ``items`` (a generator) there. A wait for an item counts in ``waits``."""
+    consumer; with ``background``, at the lowest CPU priority (`run_at_background_priority`).
+    An error raised there is raised here; closing this generator stops the thread, which
+    closes ``items`` (a generator) there. A wait for an item counts in ``waits``."""
     ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
     def work() -> None:
         try:
+            if background:
+                run_at_background_priority()
             with contextlib.closing(items):  # type: ignore[type-var]
                 for item in items:
                     while not stop.is_set():
@@ -347,15 +355,21 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         prefetch_thread: stage on a background thread. Default: on CUDA devices, where the host
             bookkeeping then overlaps GPU compute; not on CPU, where the thread competes with
             the model for the same cores and the GIL: on 2 cores the demo took 6% longer with
-            it. With large tables it has gone both ways on 2 cores (33.8M rows, batch 2048,
-            10% of the rows: 1.10x inline in one session, 0.91x in the next; 3.4M and 10M
-            rows: 0.89-1.01x), so on a CPU time both on your machine before setting it
-            (benchmarks/README.md, "The prefetch thread on the CPU" and the section after).
+            it. With large tables at ``background_staging`` it trained faster than inline (33.8M
+            rows, batch 2048, 10% of the rows on a 2-core AMD EPYC: 1.04x TorchRec against
+            0.97x inline, paired in turns), so on a CPU with large tables time both on your
+            machine (benchmarks/README.md, "Staging at background priority").
         reader_thread: with the prefetch thread, read and announce batches (check, order and
             deduplicate their ids, move them to the device) on a thread of their own, so that
             this overlaps the staging of the batch before. Default: on CUDA devices; not on
             CPU, where a third busy thread beside the step's took 12% off training at 1% with
             the lookahead policy on 2 cores (LFU: no change).
+        background_staging: run the prefetch and reader threads (and the threads they start) at
+            the lowest CPU priority (nice 19; Linux only, elsewhere ignored with a warning), so
+            that they take only the cores the step leaves idle instead of preempting its ops'
+            threads. Default: on CPU devices, where the step's ops take every core (at the
+            step's priority the prefetch thread took 33.8M-row training from 1.04x TorchRec
+            to 0.91x on 2 cores); not on CUDA, where staging's pace bounds the step.
         staging_threads: threads that stage a batch's caches at once (each width's split
             tables are then stacked in that many caches, of about equal dynamic
             slots, each with a directory of its own; see `lightning_hotcache.cache.side_by_side`).
@@ -394,6 +408,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         lookahead_batches: int | None = None,
         prefetch_thread: bool | None = None,
         reader_thread: bool | None = None,
+        background_staging: bool | None = None,
         staging_threads: int | None = None,
         cache_metrics: bool = True,
         checkpoint_shards: bool = False,
@@ -416,6 +431,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             check_staging_threads(staging_threads)
         if reader_thread and prefetch_thread is False:
             raise ValueError("reader_thread=True reads batches ahead of the prefetch thread: it needs prefetch_thread=True (or None).")
+        if background_staging and not background_priority_supported():
+            rank_zero_warn(f"background_staging=True needs Linux ({sys.platform} here): the staging threads keep the step's priority.")
         if host_storage != "memory" and Path(host_storage).exists() and not Path(host_storage).is_dir():
             raise NotADirectoryError(
                 f"host_storage {host_storage} is a file; give a directory (created if missing) or 'memory'."
@@ -441,6 +458,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         self.window_batches = lookahead_batches or default_lookahead_batches(None)
         self.prefetch_thread = prefetch_thread
         self.reader_thread = reader_thread
+        self.background_staging = background_staging
         self.staging_threads = staging_threads
         self.cache_metrics = cache_metrics
         self.checkpoint_shards = checkpoint_shards
@@ -456,6 +474,12 @@ class HotCacheStrategy(LikeAutoInOneProcess):
     @property
     def staging_threads_used(self) -> int:
         return default_staging_threads(self.root_device) if self.staging_threads is None else self.staging_threads
+
+    @property
+    def stages_in_background(self) -> bool:
+        """Whether the staging threads run at background priority (`lightning_hotcache.background`)."""
+        default = self.root_device.type == "cpu"
+        return background_priority_supported() and (default if self.background_staging is None else self.background_staging)
 
     @property
     def uses_reader_thread(self) -> bool:

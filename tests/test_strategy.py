@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import pickle
 import threading
 from pathlib import Path
@@ -17,6 +18,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_hotcache
 from lightning_hotcache import AccessProfiler, HotColdPlanner, HotCacheStrategy, RowWiseOptimizerConfig
+from lightning_hotcache.background import BACKGROUND_NICE, background_priority_supported
 from lightning_hotcache.cli import main, model_tables
 from lightning_hotcache.embedding import hot_cold_modules
 from lightning_hotcache.rowwise import ROW_STATE_KEY
@@ -699,3 +701,37 @@ def test_torchrec_refuses_ddp_settings_it_cannot_honour(settings: dict) -> None:
 
     with pytest.raises(ValueError, match=f"torchrec strategy cannot honour {next(iter(settings))}="):
         TorchRecStrategy(**settings)
+
+
+@pytest.mark.skipif(not background_priority_supported(), reason="per-thread priority is Linux's")
+@pytest.mark.parametrize("background", [None, False], ids=["default", "off"])
+def test_staging_threads_run_at_background_priority_on_the_cpu(background, monkeypatch) -> None:
+    from lightning_hotcache.embedding.collection import HotColdEmbeddingBagCollection
+
+    seen: dict[str, set[int]] = {}
+
+    def recorded(method):
+        def record(self, *args, **kwargs):
+            seen.setdefault(threading.current_thread().name, set()).add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return method(self, *args, **kwargs)
+
+        return record
+
+    monkeypatch.setattr(HotColdEmbeddingBagCollection, "prefetch", recorded(HotColdEmbeddingBagCollection.prefetch))
+    monkeypatch.setattr(HotColdEmbeddingBagCollection, "announce", recorded(HotColdEmbeddingBagCollection.announce))
+    step_priority = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    pl.seed_everything(0)
+    dm = data()
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    strategy = HotCacheStrategy(device_budget=0.1, profile_batches=4, prefetch_thread=True, reader_thread=True, background_staging=background)
+    cpu_trainer(strategy=strategy, max_steps=3).fit(model, dm)
+    staging = BACKGROUND_NICE if background is None else step_priority
+    assert strategy.stages_in_background == (background is None)
+    assert seen == {"hotcache-reader": {staging}, "hotcache-prefetch": {staging}}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == step_priority
+
+
+def test_background_staging_asked_where_no_thread_priority_exists_warns(monkeypatch) -> None:
+    monkeypatch.setattr("lightning_hotcache.strategy.background_priority_supported", lambda: False)
+    with pytest.warns(UserWarning, match=r"background_staging=True needs Linux .*: the staging threads keep the step's priority"):
+        HotCacheStrategy(background_staging=True)

@@ -1,0 +1,38 @@
+"""Staging threads at background priority, so that on a CPU they take only the cores the step leaves idle.
+
+On a CPU device the training step's torch ops run on every core (an OpenMP team of one thread
+a core). A staging thread at the step's own priority gets an equal share of the cores: the
+kernel preempts one of the team's threads mid-op, and the whole op waits at its barrier for
+the thread that was put aside. At the lowest priority (nice 19, which any process may set
+for its own threads) the scheduler runs staging while the step leaves a core idle: the
+Python between ops, autograd's bookkeeping, single-threaded ops, the loader. On a 2-core AMD
+EPYC at 33.8M rows, 10% of them on the "device", the prefetch thread took training from 0.91x
+TorchRec at the step's priority to 1.04x at nice 19 (`benchmarks/cpu_throughput.py`, in
+turns; benchmarks/README.md, "Staging at background priority").
+
+Linux only: elsewhere no per-thread priority exists through `os.setpriority`, and the thread
+keeps the step's. Neither torch nor Lightning sets a thread's priority, so this is ours.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+# The lowest priority a Linux thread may take (nice values run from -20 to 19).
+BACKGROUND_NICE = 19
+
+
+def background_priority_supported() -> bool:
+    return sys.platform.startswith("linux")
+
+
+def run_at_background_priority() -> None:
+    """Lower the calling thread's CPU priority to `BACKGROUND_NICE`, where the OS allows a
+    thread its own. Threads it starts later (torch's OpenMP team for its ops, a pool of
+    staging threads) take the same priority: Linux copies a thread's nice value to the
+    threads it creates."""
+    if background_priority_supported():
+        # On Linux PRIO_PROCESS with a thread's id sets that thread alone (setpriority(2), NOTES).
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)

@@ -1,0 +1,38 @@
+"""Staging threads at background priority (`lightning_hotcache.background`): the thread that
+asks is lowered, the training thread is not, and threads it starts inherit the priority."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from lightning_hotcache.background import BACKGROUND_NICE, background_priority_supported, run_at_background_priority
+
+pytestmark = pytest.mark.skipif(not background_priority_supported(), reason="per-thread priority is Linux's")
+
+
+def priority() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_only_the_calling_thread_and_those_it_starts_are_lowered() -> None:
+    before = priority()
+    seen: dict[str, int] = {}
+
+    def child() -> None:
+        seen["child"] = priority()
+
+    def staging() -> None:
+        run_at_background_priority()
+        seen["staging"] = priority()
+        started = threading.Thread(target=child)
+        started.start()
+        started.join()
+
+    thread = threading.Thread(target=staging)
+    thread.start()
+    thread.join()
+    assert seen == {"staging": BACKGROUND_NICE, "child": BACKGROUND_NICE}
+    assert priority() == before
