@@ -35,7 +35,7 @@ import contextlib
 import json
 import resource
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 from clock import StepClock, cache_counters, hit_rate_text, print_filling_note, still_filling, timed_trainer
@@ -99,6 +99,28 @@ def _rows_moved(result: dict[str, Any]) -> str:
     return "-" if not (fetched or written) else f"{fetched:,.0f} / {written:,.0f}"
 
 
+def strategy_makers() -> dict[str, Callable[[], Any]]:
+    """Name -> a maker of the strategy (each run builds its own)."""
+    makers: dict[str, Callable[[], Any]] = {"auto": lambda: "auto", "torchrec": lambda: "torchrec"}
+    # hotcache at 100%, 10% and 1% of the tables; with options too: the lookahead cache policy
+    # (10% and 1%), staging on the prefetch thread (inline by default on the CPU; at background
+    # priority unless "+foreground"; "+depth3": three batches staged ahead), a kernel named
+    # (the device tier's, "auto" choosing by default).
+    for budget in (1.0, 0.1, 0.01):
+        for policy in ("", "+lookahead") if budget < 1 else ("",):
+            for thread in ("", "+thread", "+thread+depth3", "+thread+foreground", "+2threads") if budget < 1 else ("", "+thread"):
+                for kernel in ("", "+fbgemm", "+pytorch"):
+                    makers[f"hotcache@{budget:g}{policy}{thread}{kernel}"] = (
+                        lambda b=budget, policy=policy, thread=thread, kernel=kernel: HotCacheStrategy(
+                            device_budget=b, profile_batches=50, cache_policy="lookahead" if policy else "lfu",
+                            prefetch_thread=thread.startswith("+thread"), background_staging=False if "+foreground" in thread else None,
+                            prefetch_depth=3 if "+depth3" in thread else 1, staging_threads=2 if thread == "+2threads" else 1,
+                            kernel=kernel[1:] or "auto",
+                        )
+                    )  # fmt: skip
+    return makers
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="the Criteo Kaggle cardinalities times this (1.0: 33.8M rows)")
@@ -123,23 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block", type=int, default=0, help=argparse.SUPPRESS)  # timed steps a turn
     args = parser.parse_args(argv)
 
-    runs = {"auto": lambda: "auto", "torchrec": lambda: "torchrec"}
-    # hotcache at 100%, 10% and 1% of the tables; with options too: the lookahead cache policy
-    # (10% and 1%), staging on the prefetch thread (inline by default on the CPU; at background
-    # priority unless "+foreground"; "+depth3": three batches staged ahead), a kernel named
-    # (the device tier's, "auto" choosing by default).
-    for budget in (1.0, 0.1, 0.01):
-        for policy in ("", "+lookahead") if budget < 1 else ("",):
-            for thread in ("", "+thread", "+thread+depth3", "+thread+foreground", "+2threads") if budget < 1 else ("", "+thread"):
-                for kernel in ("", "+fbgemm", "+pytorch"):
-                    runs[f"hotcache@{budget:g}{policy}{thread}{kernel}"] = (
-                        lambda b=budget, policy=policy, thread=thread, kernel=kernel: HotCacheStrategy(
-                            device_budget=b, profile_batches=50, cache_policy="lookahead" if policy else "lfu",
-                            prefetch_thread=thread.startswith("+thread"), background_staging="+foreground" not in thread,
-                            prefetch_depth=3 if "+depth3" in thread else 1, staging_threads=2 if thread == "+2threads" else 1,
-                            kernel=kernel[1:] or "auto",
-                        )
-                    )  # fmt: skip
+    runs = strategy_makers()
     if args.optimizer == "adam":
         del runs["torchrec"]
     unknown = set(args.strategies or ()) - set(runs)

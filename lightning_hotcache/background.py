@@ -6,8 +6,8 @@ kernel preempts one of the team's threads mid-op, and the whole op waits at its 
 the thread that was put aside. At the lowest priority (nice 19, which any process may set
 for its own threads) the scheduler runs staging while the step leaves a core idle: the
 Python between ops, autograd's bookkeeping, single-threaded ops, the loader. On a 2-core AMD
-EPYC at 33.8M rows, 10% of them on the "device", the prefetch thread took training from 0.91x
-TorchRec at the step's priority to 1.04x at nice 19 (`benchmarks/cpu_throughput.py`, in
+EPYC at 33.8M rows, 10% of them on the "device", the prefetch thread took training from 0.92x
+TorchRec at the step's priority to 1.03x at nice 19 (`benchmarks/cpu_throughput.py`, in
 turns; benchmarks/README.md, "Staging at background priority").
 
 Linux only: elsewhere no per-thread priority exists through `os.setpriority`, and the thread

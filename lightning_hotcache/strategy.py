@@ -354,22 +354,23 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             memory.
         prefetch_thread: stage on a background thread. Default: on CUDA devices, where the host
             bookkeeping then overlaps GPU compute; not on CPU, where the thread competes with
-            the model for the same cores and the GIL: on 2 cores the demo took 6% longer with
-            it. With large tables at ``background_staging`` it trained faster than inline (33.8M
-            rows, batch 2048, 10% of the rows on a 2-core AMD EPYC: 1.04x TorchRec against
-            0.97x inline, paired in turns), so on a CPU with large tables time both on your
-            machine (benchmarks/README.md, "Staging at background priority").
+            the model for the same cores and the GIL: the demo's small steps on 2 cores leave
+            it too little idle time (0.99x inline), and with it the cache's counters depend on
+            timing, so runs no longer repeat them. With large tables, at ``background_staging`` and with ``prefetch_depth=3``, it
+            trained faster than inline (33.8M rows, batch 2048, 2-core AMD EPYC, paired in
+            turns: 1.14x inline at 10% of the rows, 1.18x at 1% under lookahead), so set both
+            there (benchmarks/README.md, "Staging at background priority").
         reader_thread: with the prefetch thread, read and announce batches (check, order and
             deduplicate their ids, move them to the device) on a thread of their own, so that
             this overlaps the staging of the batch before. Default: on CUDA devices; not on
             CPU, where a third busy thread beside the step's took 12% off training at 1% with
             the lookahead policy on 2 cores (LFU: no change).
         background_staging: run the prefetch and reader threads (and the threads they start) at
-            the lowest CPU priority (nice 19; Linux only, elsewhere ignored with a warning), so
+            the lowest CPU priority (nice 19; Linux only: asked for elsewhere, it warns), so
             that they take only the cores the step leaves idle instead of preempting its ops'
             threads. Default: on CPU devices, where the step's ops take every core (at the
-            step's priority the prefetch thread took 33.8M-row training from 1.04x TorchRec
-            to 0.91x on 2 cores); not on CUDA, where staging's pace bounds the step.
+            step's priority the prefetch thread took 33.8M-row training from 1.03x TorchRec
+            to 0.92x on 2 cores); not on CUDA, where staging's pace bounds the step.
         staging_threads: threads that stage a batch's caches at once (each width's split
             tables are then stacked in that many caches, of about equal dynamic
             slots, each with a directory of its own; see `lightning_hotcache.cache.side_by_side`).

@@ -31,3 +31,15 @@ def test_pieces_are_timed_when_asked(capsys) -> None:
     assert 0 < pieces["begin acquire"] <= pieces["stage"] and pieces["announce"] > 0
     cpu_throughput.main(["--job", "hotcache@0.1", "--scale", "0.01", "--steps", "4", "--warmup", "2", "--batch-size", "256"])
     assert "pieces_ms_per_batch" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    ("name", "thread", "background", "depth"),
+    [("hotcache@0.1", False, None, 1), ("hotcache@0.1+thread", True, None, 1), ("hotcache@0.01+lookahead+thread+depth3", True, None, 3),
+     ("hotcache@0.1+thread+foreground", True, False, 1), ("hotcache@1+thread", True, None, 1)],
+)  # fmt: skip
+def test_a_name_makes_the_strategy_it_says(name, thread, background, depth) -> None:
+    # background None: the device's default (background priority on a CPU)
+    strategy = cpu_throughput.strategy_makers()[name]()
+    assert (strategy.prefetch_thread, strategy.background_staging, strategy.prefetch_depth) == (thread, background, depth)
+    assert strategy.cache_policy == ("lookahead" if "+lookahead" in name else "lfu")
