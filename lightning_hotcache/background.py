@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import warnings
 
 # The lowest priority a Linux thread may take (nice values run from -20 to 19).
 BACKGROUND_NICE = 19
@@ -33,6 +34,10 @@ def run_at_background_priority() -> None:
     thread its own. Threads it starts later (torch's OpenMP team for its ops, a pool of
     staging threads) take the same priority: Linux copies a thread's nice value to the
     threads it creates."""
-    if background_priority_supported():
+    if not background_priority_supported():
+        return
+    try:
         # On Linux PRIO_PROCESS with a thread's id sets that thread alone (setpriority(2), NOTES).
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except OSError as err:  # a sandbox that filters the call: staging still runs, at the step's priority
+        warnings.warn(f"Could not lower the staging thread's priority ({err}); it runs at the training step's.", stacklevel=2)

@@ -36,3 +36,14 @@ def test_only_the_calling_thread_and_those_it_starts_are_lowered() -> None:
     thread.join()
     assert seen == {"staging": BACKGROUND_NICE, "child": BACKGROUND_NICE}
     assert priority() == before
+
+
+def test_a_refused_priority_change_warns_and_staging_goes_on(monkeypatch) -> None:
+    def refused(*args: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refused)
+    before = priority()
+    with pytest.warns(UserWarning, match=r"Could not lower the staging thread's priority .*Operation not permitted.*; it runs at the training step's"):
+        run_at_background_priority()
+    assert priority() == before
