@@ -356,10 +356,11 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             bookkeeping then overlaps GPU compute; not on CPU, where the thread competes with
             the model for the same cores and the GIL: the demo's small steps on 2 cores leave
             it too little idle time (0.99x inline), and with it the cache's counters depend on
-            timing, so runs no longer repeat them. With large tables, at ``background_staging`` and with ``prefetch_depth=3``, it
-            trained faster than inline (33.8M rows, batch 2048, 2-core AMD EPYC, paired in
-            turns: 1.14x inline at 10% of the rows, 1.18x at 1% under lookahead), so set both
-            there (benchmarks/README.md, "Staging at background priority").
+            timing, so runs no longer repeat them. With large tables, at ``background_staging``
+            and with ``prefetch_depth=3``, it trained faster than inline (33.8M rows, batch
+            2048, 2-core AMD EPYC, paired in turns: 1.14x inline at 10% of the rows, 1.18x at
+            1% under lookahead), so set both there (benchmarks/README.md, "Staging at
+            background priority").
         reader_thread: with the prefetch thread, read and announce batches (check, order and
             deduplicate their ids, move them to the device) on a thread of their own, so that
             this overlaps the staging of the batch before. Default: on CUDA devices; not on
