@@ -484,6 +484,20 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         return background_priority_supported() and (default if self.background_staging is None else self.background_staging)
 
     @property
+    def staging_note(self) -> str:
+        """How training batches are staged, for the log: where, how far ahead, at what priority."""
+        ahead = f"{self.prefetch_depth} batch{'es' if self.prefetch_depth != 1 else ''} ahead"
+        if not self.uses_prefetch_thread:
+            note = f"inline on the training loop, {ahead}"
+            if self.root_device.type == "cpu":  # the CPU's default; the docstring says when to change it
+                note += " (with large tables on a CPU, prefetch_thread=True and prefetch_depth=3 trained faster: see prefetch_thread)"
+            return note
+        threads = "a prefetch thread" + (" and a reader thread" if self.uses_reader_thread else "")
+        priority = "at background priority" if self.stages_in_background else "at the step's priority"
+        side_by_side = f", {self.staging_threads_used} caches side by side" if self.staging_threads_used > 1 else ""
+        return f"on {threads} {priority}, {ahead}{side_by_side}"
+
+    @property
     def uses_reader_thread(self) -> bool:
         default = self.root_device.type == "cuda"
         return self.uses_prefetch_thread and (default if self.reader_thread is None else self.reader_thread)
@@ -569,6 +583,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             # must match), so rank 0's wins.
             self.plan = HotColdPlan.from_dict(self.broadcast(self.plan.to_dict()), self.plan.sharding_plan)
         rank_zero_info(f"hotcache plan:\n{self.plan}")
+        rank_zero_info(f"hotcache staging: {self.staging_note}")
         # A group of our own, so the row exchanges (forward and backward) never interleave with DDP's
         # bucket all-reduces on the default group.
         group = dist.new_group() if self.world_size > 1 else None

@@ -735,3 +735,24 @@ def test_background_staging_asked_where_no_thread_priority_exists_warns(monkeypa
     monkeypatch.setattr("lightning_hotcache.strategy.background_priority_supported", lambda: False)
     with pytest.warns(UserWarning, match=r"background_staging=True needs Linux .*: the staging threads keep the step's priority"):
         HotCacheStrategy(background_staging=True)
+
+
+@pytest.mark.parametrize(
+    ("settings", "note"),
+    [
+        ({}, "inline on the training loop, 1 batch ahead (with large tables on a CPU, prefetch_thread=True and prefetch_depth=3"),
+        ({"prefetch_thread": True, "prefetch_depth": 3}, "on a prefetch thread at background priority, 3 batches ahead"),
+        ({"prefetch_thread": True, "reader_thread": True, "background_staging": False},
+         "on a prefetch thread and a reader thread at the step's priority, 1 batch ahead"),
+    ],
+    ids=["inline", "thread", "thread+reader"],
+)  # fmt: skip
+def test_the_log_says_how_batches_are_staged(settings, note, caplog) -> None:
+    if not background_priority_supported() and "background" in note:
+        pytest.skip("per-thread priority is Linux's")
+    pl.seed_everything(0)
+    dm = data()
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    with caplog.at_level("INFO"):
+        cpu_trainer(strategy=HotCacheStrategy(device_budget=0.1, profile_batches=4, **settings), max_steps=1).fit(model, dm)
+    assert f"hotcache staging: {note}" in caplog.text
