@@ -31,9 +31,10 @@ def background_priority_supported() -> bool:
 
 def run_at_background_priority() -> None:
     """Lower the calling thread's CPU priority to `BACKGROUND_NICE`, where the OS allows a
-    thread its own. Threads it starts later (torch's OpenMP team for its ops, a pool of
-    staging threads) take the same priority: Linux copies a thread's nice value to the
-    threads it creates."""
+    thread its own. Threads and processes it starts later take the same priority (Linux
+    copies the creating thread's nice value): torch's OpenMP team for its ops, a pool of
+    staging threads, and a DataLoader's worker processes, whose iterator the prefetch or
+    reader thread makes, so that the loader too runs on the cores the step leaves idle."""
     if not background_priority_supported():
         return
     try:

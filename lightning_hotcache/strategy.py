@@ -366,10 +366,10 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             this overlaps the staging of the batch before. Default: on CUDA devices; not on
             CPU, where a third busy thread beside the step's took 12% off training at 1% with
             the lookahead policy on 2 cores (LFU: no change).
-        background_staging: run the prefetch and reader threads (and the threads they start) at
-            the lowest CPU priority (nice 19; Linux only: asked for elsewhere, it warns), so
-            that they take only the cores the step leaves idle instead of preempting its ops'
-            threads. Default: on CPU devices, where the step's ops take every core (at the
+        background_staging: run the prefetch and reader threads (and the threads and processes
+            they start: the DataLoader's workers too, whose iterator they make) at the lowest
+            CPU priority (nice 19; Linux only: asked for elsewhere, it warns), so that they take
+            only the cores the step leaves idle instead of preempting its ops' threads. Default: on CPU devices, where the step's ops take every core (at the
             step's priority the prefetch thread took 33.8M-row training from 1.03x TorchRec
             to 0.92x on 2 cores); not on CUDA, where staging's pace bounds the step.
         staging_threads: threads that stage a batch's caches at once (each width's split

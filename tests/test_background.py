@@ -47,3 +47,20 @@ def test_a_refused_priority_change_warns_and_staging_goes_on(monkeypatch) -> Non
     with pytest.warns(UserWarning, match=r"Could not lower the staging thread's priority .*Operation not permitted.*; it runs at the training step's"):
         run_at_background_priority()
     assert priority() == before
+
+
+def test_processes_forked_from_a_lowered_thread_inherit_it() -> None:
+    # What a DataLoader's workers get when the loader's iterator is made on the staging thread.
+    import multiprocessing
+
+    seen: dict[str, int] = {}
+
+    def staging() -> None:
+        run_at_background_priority()
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            seen["worker"] = pool.apply(os.getpriority, (os.PRIO_PROCESS, 0))
+
+    thread = threading.Thread(target=staging)
+    thread.start()
+    thread.join()
+    assert seen == {"worker": BACKGROUND_NICE}
