@@ -486,6 +486,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
     @property
     def staging_note(self) -> str:
         """How training batches are staged, for the log: where, how far ahead, at what priority."""
+        if self.prefetch_depth == 0:
+            return "by each batch's own forward (prefetch_depth=0: nothing staged ahead)"
         ahead = f"{self.prefetch_depth} batch{'es' if self.prefetch_depth != 1 else ''} ahead"
         if not self.uses_prefetch_thread:
             note = f"inline on the training loop, {ahead}"
