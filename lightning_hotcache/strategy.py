@@ -369,9 +369,10 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         background_staging: run the prefetch and reader threads (and the threads and processes
             they start: the DataLoader's workers too, whose iterator they make) at the lowest
             CPU priority (nice 19; Linux only: asked for elsewhere, it warns), so that they take
-            only the cores the step leaves idle instead of preempting its ops' threads. Default: on CPU devices, where the step's ops take every core (at the
-            step's priority the prefetch thread took 33.8M-row training from 1.03x TorchRec
-            to 0.92x on 2 cores); not on CUDA, where staging's pace bounds the step.
+            only the cores the step leaves idle instead of preempting its ops' threads.
+            Default: on CPU devices, where the step's ops take every core (at the step's
+            priority the prefetch thread took 33.8M-row training from 1.03x TorchRec to 0.92x
+            on 2 cores); not on CUDA, where staging's pace bounds the step.
         staging_threads: threads that stage a batch's caches at once (each width's split
             tables are then stacked in that many caches, of about equal dynamic
             slots, each with a directory of its own; see `lightning_hotcache.cache.side_by_side`).
@@ -489,6 +490,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         if self.prefetch_depth == 0:
             return "by each batch's own forward (prefetch_depth=0: nothing staged ahead)"
         ahead = f"{self.prefetch_depth} batch{'es' if self.prefetch_depth != 1 else ''} ahead"
+        ahead += f", {self.staging_threads_used} caches side by side" if self.staging_threads_used > 1 else ""
         if not self.uses_prefetch_thread:
             note = f"inline on the training loop, {ahead}"
             if self.root_device.type == "cpu":  # the CPU's default; the docstring says when to change it
@@ -496,8 +498,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             return note
         threads = "a prefetch thread" + (" and a reader thread" if self.uses_reader_thread else "")
         priority = "at background priority" if self.stages_in_background else "at the step's priority"
-        side_by_side = f", {self.staging_threads_used} caches side by side" if self.staging_threads_used > 1 else ""
-        return f"on {threads} {priority}, {ahead}{side_by_side}"
+        return f"on {threads} {priority}, {ahead}"
 
     @property
     def uses_reader_thread(self) -> bool:

@@ -745,8 +745,9 @@ def test_background_staging_asked_where_no_thread_priority_exists_warns(monkeypa
         ({"prefetch_thread": True, "reader_thread": True, "background_staging": False},
          "on a prefetch thread and a reader thread at the step's priority, 1 batch ahead"),
         ({"prefetch_thread": True, "prefetch_depth": 0}, "by each batch's own forward (prefetch_depth=0: nothing staged ahead)"),
+        ({"staging_threads": 2}, "inline on the training loop, 1 batch ahead, 2 caches side by side (with large tables"),
     ],
-    ids=["inline", "thread", "thread+reader", "nothing-ahead"],
+    ids=["inline", "thread", "thread+reader", "nothing-ahead", "inline+2threads"],
 )  # fmt: skip
 def test_the_log_says_how_batches_are_staged(settings, note, caplog) -> None:
     if not background_priority_supported() and "background" in note:
