@@ -31,7 +31,17 @@ def refuse_gradient_accumulation(trainer: pl.Trainer, strategy_name: str) -> Non
     """Raise when a fit would accumulate gradients over micro-batches (see the module docstring)."""
     if trainer.state.fn != TrainerFn.FITTING:
         return
-    factor = largest_accumulation(trainer)
+    _refuse(largest_accumulation(trainer), strategy_name)
+
+
+def refuse_gradient_accumulation_now(trainer: pl.Trainer, strategy_name: str) -> None:
+    """Raise when this training step would accumulate: called before each step's forward,
+    for accumulation that a callback turns on mid-fit (as `GradientAccumulationScheduler`
+    does, at an epoch start), before a row of the step is updated."""
+    _refuse(trainer.accumulate_grad_batches, strategy_name)
+
+
+def _refuse(factor: int, strategy_name: str) -> None:
     if factor > 1:
         raise ValueError(
             f"accumulate_grad_batches={factor} does not train what `auto` trains under strategy={strategy_name!r}: "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Iterator
+from typing import Any, Iterator
 
 import lightning.pytorch as pl
 import numpy as np
@@ -33,6 +33,39 @@ def global_rngs_restored() -> Iterator[None]:
         yield
     random.setstate(python_state)
     np.random.set_state(numpy_state)
+
+
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The torch Generators a training loader draws from besides the global RNGs: its own
+    (``DataLoader(generator=...)``: its workers' base seed and its RandomSampler's shuffle),
+    its sampler's and its batch sampler's, in a loader or a collection of loaders."""
+    if isinstance(loader, (list, tuple)):
+        return [g for item in loader for g in loader_generators(item)]
+    if isinstance(loader, dict):
+        return [g for item in loader.values() for g in loader_generators(item)]
+    parts = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
+    parts.append(getattr(parts[-1], "sampler", None))
+    found: dict[int, torch.Generator] = {}
+    for part in parts:
+        for value in vars(part).values() if hasattr(part, "__dict__") else ():
+            if isinstance(value, torch.Generator):
+                found[id(value)] = value
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def loader_rngs_restored(loader: Any) -> Iterator[None]:
+    """Leave the global RNGs and every generator of ``loader`` (`loader_generators`) as they
+    were on entry: reading a loader before training (profiling, the batch size check) must not
+    move the order or the seeds that training then gets."""
+    generators = loader_generators(loader)
+    states = [g.get_state() for g in generators]
+    with global_rngs_restored():
+        try:
+            yield
+        finally:
+            for generator, state in zip(generators, states):
+                generator.set_state(state)
 
 
 class LikeAutoInOneProcess(DDPStrategy):

@@ -29,6 +29,7 @@ that a kill mid-save leaves the previous or the new checkpoint whole); `consolid
 from __future__ import annotations
 
 import contextlib
+import itertools
 import queue
 import sys
 import threading
@@ -50,7 +51,7 @@ from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
 from lightning_hotcache._compat import fit_train_dataloader, is_wrapping_checkpoint_io
-from lightning_hotcache.accumulation import refuse_gradient_accumulation
+from lightning_hotcache.accumulation import refuse_gradient_accumulation, refuse_gradient_accumulation_now
 from lightning_hotcache.background import background_priority_supported, run_at_background_priority
 from lightning_hotcache.cache import check_cache_policy
 from lightning_hotcache.cache.lookahead import default_lookahead_batches
@@ -74,7 +75,7 @@ from lightning_hotcache.even_batches import check_even_batches
 from lightning_hotcache.global_batch import BatchShare
 from lightning_hotcache.guards import finite_loss_or_skip
 from lightning_hotcache.host_rows import release_helpers
-from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
+from lightning_hotcache.like_auto import LikeAutoInOneProcess, loader_rngs_restored
 from lightning_hotcache.planner import (
     Budget,
     HotColdPlan,
@@ -104,11 +105,21 @@ class _PrefetchingLoader:
     no collective (across processes it reads only the rank's own rows; other ranks' rows
     come in forward), so this holds across processes too. Outside
     training mode (sanity checks, validation) batches pass through untouched.
+
+    A stateful loader (one with ``state_dict``/``load_state_dict``, which Lightning saves in
+    checkpoints and loads on resume: torchdata's ``StatefulDataLoader``) is read ahead of the
+    step, so its own state is that of the batches read ahead. Its state is therefore taken
+    right after each batch is read, and ``state_dict()`` here returns the one of the last
+    batch handed to the loop: a checkpoint resumes at the batch after the trained step.
     """
 
     def __init__(self, loader: Iterable[Any], strategy: "HotCacheStrategy") -> None:
         self.loader = loader
         self.strategy = strategy
+        # A stateful loader's state after each batch read ahead and not yet handed to the loop
+        # (appended by whichever thread reads), and the state after the last one handed over.
+        self._states_read: deque[Any] = deque()
+        self._state_handed: Any = None
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -118,19 +129,33 @@ class _PrefetchingLoader:
         # `self.loader` would call this method again, forever.
         if "loader" not in self.__dict__:
             raise AttributeError(name)
-        return getattr(self.__dict__["loader"], name)
+        found = getattr(self.__dict__["loader"], name)
+        return self._state_of_handed_batches if name == "state_dict" else found
+
+    def _state_of_handed_batches(self) -> Any:
+        """The loader's state as of the last batch the loop got (its own outside staging)."""
+        return self.loader.state_dict() if self._state_handed is None else self._state_handed  # type: ignore[attr-defined]
+
+    @property
+    def _stateful(self) -> bool:
+        return callable(getattr(self.loader, "state_dict", None))
 
     def __iter__(self) -> Iterator[Any]:
         modules = list(hot_cold_modules(self.strategy.lightning_module).values())
+        self._states_read.clear()
+        self._state_handed = None
         if not modules or not self.strategy.lightning_module.training or self.strategy.prefetch_depth == 0:
             yield from self.loader
             return
         for module in modules:  # an epoch cut short (limit_train_batches, max_steps) leaves some staged
             module.clear_prefetched()
-        if self.strategy.uses_prefetch_thread:
-            yield from self._staged_in_background(modules)
-        else:
-            yield from self._staged_inline(modules)
+        staged = self._staged_in_background(modules) if self.strategy.uses_prefetch_thread else self._staged_inline(modules)
+        stateful = self._stateful
+        with contextlib.closing(staged):
+            for batch in staged:
+                if stateful:  # read (and its state taken) before it was staged
+                    self._state_handed = self._states_read.popleft()
+                yield batch
 
     def _read_ahead(self, modules: list[HotColdEmbeddingBagCollection]) -> Iterator[Any]:
         """The loader's batches, each announced to the modules first (its ids checked, ordered
@@ -138,7 +163,10 @@ class _PrefetchingLoader:
         ``window_batches`` batches later, so that the caches evict by the batches to come."""
         ahead = self.strategy.window_batches if self.strategy.cache_policy == "lookahead" else 0
         window: deque[Any] = deque()
-        for batch in self.loader:
+        stateful = self._stateful
+        for batch in self._batches_the_loop_takes():
+            if stateful:
+                self._states_read.append(self.loader.state_dict())  # type: ignore[attr-defined]
             started = time.perf_counter()
             for features in _features_of(batch):
                 for module in modules:
@@ -149,6 +177,16 @@ class _PrefetchingLoader:
             if len(window) > ahead:
                 yield window.popleft()
         yield from window
+
+    def _batches_the_loop_takes(self) -> Iterator[Any]:
+        """The loader's batches, no more than its length: Lightning's loop stops asking at the
+        length, and a further ``next`` can draw from the loader's generators (a RandomSampler
+        draws its next permutation then), which the next epoch's order would show."""
+        try:
+            length = len(self.loader)  # type: ignore[arg-type]
+        except TypeError:  # an iterable without a length: the loop reads it to its end too
+            return iter(self.loader)
+        return itertools.islice(self.loader, length)
 
     def _moved(self, batches: Iterator[Any]) -> Iterator[tuple[Any, Any]]:
         """Each of ``batches`` and its move to the device: the ids are staged from the host
@@ -629,10 +667,11 @@ class HotCacheStrategy(LikeAutoInOneProcess):
     @contextlib.contextmanager
     def _training_batches(self, trainer: pl.Trainer) -> Iterator[Iterator[KeyedJaggedTensor]]:
         """The sparse features of the fit's training batches, for profiling, read with the
-        global RNGs put back on exit.
+        global RNGs and the loader's own generators put back on exit.
 
-        Iterating a loader draws from the global RNGs (its workers' base seed, a
-        RandomSampler's permutation); profiling must leave training what `auto` would see. A
+        Iterating a loader draws from the global RNGs or the loader's own generator (its
+        workers' base seed, a RandomSampler's permutation); profiling must leave training what
+        `auto` would see. A
         context manager, so the RNGs go back when the reading ends: restored in a generator's
         cleanup instead, an unfinished read in a reference cycle (a failed fit's traceback)
         set them back whenever the garbage collector reached it, in the middle of later work.
@@ -643,7 +682,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
                 "hotcache needs access stats to plan, and the fit has no training data to profile: pass stats_path "
                 "(from `hotcache profile`), or fit with a datamodule or train_dataloaders."
             )
-        with global_rngs_restored():
+        with loader_rngs_restored(loader):
             batches = (features for batch in loader for features in _features_of(batch))
             try:
                 yield batches
@@ -652,6 +691,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.plan is not None:  # a callback may turn accumulation on mid-fit; no row has stepped yet
+            refuse_gradient_accumulation_now(self.lightning_module.trainer, self.strategy_name)
         output = super().training_step(*args, **kwargs)
         model = self.lightning_module
         loss = output.get("loss") if isinstance(output, Mapping) else output

@@ -29,7 +29,7 @@ from torchrec import EmbeddingBagCollection
 from typing_extensions import override
 
 from lightning_hotcache import collectives
-from lightning_hotcache.accumulation import refuse_gradient_accumulation
+from lightning_hotcache.accumulation import refuse_gradient_accumulation, refuse_gradient_accumulation_now
 from lightning_hotcache.even_batches import check_even_batches
 from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
 from lightning_hotcache.planner import _quiet_torchrec_planner
@@ -155,12 +155,14 @@ class TorchRecStrategy(LikeAutoInOneProcess):
         # TorchRec's fused optimizer of the sharded tables; kept past teardown, which unwraps
         # the model, so that a checkpoint saved after fit holds its state too.
         self._fused_optimizer: Any = None
+        self._steps_rows_in_backward = False  # the model has tables, whose rows step in backward
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             refuse_sharded_tables(self.lightning_module, f"strategy={self.strategy_name!r}")
-        if any(isinstance(m, EmbeddingBagCollection) for m in self.lightning_module.modules()):
+        self._steps_rows_in_backward = any(isinstance(m, EmbeddingBagCollection) for m in self.lightning_module.modules())
+        if self._steps_rows_in_backward:
             refuse_gradient_accumulation(trainer, self.strategy_name)  # rows are stepped in backward
             refuse_half_true_precision(trainer, f"strategy={self.strategy_name!r}")
         if self.world_size > 1 and not self.lightning_module.automatic_optimization:
@@ -173,6 +175,12 @@ class TorchRecStrategy(LikeAutoInOneProcess):
                 "optimization, one process, or strategy='ddp' or 'hotcache'."
             )
         super().setup(trainer)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._steps_rows_in_backward:  # a callback may turn accumulation on mid-fit; no row has stepped yet
+            refuse_gradient_accumulation_now(self.lightning_module.trainer, self.strategy_name)
+        return super().training_step(*args, **kwargs)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

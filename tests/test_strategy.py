@@ -758,3 +758,33 @@ def test_the_log_says_how_batches_are_staged(settings, note, caplog) -> None:
     with caplog.at_level("INFO"):
         cpu_trainer(strategy=HotCacheStrategy(device_budget=0.1, profile_batches=4, **settings), max_steps=1).fit(model, dm)
     assert f"hotcache staging: {note}" in caplog.text
+
+
+@pytest.mark.parametrize("strategy", ["hotcache", "torchrec"])
+def test_gradient_accumulation_turned_on_mid_fit_is_refused_before_a_row_steps(strategy: str) -> None:
+    # A callback that sets accumulate_grad_batches at an epoch start (as Lightning's scheduler
+    # does) trained silently: the check ran at fit start only.
+    class AccumulateFromEpochOne(pl.Callback):
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            if trainer.current_epoch == 1:
+                trainer.accumulate_grad_batches = 2
+
+    def tables_of(model) -> dict[str, torch.Tensor]:  # torchrec's sharded tables: one local shard each
+        state = model.state_dict()
+        return {k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).clone() for k, v in state.items() if "embedding" in k}
+
+    class Snapshot(pl.Callback):
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            self.tables = tables_of(pl_module)
+
+    pl.seed_everything(0)
+    dm = data()
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    snapshot = Snapshot()
+    trainer = cpu_trainer(strategy=strategy, max_epochs=2, limit_val_batches=0, callbacks=[AccumulateFromEpochOne(), snapshot])
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2 .*2x larger batch size"):
+        trainer.fit(model, dm)
+    assert trainer.current_epoch == 1 and snapshot.tables
+    after = tables_of(trainer.lightning_module)
+    for key, value in snapshot.tables.items():  # no row stepped in the refused epoch
+        assert torch.equal(after[key], value), key

@@ -72,3 +72,109 @@ def test_torchrec_strategy_keeps_a_user_loader_as_auto_does() -> None:
     torch.testing.assert_close(
         model.state_dict()["over_arch.model.1.weight"], expected.state_dict()["over_arch.model.1.weight"], rtol=1e-5, atol=1e-6
     )
+
+
+class PositionLoader:
+    """A plain stateful loader (Lightning saves its ``state_dict`` in checkpoints and loads it on
+    resume): it resumes at the batch its state names, as torchdata's StatefulDataLoader does."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+        self.pos = 0
+        self._resume_at = 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        self.pos, self._resume_at = self._resume_at, 0
+        while self.pos < len(self.batches):
+            self.pos += 1
+            yield self.batches[self.pos - 1]
+        self.pos = 0
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume_at = state["pos"]
+
+
+def stateful_loader(kind: str, batches: list):
+    if kind == "plain":
+        return PositionLoader(batches)
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+    return stateful_dataloader.StatefulDataLoader(batches, batch_size=None, shuffle=False)
+
+
+def fit_resumed_at(strategy_of, kind: str, tmp_path, resume_step: int) -> DLRM:
+    """Two epochs with a checkpoint every 4 steps, then a new run resumed from ``resume_step``'s."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    batches, dm = user_batches()
+    pl.seed_everything(0)
+    model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}")
+    trainer = cpu_trainer(strategy=strategy_of(), max_epochs=2, callbacks=[saver], enable_checkpointing=True)
+    trainer.fit(model, train_dataloaders=stateful_loader(kind, batches))
+    pl.seed_everything(0)
+    resumed = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    recorder = Recorder()
+    trainer = cpu_trainer(strategy=strategy_of(), max_epochs=2, callbacks=[recorder])
+    trainer.fit(resumed, train_dataloaders=stateful_loader(kind, batches), ckpt_path=str(tmp_path / f"step={resume_step}.ckpt"))
+    first_resumed = float(batches[resume_step % len(batches)].dense_features[0, 0])
+    assert recorder.seen[0] == first_resumed, "the resumed run did not start at the batch after the checkpoint's step"
+    return resumed
+
+
+STAGING = {
+    "inline": dict(),
+    "thread_depth3": dict(prefetch_thread=True, prefetch_depth=3),
+    "lookahead": dict(cache_policy="lookahead", lookahead_batches=64),
+}
+
+
+@pytest.mark.parametrize(
+    "kind, staging", [("plain", "inline"), ("plain", "thread_depth3"), ("plain", "lookahead"), ("torchdata", "lookahead")]
+)
+def test_a_stateful_loader_resumes_at_the_batch_after_the_trained_step(kind, staging, tmp_path) -> None:
+    # Lightning checkpoints a stateful loader's state_dict; hotcache reads the loader ahead of
+    # the step (staging, lookahead), and once saved the state of the batches read ahead: batch
+    # 12 never trained (depth 1), or the epoch trained again from batch 0 (lookahead drained it).
+    batches, _ = user_batches()
+    expected, _ = fit("auto", shuffle=False)
+    strategy_of = lambda: HotCacheStrategy(device_budget=0.05, profile_batches=4, **STAGING[staging])  # noqa: E731
+    model = fit_resumed_at(strategy_of, kind, tmp_path, resume_step=12)
+    torch.testing.assert_close(model.state_dict(), expected.state_dict(), rtol=1e-5, atol=1e-6)
+
+
+def fit_with_generator(strategy, num_workers: int, generator_of: str) -> tuple[DLRM, list[float]]:
+    """A loader shuffled by a generator of its own (PyTorch's documented reproducible shuffling)."""
+    from torch.utils.data import RandomSampler
+
+    batches, dm = user_batches()
+    pl.seed_everything(0)
+    model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    generator = torch.Generator().manual_seed(0)
+    if generator_of == "loader":
+        loader = DataLoader(batches, batch_size=None, shuffle=True, generator=generator, num_workers=num_workers)
+    else:
+        sampler = RandomSampler(batches, generator=generator)
+        loader = DataLoader(batches, batch_size=None, sampler=sampler, num_workers=num_workers)
+    recorder = Recorder()
+    cpu_trainer(strategy=strategy, max_epochs=2, callbacks=[recorder]).fit(model, train_dataloaders=loader)
+    return model, recorder.seen
+
+
+@pytest.mark.parametrize(
+    "num_workers, generator_of, stats",
+    [(0, "loader", "profiled_from_loader"), (0, "sampler", "from_file"), (2, "loader", "from_file")],
+)
+def test_a_loader_with_its_own_generator_trains_in_autos_order(num_workers, generator_of, stats, stats_path) -> None:
+    # Profiling and the batch size check iterate the loader before training; they restored the
+    # global RNGs only, so the loader's own generator was one shuffle ahead of `auto`'s.
+    expected, expected_order = fit_with_generator("auto", num_workers, generator_of)
+    given = {"stats_path": stats_path} if stats == "from_file" else {"profile_batches": 4}
+    model, order = fit_with_generator(HotCacheStrategy(device_budget=0.05, **given), num_workers, generator_of)
+    assert order == expected_order
+    torch.testing.assert_close(model.state_dict(), expected.state_dict(), rtol=1e-5, atol=1e-6)
