@@ -53,7 +53,7 @@ from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotCacheStrategy
 from lightning_hotcache.cache.host import map_rows
 from lightning_hotcache.cache.lookahead import MAX_DEFAULT_WINDOW_BATCHES
-from lightning_hotcache.table_init import initial_rows
+from lightning_hotcache.embedding.table_init import initial_rows
 from models import DLRM
 
 RESULTS = Path(__file__).parent / "results"

@@ -10,7 +10,7 @@ budgets with two baselines:
 * ``plain-one-node``: the same tables looked up as the zoo's models do under ``auto``/``ddp``
   (`pooled_in_one_node`: one autograd node for the collection);
 * ``plain-stacked``: a copy of them laid out as the zoo's models lay them out (one stack of
-  rows, `lightning_hotcache.stacked_tables`), looked up the same way, the gradient rows handed
+  rows, `lightning_hotcache.optim.stacked_tables`), looked up the same way, the gradient rows handed
   to the optimizer as one piece as a fit's zoo model hands them (no ``.grad`` per table).
 
 Data: SyntheticCTRDataModule (26 Criteo-shaped Zipf features). Stats for the planner come
@@ -39,9 +39,9 @@ from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotColdEmbeddingBagCollection, HotColdPlanner, RowWiseOptimizer, RowWiseOptimizerConfig
 from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
-from lightning_hotcache.profiling import profile_batches
-from lightning_hotcache.rowwise import use_sparse_gradients
-from lightning_hotcache.stacked_tables import stack_tables
+from lightning_hotcache.planner.profiling import profile_batches
+from lightning_hotcache.optim.rowwise import use_sparse_gradients
+from lightning_hotcache.optim.stacked_tables import stack_tables
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -45,7 +45,7 @@ from turns import Baton, TurnClock, jobs_in_turns, train_in_turns
 
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotCacheStrategy  # importing the package registers "torchrec" too
-from lightning_hotcache.callbacks import staging_totals
+from lightning_hotcache.callbacks.metrics import staging_totals
 from models import DLRM
 
 RESULTS = Path(__file__).parent / "results"

@@ -106,7 +106,7 @@ from datamodules import SyntheticCTRDataModule
 from datamodules.base import BatchSource, Split
 from lightning_hotcache import HotCacheStrategy
 from lightning_hotcache.cache.lookahead import default_lookahead_batches
-from lightning_hotcache.callbacks import staging_totals
+from lightning_hotcache.callbacks.metrics import staging_totals
 from lightning_hotcache.embedding import hot_cold_modules
 from models import DLRM
 

@@ -48,8 +48,8 @@ from torchrec import EmbeddingBagConfig
 from datamodules import MovieLensDataModule, SyntheticCTRDataModule
 from lightning_hotcache import HotColdPlanner, RowWiseOptimizerConfig
 from lightning_hotcache.cache import DeviceCache, HostStore
-from lightning_hotcache.planner import HotColdPlan, TablePlan, row_bytes
-from lightning_hotcache.profiling import profile_batches
+from lightning_hotcache.planner.plan import HotColdPlan, TablePlan, row_bytes
+from lightning_hotcache.planner.profiling import profile_batches
 
 RESULTS = Path(__file__).parent / "results"
 SGD = RowWiseOptimizerConfig(name="sgd")

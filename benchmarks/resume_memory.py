@@ -30,7 +30,7 @@ from beyond_ram import MemorySampler, drop_from_page_cache
 from pieces import PieceClock
 from report import job_in_process, write_report
 
-import lightning_hotcache.strategy as strategy_module
+import lightning_hotcache.strategies.hotcache as strategy_module
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotCacheStrategy, checkpoint
 from lightning_hotcache.embedding import hot_cold_modules

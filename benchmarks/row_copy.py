@@ -4,7 +4,7 @@ A 1% cache's staging writes its evicted rows back to the host table on every bat
 host, ~15k rows of dim 128 a batch of 8,192 at the Criteo Kaggle shape), to random rows of
 tables far larger than the processor's caches: each row written waits on memory. `put_rows`
 splits a large copy between threads where the machine has cores to spare
-(`lightning_hotcache.host_rows.copy_threads`). This times it at each of ``--threads``
+(`lightning_hotcache._ops.host_rows.copy_threads`). This times it at each of ``--threads``
 (``LIGHTNING_HOTCACHE_COPY_THREADS``), the settings taking turns copy by copy, so drift in
 the machine hits them all alike, each copy to ids of its own (rows another setting just wrote
 would be in the processor's cache); reported: the median milliseconds a copy and each
@@ -26,7 +26,7 @@ import torch
 from report import write_report
 
 from lightning_hotcache.cache.host_arrays import new_host_array
-from lightning_hotcache.host_rows import put_rows
+from lightning_hotcache._ops.host_rows import put_rows
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -1,5 +1,5 @@
 """Bytes each rank sends and receives per training step from 1 to 1024 ranks, for DLRM at
-the Criteo Kaggle cardinalities: the communication model of `lightning_hotcache.traffic`
+the Criteo Kaggle cardinalities: the communication model of `lightning_hotcache.planner.traffic`
 (designs and formulas there) on the synthetic data's exact access law, a table, JSON and a
 plot; ``--validate`` compares the model with loopback bytes measured for 2 and 4 gloo
 processes (benchmarks/scaling.py's jobs, each in its own network namespace so that no other
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from lightning_hotcache.traffic import (
+from lightning_hotcache.planner.traffic import (
     TableLoad,
     Workload,
     hotcache,
@@ -89,7 +89,7 @@ def profile_and_plan(
     profile the first ``batches`` training batches and plan. Returns stats, plan, optimizer
     state floats per row and the model's dense parameters."""
     from lightning_hotcache import HotColdPlanner
-    from lightning_hotcache.profiling import profile_batches
+    from lightning_hotcache.planner.profiling import profile_batches
     from models import DLRM
 
     model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05},

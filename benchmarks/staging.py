@@ -61,7 +61,7 @@ from torchrec import KeyedJaggedTensor
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import AccessStats, HotColdEmbeddingBagCollection, HotColdPlanner, RowWiseOptimizerConfig
 from lightning_hotcache.cache import slot_map
-from lightning_hotcache.profiling import profile_batches
+from lightning_hotcache.planner.profiling import profile_batches
 
 RESULTS = Path(__file__).parent / "results"
 OPTIMIZER = RowWiseOptimizerConfig(name="rowwise_adagrad", lr=0.05)

@@ -26,7 +26,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from typing_extensions import override
 
 from lightning_hotcache._compat import fit_resume_point
-from lightning_hotcache.global_batch import BatchShare, share_bounds
+from lightning_hotcache.distributed.global_batch import BatchShare, share_bounds
 
 
 Split = Literal["train", "val", "test"]

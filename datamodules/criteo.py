@@ -26,7 +26,7 @@ from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
 from datamodules.base import CTRDataModule, Split, check_fractions, make_batch, split_ranges
-from lightning_hotcache.global_batch import BatchShare
+from lightning_hotcache.distributed.global_batch import BatchShare
 
 NUM_COLUMNS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
 NPY_SUFFIXES = ("_dense.npy", "_sparse.npy", "_labels.npy")

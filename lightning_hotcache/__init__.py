@@ -10,34 +10,38 @@ from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_hotcache.callbacks import CacheMetrics, SamplesPerSecond
-from lightning_hotcache.rowwise import (
+from lightning_hotcache._compat import alias_moved_modules
+
+from lightning_hotcache.callbacks.metrics import CacheMetrics, SamplesPerSecond
+from lightning_hotcache.optim.rowwise import (
     ROWWISE_OPTIMIZERS,
     RowWiseOptimizer,
     RowWiseOptimizerConfig,
     use_sparse_gradients,
 )
-from lightning_hotcache.sparse_ddp import average_sparse_gradients, keep_out_of_ddp
-from lightning_hotcache.strategy import HotCacheStrategy
-from lightning_hotcache.torchrec_strategy import TorchRecStrategy
+from lightning_hotcache.distributed.sparse_ddp import average_sparse_gradients, keep_out_of_ddp
+from lightning_hotcache.strategies.hotcache import HotCacheStrategy
+from lightning_hotcache.strategies.torchrec import TorchRecStrategy
+
+alias_moved_modules()  # old flat module paths still import, with a DeprecationWarning
 
 _LAZY = {
-    "AccessProfiler": "lightning_hotcache.profiling",
-    "AccessStats": "lightning_hotcache.profiling",
-    "profile_batches": "lightning_hotcache.profiling",
-    "plot_coverage": "lightning_hotcache.profiling",
-    "HotColdPlanner": "lightning_hotcache.planner",
-    "HotColdPlan": "lightning_hotcache.planner",
-    "TablePlan": "lightning_hotcache.planner",
+    "AccessProfiler": "lightning_hotcache.planner.profiling",
+    "AccessStats": "lightning_hotcache.planner.profiling",
+    "profile_batches": "lightning_hotcache.planner.profiling",
+    "plot_coverage": "lightning_hotcache.planner.profiling",
+    "HotColdPlanner": "lightning_hotcache.planner.plan",
+    "HotColdPlan": "lightning_hotcache.planner.plan",
+    "TablePlan": "lightning_hotcache.planner.plan",
     "HotColdEmbeddingBagCollection": "lightning_hotcache.embedding",
     "to_torchrec": "lightning_hotcache.embedding",
     "HostStore": "lightning_hotcache.cache",
     "DeviceCache": "lightning_hotcache.cache",
     "CacheCapacityError": "lightning_hotcache.cache",
-    "BatchShare": "lightning_hotcache.global_batch",
-    "share_mean": "lightning_hotcache.global_batch",
-    "real_samples": "lightning_hotcache.global_batch",
-    "PredictionWriter": "lightning_hotcache.predictions",
+    "BatchShare": "lightning_hotcache.distributed.global_batch",
+    "share_mean": "lightning_hotcache.distributed.global_batch",
+    "real_samples": "lightning_hotcache.distributed.global_batch",
+    "PredictionWriter": "lightning_hotcache.callbacks.predictions",
 }
 
 # Registered names take no settings (Lightning), so common settings get names of their own;

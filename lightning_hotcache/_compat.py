@@ -6,6 +6,12 @@ breaks here first, and only here.
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -113,3 +119,64 @@ def add_to_each(tensors: list[torch.Tensor], scalars: list[int | float]) -> list
     list comprehension launches one per tensor: torch's multi-tensor ``_foreach_add``, what
     torch.optim's ``foreach`` implementations run on; it has no public name."""
     return list(torch._foreach_add(tensors, scalars))
+
+
+# Modules that moved into the package's folders, by their old flat path. Importing an old
+# path still works for one release: it warns and gives the module at its new path (the same
+# module object, so monkeypatching and pickles saved under the old path keep working).
+MOVED_MODULES = {
+    f"lightning_hotcache.{old}": f"lightning_hotcache.{new}"
+    for old, new in {
+        "accumulation": "strategies.accumulation",
+        "background": "_ops.background",
+        "callbacks": "callbacks",
+        "checkpoint": "checkpoint",
+        "collectives": "distributed.collectives",
+        "compiled": "_ops.compiled",
+        "even_batches": "distributed.even_batches",
+        "global_batch": "distributed.global_batch",
+        "guards": "_ops.guards",
+        "host_rows": "_ops.host_rows",
+        "like_auto": "strategies.like_auto",
+        "precision": "strategies.precision",
+        "predictions": "callbacks.predictions",
+        "profiling": "planner.profiling",
+        "progress": "_ops.progress",
+        "rowwise": "optim.rowwise",
+        "sorting": "_ops.sorting",
+        "sparse_ddp": "distributed.sparse_ddp",
+        "stacked_tables": "optim.stacked_tables",
+        "strategy": "strategies.hotcache",
+        "table_init": "embedding.table_init",
+        "torchrec_strategy": "strategies.torchrec",
+        "traffic": "planner.traffic",
+    }.items()
+    if old != new
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves an old module path of `MOVED_MODULES` to the module at its new path."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        new = MOVED_MODULES[spec.name]
+        warnings.warn(
+            f"{spec.name} moved to {new}; import it from there (the old path goes in the next release).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(new)
+
+    def exec_module(self, module: Any) -> None:
+        """The module at the new path is already executed."""
+
+
+def alias_moved_modules() -> None:
+    """Let the old module paths of `MOVED_MODULES` import (once per process)."""
+    if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _MovedModuleFinder())  # before the path finders, which would find nothing there

@@ -39,7 +39,7 @@ from typing_extensions import override
 from lightning_hotcache._compat import has_last_checkpoint
 from lightning_hotcache.cache import CACHE_POLICIES
 from lightning_hotcache.cache.lookahead import default_lookahead_batches
-from lightning_hotcache.predictions import DEFAULT_PATH, PredictionWriter
+from lightning_hotcache.callbacks.predictions import DEFAULT_PATH, PredictionWriter
 
 
 class HotCacheCLI(LightningCLI):
@@ -205,14 +205,14 @@ def _tool_parser(command: str) -> argparse.ArgumentParser:
 
 
 def _profile(cli: HotCacheCLI, tables: list, batches: int) -> Any:
-    from lightning_hotcache.profiling import profile_batches
+    from lightning_hotcache.planner.profiling import profile_batches
 
     cli.datamodule.setup("fit")
     return profile_batches(cli.datamodule.train_dataloader(), tables, max_batches=batches)
 
 
 def _run_batch_size(cli: HotCacheCLI) -> int | None:
-    from lightning_hotcache.profiling import run_batch_size
+    from lightning_hotcache.planner.profiling import run_batch_size
 
     cli.datamodule.setup("fit")
     return run_batch_size(cli.datamodule.train_dataloader())
@@ -232,11 +232,11 @@ def _given(option: Any, default: Any) -> Any:
 
 def run_tool(command: str, argv: Sequence[str]) -> Any:
     """``hotcache profile`` / ``hotcache plan``: model and data from the config, no training."""
-    from lightning_hotcache.planner import HotColdPlanner, StatsNeededError
-    from lightning_hotcache.checkpoint import check_output_file
-    from lightning_hotcache.profiling import AccessStats, plot_coverage
-    from lightning_hotcache.rowwise import RowWiseOptimizerConfig
-    from lightning_hotcache.strategy import HotCacheStrategy
+    from lightning_hotcache.planner.plan import HotColdPlanner, StatsNeededError, staging_choice, tables_bytes
+    from lightning_hotcache.checkpoint.files import check_output_file
+    from lightning_hotcache.planner.profiling import AccessStats, plot_coverage
+    from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig
+    from lightning_hotcache.strategies.hotcache import HotCacheStrategy
 
     parser = _tool_parser(command)
     options, rest = parser.parse_known_args(argv)
@@ -278,15 +278,20 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
     default_window = policy == "lookahead" and run.lookahead_batches is None
     run_batch_size = _run_batch_size(cli) if stats is not None or default_window else None
     window = run.lookahead_batches or default_lookahead_batches(run_batch_size)
+    device = _given(options.device, strategy.root_device)
+    staging = staging_choice(  # as the run will choose it for these tables
+        _given(options.prefetch_thread, run.prefetch_thread), _given(options.prefetch_depth, run.prefetch_depth_setting),
+        device, tables_bytes(tables),
+    )  # fmt: skip
     planner = HotColdPlanner(
         _given(options.budget, run.device_budget),
         optimizer,
         world_size=_given(options.world_size, cli.trainer.world_size),
-        prefetch_depth=_given(options.prefetch_depth, run.prefetch_depth),
+        prefetch_depth=staging.depth,
         cache_policy=policy,
-        device=_given(options.device, strategy.root_device),
+        device=device,
         grow_budget_to_minimum=run.grow_budget_to_minimum,
-        prefetch_thread=_given(options.prefetch_thread, run.prefetch_thread),
+        prefetch_thread=staging.thread,
         lookahead_batches=window,
     )
     try:
@@ -298,7 +303,7 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
         raise SystemExit(f"error: {err}") from None
     print(plan)
     if plan.world_size > 1:  # what each rank holds and sends needs the access law: profile if the plan did not
-        from lightning_hotcache.traffic import per_rank_report
+        from lightning_hotcache.planner.traffic import per_rank_report
 
         stats = stats if stats is not None else _profile(cli, tables, options.batches)
         batch_size = run_batch_size or _run_batch_size(cli) or stats.batch_size
@@ -310,7 +315,7 @@ def run_tool(command: str, argv: Sequence[str]) -> Any:
 
 
 def _consolidate(argv: Sequence[str]) -> dict[str, Any]:
-    from lightning_hotcache.checkpoint import consolidate_checkpoint
+    from lightning_hotcache.checkpoint.files import consolidate_checkpoint
 
     options = _consolidate_parser().parse_args(argv)
     checkpoint = consolidate_checkpoint(options.checkpoint, options.out)

@@ -35,23 +35,23 @@ from torchrec.modules.embedding_configs import PoolingType
 from typing_extensions import Self, override
 
 from lightning_hotcache._compat import writes_step_logs
-from lightning_hotcache.checkpoint import check_not_sharded
-from lightning_hotcache.collectives import broadcast_from_rank_zero
+from lightning_hotcache.checkpoint.files import check_not_sharded
+from lightning_hotcache.distributed.collectives import broadcast_from_rank_zero
 from lightning_hotcache.embedding.torchrec_lookup import GradientRowsSink, pooled_in_one_node
-from lightning_hotcache.global_batch import real_samples, share_mean
-from lightning_hotcache.guards import (
+from lightning_hotcache.distributed.global_batch import real_samples, share_mean
+from lightning_hotcache._ops.guards import (
     NonFiniteLossAction,
     check_non_finite_loss_action,
     check_not_empty,
     finite_loss_or_skip,
 )
-from lightning_hotcache.host_rows import release_helpers
-from lightning_hotcache.precision import refuse_half_true_precision
-from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
-from lightning_hotcache.sparse_ddp import average_row_gradients, keep_out_of_ddp
-from lightning_hotcache.stacked_tables import move_stacked_tables, stack_tables
-from lightning_hotcache.table_init import draw_seed, materialize_tables
-from lightning_hotcache.torchrec_strategy import refuse_sharded_tables
+from lightning_hotcache._ops.host_rows import release_helpers
+from lightning_hotcache.strategies.precision import refuse_half_true_precision
+from lightning_hotcache.optim.rowwise import ROW_STATE_KEY, RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
+from lightning_hotcache.distributed.sparse_ddp import average_row_gradients, keep_out_of_ddp
+from lightning_hotcache.optim.stacked_tables import move_stacked_tables, stack_tables
+from lightning_hotcache.embedding.table_init import draw_seed, materialize_tables
+from lightning_hotcache.strategies.torchrec import refuse_sharded_tables
 from models.first_order import FirstOrderArch
 
 TableSpec = EmbeddingBagConfig | Mapping[str, Any]

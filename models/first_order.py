@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
 from lightning_hotcache.embedding.torchrec_lookup import GradientRowsSink, pooled_in_one_node
-from lightning_hotcache.guards import check_not_empty
-from lightning_hotcache.rowwise import use_sparse_gradients
+from lightning_hotcache._ops.guards import check_not_empty
+from lightning_hotcache.optim.rowwise import use_sparse_gradients
 
 # A weight is the mean of a row of 4 columns, not a row of 1: FBGEMM's table-batched kernels
 # (TorchRec's sharded tables, hotcache's fused device tier) refuse rows that are not a multiple

@@ -26,7 +26,7 @@ from conftest import cpu_trainer, tiny_synthetic  # noqa: E402
 
 from lightning_hotcache import HotCacheStrategy  # noqa: E402  (importing registers the strategies)
 from lightning_hotcache.embedding import hot_cold_modules  # noqa: E402
-from lightning_hotcache.global_batch import share_mean  # noqa: E402
+from lightning_hotcache.distributed.global_batch import share_mean  # noqa: E402
 from models import MODEL_REGISTRY, CTRModel, create_model  # noqa: E402
 
 
@@ -106,7 +106,7 @@ class CountBatches(pl.Callback):
 def check_non_finite_loss(args: argparse.Namespace) -> None:
     """Every rank stops at the poisoned step (none waits for the others in a collective):
     each writes the error it raised."""
-    from lightning_hotcache.guards import NonFiniteLossError
+    from lightning_hotcache._ops.guards import NonFiniteLossError
 
     try:
         fit(args, callbacks=[PoisonLastRank(args.nan_at_step)])

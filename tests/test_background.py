@@ -1,4 +1,4 @@
-"""Staging threads at background priority (`lightning_hotcache.background`): the thread that
+"""Staging threads at background priority (`lightning_hotcache._ops.background`): the thread that
 asks is lowered, the training thread is not, and threads it starts inherit the priority."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from lightning_hotcache.background import BACKGROUND_NICE, background_priority_supported, run_at_background_priority
+from lightning_hotcache._ops.background import BACKGROUND_NICE, background_priority_supported, run_at_background_priority
 
 pytestmark = pytest.mark.skipif(not background_priority_supported(), reason="per-thread priority is Linux's")
 

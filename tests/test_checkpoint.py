@@ -21,12 +21,12 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins import AsyncCheckpointIO
 
 from lightning_hotcache import HotCacheStrategy, progress
-from lightning_hotcache import checkpoint as checkpoint_module
+from lightning_hotcache.checkpoint import files as checkpoint_module
 from lightning_hotcache.cache.exchange import RoundRobinRows
-from lightning_hotcache.checkpoint import SHARDS_KEY, AtomicCheckpointIO, shard_contents, tensor_bytes, tensors_crc32, write_atomically
+from lightning_hotcache.checkpoint.files import SHARDS_KEY, AtomicCheckpointIO, shard_contents, tensor_bytes, tensors_crc32, write_atomically
 from lightning_hotcache.cli import main
 from lightning_hotcache.embedding import hot_cold_modules
-from lightning_hotcache.rowwise import ROW_STATE_KEY
+from lightning_hotcache.optim.rowwise import ROW_STATE_KEY
 from models import create_model
 
 
@@ -435,7 +435,7 @@ def test_a_sharded_checkpoint_under_another_strategy_says_to_consolidate(run, tm
 )
 def test_consolidate_into_a_folder_or_nowhere_says_so_before_loading(run, tmp_path, monkeypatch, out, error, message) -> None:
     # Issue 29 item 15: a folder failed after the whole load, naming a hidden temporary file.
-    import lightning_hotcache.checkpoint as checkpoint_module
+    import lightning_hotcache.checkpoint.files as checkpoint_module
 
     _, saved = run
     (tmp_path / "folder").mkdir()

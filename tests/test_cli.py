@@ -157,8 +157,8 @@ def test_user_subclass_trains_by_class_path(tmp_path: Path, monkeypatch: pytest.
 
 
 def test_profile_then_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    from lightning_hotcache.planner import HotColdPlan
-    from lightning_hotcache.profiling import AccessStats
+    from lightning_hotcache.planner.plan import HotColdPlan
+    from lightning_hotcache.planner.profiling import AccessStats
 
     monkeypatch.chdir(tmp_path)
     config = str(REPO / "configs" / "dlrm_synthetic.yaml")
@@ -184,7 +184,7 @@ DEMO_CONFIG = str(REPO / "configs" / "dlrm_synthetic.yaml")
 def test_plan_for_several_ranks_prints_what_each_rank_holds_and_sends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from lightning_hotcache.planner import format_bytes
+    from lightning_hotcache.planner.plan import format_bytes
 
     monkeypatch.chdir(tmp_path)
     main(["profile", "-c", DEMO_CONFIG, "--out", "stats.npz", "--batches", "4", *PLAN_DATA])
@@ -266,7 +266,7 @@ def test_module_entry_point_prints_help() -> None:
     assert "fit" in result.stdout and "validate" in result.stdout
 
 
-@pytest.mark.parametrize("class_path", ["lightning_hotcache.HotCacheStrategy", "lightning_hotcache.strategy.HotCacheStrategy"])
+@pytest.mark.parametrize("class_path", ["lightning_hotcache.HotCacheStrategy", "lightning_hotcache.strategies.hotcache.HotCacheStrategy"])
 def test_strategy_by_class_path_alone(class_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_hotcache import HotCacheStrategy
 

@@ -1,5 +1,5 @@
 """Every collective of the library runs on the device its process group's backend needs
-(lightning_hotcache.collectives): CPU for gloo, the current CUDA device for NCCL."""
+(lightning_hotcache.distributed.collectives): CPU for gloo, the current CUDA device for NCCL."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import lightning_hotcache
-from lightning_hotcache import collectives
+from lightning_hotcache.distributed import collectives
 
 PACKAGE = Path(lightning_hotcache.__file__).parent
 COLLECTIVE = re.compile(r"\bdist\.(all_to_all\w*|all_gather\w*|all_reduce\w*|broadcast\w*|reduce_scatter\w*|gather|scatter|reduce|send|recv)\(")
@@ -24,7 +24,7 @@ def test_no_collective_bypasses_the_device_helper() -> None:
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if COLLECTIVE.search(line)
     ]
-    assert not bypasses, "call lightning_hotcache.collectives instead:\n" + "\n".join(bypasses)
+    assert not bypasses, "call lightning_hotcache.distributed.collectives instead:\n" + "\n".join(bypasses)
 
 
 def test_group_device_follows_the_backend(monkeypatch) -> None:

@@ -282,8 +282,8 @@ def test_plain_tables_in_one_node_are_torchrecs_and_wait_for_no_device(stacked: 
 
     from datamodules import SyntheticCTRDataModule
     from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
-    from lightning_hotcache.rowwise import use_sparse_gradients
-    from lightning_hotcache.stacked_tables import stack_tables, stacked_rows
+    from lightning_hotcache.optim.rowwise import use_sparse_gradients
+    from lightning_hotcache.optim.stacked_tables import stack_tables, stacked_rows
 
     dm = SyntheticCTRDataModule(scale=0.001, num_embeddings_cap=500, batch_size=256, embedding_dim=16)
     features = dm.source("train").batch(0, 256).sparse_features.to(torch.device("cuda"))
@@ -311,7 +311,7 @@ def test_plain_tables_in_one_node_are_torchrecs_and_wait_for_no_device(stacked: 
 
 def test_a_zoo_model_moved_to_the_gpu_keeps_its_tables_stacked_and_trains_as_on_the_cpu() -> None:
     # `module.to("cuda")` moves each parameter apart; the zoo's models move each stack whole.
-    from lightning_hotcache.stacked_tables import stacked_rows
+    from lightning_hotcache.optim.stacked_tables import stacked_rows
     from models import DLRM
 
     dm = tiny_synthetic()

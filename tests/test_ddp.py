@@ -14,7 +14,7 @@ import pytest
 import torch
 from launch import SCRIPT, launch_env, planned
 
-from lightning_hotcache.checkpoint import SHARDS_KEY, consolidate_checkpoint, shard_path
+from lightning_hotcache.checkpoint.files import SHARDS_KEY, consolidate_checkpoint, shard_path
 
 # The runs these tests compare, launched together (tests/launch.py): `two`/`alone`/`many` of a test.
 OPTIMIZERS = ["rowwise_adagrad", "adam"]

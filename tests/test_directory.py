@@ -285,7 +285,7 @@ def test_prefetch_compiles_into_a_loop_and_changes_nothing() -> None:
     import numba
     import numpy as np
 
-    from lightning_hotcache.compiled import prefetch
+    from lightning_hotcache._ops.compiled import prefetch
 
     @numba.njit
     def gather(values, at):  # type: ignore[no-untyped-def]

@@ -350,7 +350,7 @@ def test_device_bytes_stay_within_the_budget(optimizer, budget) -> None:
     from conftest import tiny_synthetic
 
     from lightning_hotcache import HotColdPlanner, RowWiseOptimizerConfig
-    from lightning_hotcache.profiling import profile_batches
+    from lightning_hotcache.planner.profiling import profile_batches
 
     dm = tiny_synthetic(scale=0.01, num_embeddings_cap=None, num_train_samples=2048, batch_size=64)
     dm.setup("fit")

@@ -22,7 +22,7 @@ from lightning_hotcache import RowWiseOptimizer, RowWiseOptimizerConfig, use_spa
 from lightning_hotcache.cache.exchange import RowSharding
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection
 from lightning_hotcache.embedding.update import OwnersUpdate
-from lightning_hotcache.planner import HotColdPlan, TablePlan
+from lightning_hotcache.planner.plan import HotColdPlan, TablePlan
 
 TABLES = [
     EmbeddingBagConfig(name="t_user", num_embeddings=1500, embedding_dim=8, feature_names=["user"]),

@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_hotcache.cache.exchange import RowSharding, fetch_rows, route_to_owners, send_rows_along
-from lightning_hotcache.sorting import sum_rows_by_index
-from lightning_hotcache.rowwise import RowWiseOptimizer, RowWiseOptimizerConfig
-from lightning_hotcache.sparse_ddp import average_row_gradients, average_sparse_gradients
+from lightning_hotcache._ops.sorting import sum_rows_by_index
+from lightning_hotcache.optim.rowwise import RowWiseOptimizer, RowWiseOptimizerConfig
+from lightning_hotcache.distributed.sparse_ddp import average_row_gradients, average_sparse_gradients
 
 
 def _parts(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

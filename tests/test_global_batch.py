@@ -12,7 +12,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from datamodules.base import BatchDataset
-from lightning_hotcache.global_batch import BatchShare, real_samples, share_bounds, share_mean
+from lightning_hotcache.distributed.global_batch import BatchShare, real_samples, share_bounds, share_mean
 from conftest import tiny_synthetic
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from forked import from_a_fresh_process, in_forked_child
 
-from lightning_hotcache import host_rows
-from lightning_hotcache.host_rows import SPLIT_VALUES, put_rows, release_helpers
+from lightning_hotcache._ops import host_rows
+from lightning_hotcache._ops.host_rows import SPLIT_VALUES, put_rows, release_helpers
 
 
 @pytest.fixture(autouse=True)

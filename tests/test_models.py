@@ -462,7 +462,7 @@ def test_xdeepfm_logit_is_linear_part_plus_cin_and_deep() -> None:
 
 
 # ----------------------------------------------------- first-order term: LR, FM, Wide & Deep, DeepFM
-from lightning_hotcache.rowwise import ROW_STATE_KEY  # noqa: E402
+from lightning_hotcache.optim.rowwise import ROW_STATE_KEY  # noqa: E402
 from models import FM, LR, DeepFM  # noqa: E402
 from models.first_order import FIRST_ORDER_DIM  # noqa: E402
 
@@ -623,7 +623,7 @@ def test_first_order_keeps_the_table_checks() -> None:
 
 
 def test_deferred_first_order_tables_are_declared_then_start_at_zero() -> None:
-    from lightning_hotcache.table_init import materialize_tables
+    from lightning_hotcache.embedding.table_init import materialize_tables
 
     model = FM(HAND_TABLES, 3, defer_table_init=True)
     assert all(p.is_meta for p in model.first_order_arch.embedding_bag_collection.parameters())

@@ -14,7 +14,7 @@ from torchrec.datasets.utils import Batch
 
 from lightning_hotcache import HotCacheStrategy
 from lightning_hotcache.embedding import hot_cold_modules
-from lightning_hotcache.guards import NonFiniteLossError, finite_loss_or_skip
+from lightning_hotcache._ops.guards import NonFiniteLossError, finite_loss_or_skip
 from models import DLRM
 
 OPTIMIZER = {"name": "rowwise_adagrad", "lr": 0.05}

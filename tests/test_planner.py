@@ -8,8 +8,8 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from lightning_hotcache import HotCacheStrategy, RowWiseOptimizerConfig
-from lightning_hotcache.planner import HotColdPlan, HotColdPlanner, batches_in_flight, resolve_budget, row_bytes
-from lightning_hotcache.profiling import AccessProfiler
+from lightning_hotcache.planner.plan import HotColdPlan, HotColdPlanner, batches_in_flight, resolve_budget, row_bytes
+from lightning_hotcache.planner.profiling import AccessProfiler
 
 TABLES = [
     EmbeddingBagConfig(name="small", num_embeddings=50, embedding_dim=8, feature_names=["s"]),
@@ -94,7 +94,7 @@ def test_everything_fits_needs_no_stats() -> None:
 
 def test_split_tables_are_charged_their_directory_only_where_it_lives_on_the_device() -> None:
     from lightning_hotcache.cache.slot_map import sparse_map_bytes_per_resident
-    from lightning_hotcache.planner import SLOT_BOOKKEEPING_BYTES, row_bytes
+    from lightning_hotcache.planner.plan import SLOT_BOOKKEEPING_BYTES, row_bytes
 
     # A cache's directory (id -> slot map, per-slot bookkeeping) lives on the host: on CPU the
     # device is the host and the budget pays for it; on CUDA it does not, and the same budget
@@ -306,7 +306,7 @@ def test_stats_that_cannot_serve_the_run_are_refused() -> None:
 
 
 def test_the_lookahead_window_is_counted_in_host_memory(tmp_path, monkeypatch) -> None:
-    import lightning_hotcache.planner as planner_module
+    import lightning_hotcache.planner.plan as planner_module
 
     def planned(k: int) -> HotColdPlan:
         return HotColdPlanner(0.1, SGD, cache_policy="lookahead", lookahead_batches=k).plan(TABLES, stats())

@@ -60,8 +60,8 @@ def test_budget_below_the_minimum_grows_to_it_only_when_asked() -> None:
     import torch
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
-    from lightning_hotcache.planner import HotColdPlanner
-    from lightning_hotcache.profiling import AccessProfiler
+    from lightning_hotcache.planner.plan import HotColdPlanner
+    from lightning_hotcache.planner.profiling import AccessProfiler
 
     table = EmbeddingBagConfig(name="t", num_embeddings=10_000, embedding_dim=8, feature_names=["f"])
     profiler = AccessProfiler([table])

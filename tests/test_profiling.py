@@ -14,7 +14,7 @@ from torchrec import EmbeddingBagConfig
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_hotcache.profiling import (
+from lightning_hotcache.planner.profiling import (
     AccessProfiler,
     AccessStats,
     TableSignature,

@@ -18,7 +18,7 @@ import torch
 from conftest import flip_largest_tensor
 from launch import Run, planned, train, train_together
 
-from lightning_hotcache.checkpoint import consolidated
+from lightning_hotcache.checkpoint.files import consolidated
 
 SPLIT = ["--big-tables", "--device-budget=0.05"]
 GLOBAL_BATCH = 256

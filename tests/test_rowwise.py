@@ -16,8 +16,8 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from lightning_hotcache import RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
 from lightning_hotcache.embedding.batch import sorted_reads
-from lightning_hotcache.rowwise import step_read_rows
-from lightning_hotcache.sorting import sum_bag_rows
+from lightning_hotcache.optim.rowwise import step_read_rows
+from lightning_hotcache._ops.sorting import sum_bag_rows
 
 ROWS, DIM = 20, 8
 
@@ -204,7 +204,7 @@ class _RecordOps(TorchDispatchMode):
 def test_tables_of_several_widths_step_together_without_coalescing_sparse_gradients(name: str) -> None:
     # Coalescing COO gradients was 19 of a 32 ms step of `auto` on an H200 (one values kernel
     # summing a hot row's duplicates serially, table by table): one sort per width instead.
-    from lightning_hotcache.rowwise import step_rows
+    from lightning_hotcache.optim.rowwise import step_rows
 
     config = RowWiseOptimizerConfig(name=name, lr=0.1)
     torch.manual_seed(0)
@@ -253,7 +253,7 @@ def test_a_step_grows_with_the_tables_only_by_their_weights_gathers(name: str) -
 def test_state_is_brought_up_to_date_once_a_step_per_width(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Bringing a stack up to date looks at every table of it: once per table (SGD's and
     # sparse_ddp's coalesced gradients step table by table) would grow with the tables squared.
-    from lightning_hotcache import rowwise
+    from lightning_hotcache.optim import rowwise
 
     adopted = Counter()
     adopt = rowwise._StateStack.adopt

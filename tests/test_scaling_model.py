@@ -1,4 +1,4 @@
-"""The communication model (lightning_hotcache.traffic): formulas on small hand-made workloads,
+"""The communication model (lightning_hotcache.planner.traffic): formulas on small hand-made workloads,
 and benchmarks/scaling_model.py's exact law of the synthetic data."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import lightning_hotcache.traffic as tr
+import lightning_hotcache.planner.traffic as tr
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # appended: shadows nothing
 import scaling_model as sm  # noqa: E402
@@ -123,7 +123,7 @@ def test_bad_input_is_named() -> None:
 
 def test_workload_from_stats_predicts_unique_rows_per_batch(synthetic_factory) -> None:
     from lightning_hotcache import HotColdPlanner
-    from lightning_hotcache.profiling import profile_batches
+    from lightning_hotcache.planner.profiling import profile_batches
 
     # Tables up to 20k rows, 16 profiled batches of 256: the profile has seen only part of
     # the big tables, so the unseen tail matters.

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_hotcache import sorting
-from lightning_hotcache.sorting import (
+from lightning_hotcache._ops import sorting
+from lightning_hotcache._ops.sorting import (
     MARK_WORDS_PER_ID,
     MARKS_UP_TO_ROWS,
     RADIX_SORT_FROM,

@@ -1,4 +1,4 @@
-"""A plain collection's tables as one stack of rows (`lightning_hotcache.stacked_tables`): the
+"""A plain collection's tables as one stack of rows (`lightning_hotcache.optim.stacked_tables`): the
 zoo's models make them so, eager or deferred, keep them so through casts and moves, change no
 value, name or parameter by it, and `auto`'s step then costs the same ops for 8 tables as for 26;
 a table taken out of the stack is looked up and stepped where it is.
@@ -15,11 +15,11 @@ from conftest import tiny_synthetic
 from test_step_ops import _CountOps
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
-from lightning_hotcache import rowwise, sorting
+from lightning_hotcache.optim import rowwise, sorting
 from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
-from lightning_hotcache.rowwise import RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
-from lightning_hotcache.stacked_tables import stack_tables, stacked_rows
-from lightning_hotcache.table_init import materialize_tables
+from lightning_hotcache.optim.rowwise import RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
+from lightning_hotcache.optim.stacked_tables import stack_tables, stacked_rows
+from lightning_hotcache.embedding.table_init import materialize_tables
 from models import DeepFM
 
 ROWS, DIM, BATCH = 300, 8, 32

@@ -33,8 +33,8 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from lightning_hotcache import CacheMetrics, HotCacheStrategy, SamplesPerSecond
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection
 from lightning_hotcache.embedding.batch import sorted_reads
-from lightning_hotcache.planner import HotColdPlan, TablePlan
-from lightning_hotcache.rowwise import RowWiseOptimizerConfig
+from lightning_hotcache.planner.plan import HotColdPlan, TablePlan
+from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig
 from models import DLRM
 
 ROWS, DIM, BATCH, SLOTS = 2000, 8, 64, 160

@@ -18,11 +18,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_hotcache
 from lightning_hotcache import AccessProfiler, HotColdPlanner, HotCacheStrategy, RowWiseOptimizerConfig
-from lightning_hotcache.background import BACKGROUND_NICE, background_priority_supported
+from lightning_hotcache._ops.background import BACKGROUND_NICE, background_priority_supported
 from lightning_hotcache.cli import main, model_tables
 from lightning_hotcache.embedding import hot_cold_modules
-from lightning_hotcache.rowwise import ROW_STATE_KEY
-from lightning_hotcache.strategy import _PrefetchingLoader
+from lightning_hotcache.optim.rowwise import ROW_STATE_KEY
+from lightning_hotcache.strategies.hotcache import _PrefetchingLoader
 from models import MODEL_REGISTRY, CTRModel, create_model
 
 OPTIMIZER = {"name": "rowwise_adagrad", "lr": 0.05}
@@ -74,7 +74,7 @@ def baselines() -> dict[str, tuple[dict, dict]]:
 
 
 def minimum_budget(stats_path: Path, depth: int = 1, device: str = "cpu") -> int:
-    from lightning_hotcache.profiling import AccessStats
+    from lightning_hotcache.planner.profiling import AccessStats
 
     stats = AccessStats.load(stats_path)
     # The planner counts the batches in flight as the strategy does on ``device`` (a prefetch
@@ -198,7 +198,7 @@ def test_resume_matches_straight_through_and_loads_under_auto(tmp_path, stats_pa
         consolidated = main(["consolidate", str(tmp_path / "epoch1.ckpt"), "--out", str(tmp_path / "plain.ckpt")])
         torch.testing.assert_close(consolidated["state_dict"], first.state_dict())
         checkpoint = torch.load(tmp_path / "plain.ckpt", weights_only=True)
-    assert all("momentum" in s for s in checkpoint[lightning_hotcache.rowwise.ROW_STATE_KEY].values())
+    assert all("momentum" in s for s in checkpoint[lightning_hotcache.optim.rowwise.ROW_STATE_KEY].values())
 
     pl.seed_everything(0)
     resumed = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
@@ -353,7 +353,7 @@ def test_run_killed_mid_epoch_resumes_exactly(strategy, tmp_path, stats_path) ->
 def test_waits_for_the_prefetch_thread_are_counted() -> None:
     import queue
 
-    from lightning_hotcache.strategy import StagingWaits, _next_item
+    from lightning_hotcache.strategies.hotcache import StagingWaits, _next_item
 
     waits = StagingWaits()
     ready: queue.Queue = queue.Queue()
@@ -366,7 +366,7 @@ def test_waits_for_the_prefetch_thread_are_counted() -> None:
 
 
 def test_a_background_thread_hands_on_its_items_in_order_and_its_error_and_stops_when_closed() -> None:
-    from lightning_hotcache.strategy import _in_thread
+    from lightning_hotcache.strategies.hotcache import _in_thread
 
     def names() -> Iterator[str]:
         yield threading.current_thread().name
@@ -399,7 +399,7 @@ def test_a_background_thread_hands_on_its_items_in_order_and_its_error_and_stops
 def test_no_row_copy_helper_thread_outlives_a_fit(strategy, monkeypatch: pytest.MonkeyPatch) -> None:
     # On a host with cores to spare, large row copies start helper threads (`host_rows`):
     # the hotcache strategy's teardown and the zoo model's on_fit_end end them.
-    from lightning_hotcache.host_rows import SPLIT_VALUES, put_rows
+    from lightning_hotcache._ops.host_rows import SPLIT_VALUES, put_rows
 
     monkeypatch.setenv("LIGHTNING_HOTCACHE_COPY_THREADS", "3")
     put_rows(torch.zeros(4 * SPLIT_VALUES // 64, 64), torch.arange(3 * SPLIT_VALUES // 64), torch.ones(3 * SPLIT_VALUES // 64, 64))
@@ -732,7 +732,7 @@ def test_staging_threads_run_at_background_priority_on_the_cpu(background, monke
 
 
 def test_background_staging_asked_where_no_thread_priority_exists_warns(monkeypatch) -> None:
-    monkeypatch.setattr("lightning_hotcache.strategy.background_priority_supported", lambda: False)
+    monkeypatch.setattr("lightning_hotcache.strategies.hotcache.background_priority_supported", lambda: False)
     with pytest.warns(UserWarning, match=r"background_staging=True needs Linux .*: the staging threads keep the step's priority"):
         HotCacheStrategy(background_staging=True)
 

@@ -18,7 +18,7 @@ from lightning_hotcache.cache import device as device_module
 from lightning_hotcache.cache import host as host_module
 from lightning_hotcache.cache.exchange import RoundRobinRows, RowSharding
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
-from lightning_hotcache.table_init import deferred_tables_left_out_of_moves, initial_rows, is_deferred, materialize_tables
+from lightning_hotcache.embedding.table_init import deferred_tables_left_out_of_moves, initial_rows, is_deferred, materialize_tables
 from models import DLRM
 from test_embedding_exactness import TABLES, make_plan, zipf_batches
 

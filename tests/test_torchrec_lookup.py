@@ -17,8 +17,8 @@ from torchrec.modules.embedding_configs import DataType, PoolingType
 
 from lightning_hotcache.embedding import torchrec_lookup
 from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
-from lightning_hotcache.rowwise import use_sparse_gradients
-from lightning_hotcache.stacked_tables import stack_tables, stacked_rows
+from lightning_hotcache.optim.rowwise import use_sparse_gradients
+from lightning_hotcache.optim.stacked_tables import stack_tables, stacked_rows
 from models import DLRM, DeepFM
 
 # t_a is read by two features; t_b by one.

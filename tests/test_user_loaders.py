@@ -9,7 +9,7 @@ from conftest import cpu_trainer, tiny_synthetic
 from torch.utils.data import DataLoader
 
 from lightning_hotcache import HotCacheStrategy
-from lightning_hotcache.profiling import profile_batches
+from lightning_hotcache.planner.profiling import profile_batches
 from models import DLRM
 
 OPTIMIZER = {"name": "rowwise_adagrad", "lr": 0.05}

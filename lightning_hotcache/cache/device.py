@@ -62,10 +62,10 @@ from lightning_hotcache.cache.lookahead import NEVER, LookaheadWindow
 from lightning_hotcache.cache.side_by_side import SideBySide
 from lightning_hotcache.cache.slot_map import DenseSlotMap, make_slot_map
 from lightning_hotcache.cache.upload import RowUpload
-from lightning_hotcache.host_rows import on_cpu, put_rows
-from lightning_hotcache.progress import Progress
-from lightning_hotcache.rowwise import RowWiseOptimizerConfig
-from lightning_hotcache.sorting import Distinct, lowest_first, unique
+from lightning_hotcache._ops.host_rows import on_cpu, put_rows
+from lightning_hotcache._ops.progress import Progress
+from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig
+from lightning_hotcache._ops.sorting import Distinct, lowest_first, unique
 
 CachePolicy = Literal["lfu", "lru", "static", "lookahead"]
 CACHE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static", "lookahead")

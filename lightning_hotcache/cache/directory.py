@@ -4,7 +4,7 @@ Staging made ~130 torch calls a batch, most of them the directory's small steps 
 batch's distinct ids (hits and misses, installs, evictions and the order of their
 write-backs, tallies, the reserve, the id -> slot maps, the lookahead window's books), and on
 a GPU host each hands the GIL over to a training loop running Python and waits to take it
-back (see `lightning_hotcache.compiled`: ~0.1 ms a call on a 2-core CPU; 40k row gathers split
+back (see `lightning_hotcache._ops.compiled`: ~0.1 ms a call on a 2-core CPU; 40k row gathers split
 over 100 calls took 14 ms beside such a loop against 3 ms alone). Here each step is a loop
 compiled with ``without_gil``: called once, and one pass over the ids where torch's ops made
 one each (a prototype of the hit path took 0.51 ms for 100k distinct ids of a 10M-row dense
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_hotcache.compiled import without_gil
+from lightning_hotcache._ops.compiled import without_gil
 
 _EMPTY = np.empty(0, dtype=np.int64)  # an argument left out (no counts: once each; no window)
 # No dense id -> slot map to keep in the same call (a cache with another kind keeps its own).

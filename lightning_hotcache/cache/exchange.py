@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from lightning_hotcache import collectives
-from lightning_hotcache.sorting import group_by_owner
+from lightning_hotcache.distributed import collectives
+from lightning_hotcache._ops.sorting import group_by_owner
 
 
 @dataclass(frozen=True)

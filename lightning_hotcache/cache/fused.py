@@ -23,7 +23,7 @@ from torchrec import EmbeddingBagConfig
 from torchrec.modules.embedding_configs import PoolingType
 
 from lightning_hotcache.cache.host_arrays import move_to_huge_pages
-from lightning_hotcache.rowwise import RowWiseOptimizerConfig
+from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig
 
 KernelChoice = Literal["auto", "fbgemm", "pytorch"]
 KERNEL_CHOICES: tuple[str, ...] = ("auto", "fbgemm", "pytorch")

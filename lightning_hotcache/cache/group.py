@@ -24,7 +24,7 @@ from torch import Tensor
 from lightning_hotcache.cache.device import CacheCounters, DeviceCache
 from lightning_hotcache.cache.exchange import RoundRobinRows, gather_table
 from lightning_hotcache.cache.host import HostStore, RowsAt
-from lightning_hotcache.progress import Progress
+from lightning_hotcache._ops.progress import Progress
 
 
 class TableInGroup:

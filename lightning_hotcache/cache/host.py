@@ -31,8 +31,8 @@ from torch import Tensor
 
 from lightning_hotcache.cache.host_arrays import new_host_array
 from lightning_hotcache.cache.read_ahead import read_ahead_later
-from lightning_hotcache.host_rows import on_cpu, put_rows
-from lightning_hotcache.progress import Progress
+from lightning_hotcache._ops.host_rows import on_cpu, put_rows
+from lightning_hotcache._ops.progress import Progress
 
 # Copy tables into the store in chunks of this many bytes, so initializing a table larger
 # than RAM never materializes it twice (deferred tables are also made in chunks this size).
@@ -216,7 +216,7 @@ def _reserve(fd: int, path: Path, size: int) -> None:
 
 
 # Rows [start, start + count) of a table's home, where its initial rows are made in place
-# (`lightning_hotcache.table_init.initial_rows`).
+# (`lightning_hotcache.embedding.table_init.initial_rows`).
 RowsAt = Callable[[int, int], Tensor]
 
 

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from lightning_hotcache.cache import directory
 from lightning_hotcache.cache.host_arrays import new_host_array
-from lightning_hotcache.sorting import Distinct, unique
+from lightning_hotcache._ops.sorting import Distinct, unique
 
 NEVER = torch.iinfo(torch.int64).max  # no announced batch reads the row
 # The default window, measured (benchmarks/README.md, "hit_rate"): on Criteo-shaped Zipf

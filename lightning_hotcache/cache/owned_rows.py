@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_hotcache.cache.device import DeviceCache
 from lightning_hotcache.cache.exchange import RowSharding
-from lightning_hotcache.rowwise import RowWiseOptimizerConfig, step_rows
+from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig, step_rows
 
 
 class OwnedRows:

@@ -14,7 +14,7 @@ is read again as before.
 
 Written by hand: neither TorchRec nor FBGEMM has a host tier in files (FBGEMM's SSD tier
 keeps rows in RocksDB, whose prefetch is its own). The advice is one compiled loop over the
-batch's ids that holds no GIL (`lightning_hotcache.compiled`), one system call per run of
+batch's ids that holds no GIL (`lightning_hotcache._ops.compiled`), one system call per run of
 pages, made on a thread of its own so that the announcing thread (on the CPU, the training
 loop) does not wait for the calls; numba cannot cache a function that calls C through
 ctypes, so a process compiles it once, when it first reads ahead.

@@ -28,24 +28,10 @@ from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
-from lightning_hotcache.host_rows import host_cores
+from lightning_hotcache._ops.host_rows import host_cores
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
-
-
-# Cores a host needs before staging takes a second thread by default: a GPU host's prefetch
-# thread, reader thread, training loop and loader workers beside it (on the H200's 16, the
-# 1% cache's staging was the step's bound while most cores idled).
-CORES_FOR_TWO_THREADS = 8
-
-
-def default_staging_threads(device: torch.device | str) -> int:
-    """Two on a CUDA host with `CORES_FOR_TWO_THREADS` cores or more, else one. Staging alone on
-    2 free cores of an AMD EPYC took 0.61-1.04x the time on two threads in three runs (median
-    0.87); training on those 2 cores, staging inline, lost 10-20% with a second thread,
-    which competes with the step's own threads (benchmarks/README.md, "Staging on two threads")."""
-    return 2 if torch.device(device).type == "cuda" and host_cores() >= CORES_FOR_TWO_THREADS else 1
 
 
 def check_staging_threads(threads: object) -> None:

@@ -38,8 +38,8 @@ from torch import Tensor
 
 from lightning_hotcache.cache import directory
 from lightning_hotcache.cache.host_arrays import new_array
-from lightning_hotcache.compiled import prefetch, without_gil
-from lightning_hotcache.host_rows import on_cpu
+from lightning_hotcache._ops.compiled import prefetch, without_gil
+from lightning_hotcache._ops.host_rows import on_cpu
 
 SlotMapKind = Literal["dense", "hashed", "sorted"]
 DENSE_BYTES_PER_ROW = 4  # int32 slot per table row

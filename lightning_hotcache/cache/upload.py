@@ -29,7 +29,7 @@ from torchrec.streamable import Pipelineable
 
 from lightning_hotcache._compat import TransferableData
 from lightning_hotcache.cache.host import HostStore
-from lightning_hotcache.host_rows import on_cpu
+from lightning_hotcache._ops.host_rows import on_cpu
 
 # Buffers in rotation: the gather of batch k waits for the copy of batch k - BUFFERS.
 BUFFERS = 2

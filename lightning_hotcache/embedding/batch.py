@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
-from lightning_hotcache.compiled import without_gil
-from lightning_hotcache.sorting import sort_with_repeats
+from lightning_hotcache._ops.compiled import without_gil
+from lightning_hotcache._ops.sorting import sort_with_repeats
 
 
 @dataclass(frozen=True)

@@ -52,18 +52,18 @@ from lightning_hotcache.embedding.layout import Layout, build_layout
 from lightning_hotcache.embedding.lookup import EmbeddingBagLookup, FusedLookup, LookupForOwners
 from lightning_hotcache.embedding.staging import Staging
 from lightning_hotcache.embedding.update import FusedUpdate, OwnersUpdate, SummingUpdate
-from lightning_hotcache.planner import HotColdPlan
-from lightning_hotcache.progress import byte_bar
-from lightning_hotcache.rowwise import RowWiseOptimizerConfig
-from lightning_hotcache.stacked_tables import allocate_stacked
-from lightning_hotcache.table_init import draw_seed, initial_rows_of, is_deferred
+from lightning_hotcache.planner.plan import HotColdPlan
+from lightning_hotcache._ops.progress import byte_bar
+from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig
+from lightning_hotcache.optim.stacked_tables import allocate_stacked
+from lightning_hotcache.embedding.table_init import draw_seed, initial_rows_of, is_deferred
 
 
 def plain_collection(
     tables: list[EmbeddingBagConfig], is_weighted: bool, state: dict[str, Tensor], device: torch.device | str = "cpu"
 ) -> EmbeddingBagCollection:
     """A TorchRec EmbeddingBagCollection of ``tables`` on ``device``, holding ``state`` (its
-    tables one stack of rows where they can be: `lightning_hotcache.stacked_tables`)."""
+    tables one stack of rows where they can be: `lightning_hotcache.optim.stacked_tables`)."""
     ebc = EmbeddingBagCollection(tables=tables, is_weighted=is_weighted, device=torch.device("meta"))
     # No throwaway initialization of tables about to be overwritten.
     if not allocate_stacked(ebc, torch.device(device)):

@@ -48,9 +48,9 @@ from lightning_hotcache.embedding.batch import (
     sorted_reads,
 )
 from lightning_hotcache.embedding.layout import Layout
-from lightning_hotcache.guards import check_not_empty
-from lightning_hotcache.host_rows import on_cpu
-from lightning_hotcache.sorting import Distinct, distinct_rows, unique
+from lightning_hotcache._ops.guards import check_not_empty
+from lightning_hotcache._ops.host_rows import on_cpu
+from lightning_hotcache._ops.sorting import Distinct, distinct_rows, unique
 
 
 # A batch's ids as staging finds them (`Staging._ids`): the features checked and in the

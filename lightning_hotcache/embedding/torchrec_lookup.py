@@ -7,7 +7,7 @@ up as a module call that records an autograd node, and the backward runs one spa
 `embedding_bag` backward per feature. `pooled_in_one_node` gives the same output from the same
 tables (``ebc(features).values()``, bit for bit) with one autograd node: the forward is one
 `embedding_bag` for every feature where the tables are one stack of rows (the zoo's:
-`lightning_hotcache.stacked_tables`), else one per feature on slices of the batch (the
+`lightning_hotcache.optim.stacked_tables`), else one per feature on slices of the batch (the
 features' offsets rebased in two ops); the backward one gather of the pooled gradient's rows
 for every id of every feature, handed to the row-wise optimizer as one piece where the caller
 asks (a fit's zoo model: no ``.grad`` per table), else each table's sparse gradient a view of
@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
-from lightning_hotcache.stacked_tables import stacked_rows
+from lightning_hotcache.optim.stacked_tables import stacked_rows
 
 
 # Takes a collection's gradient rows as one piece: (its tables, each id's row in the tables laid

@@ -39,11 +39,11 @@ from lightning_hotcache.cache.exchange import (
     send_rows_along,
 )
 from lightning_hotcache.cache.owned_rows import OwnedRows
-from lightning_hotcache.sorting import sum_bag_rows, sum_rows_by_index
+from lightning_hotcache._ops.sorting import sum_bag_rows, sum_rows_by_index
 from lightning_hotcache.embedding.batch import StagedBatch, concat_spans, runs_of
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.embedding.staging import Staging
-from lightning_hotcache.rowwise import SORTS_WITH_REPEATS_ON, RowWiseOptimizerConfig, step_read_rows
+from lightning_hotcache.optim.rowwise import SORTS_WITH_REPEATS_ON, RowWiseOptimizerConfig, step_read_rows
 
 
 def _weak_call(obj: object, method: str) -> Callable[..., None]:

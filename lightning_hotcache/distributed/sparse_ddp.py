@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_hotcache import collectives
+from lightning_hotcache.distributed import collectives
 from lightning_hotcache._compat import set_ddp_ignored_parameters
-from lightning_hotcache.rowwise import GradientRows
-from lightning_hotcache.sorting import sum_by_index
+from lightning_hotcache.optim.rowwise import GradientRows
+from lightning_hotcache._ops.sorting import sum_by_index
 
 
 def keep_out_of_ddp(module: nn.Module, parameters: Iterable[Tensor]) -> None:

@@ -24,6 +24,7 @@ import bisect
 import json
 import logging
 import math
+import os
 import re
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -38,12 +39,12 @@ from torchrec import EmbeddingBagConfig
 from lightning_hotcache.cache.device import check_cache_policy
 from lightning_hotcache.cache.lookahead import DEFAULT_WINDOW_BATCHES
 from lightning_hotcache.cache.slot_map import sparse_map_bytes_per_resident
-from lightning_hotcache.rowwise import RowWiseOptimizerConfig
+from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig
 
 if TYPE_CHECKING:
     from torchrec.distributed.types import ShardingPlan
 
-    from lightning_hotcache.profiling import AccessStats
+    from lightning_hotcache.planner.profiling import AccessStats
 
 Budget = Union[int, float, str]
 PLAN_FORMAT_VERSION = 2
@@ -69,11 +70,40 @@ def format_bytes(num: float) -> str:
     return f"{num:.1f} TiB"
 
 
-def prefetch_thread_used(prefetch_thread: bool | None, device: torch.device | str) -> bool:
-    """Whether the hotcache strategy stages on a background thread: as asked, by default on
-    CUDA devices. Staging runs no collective (across ranks it reads only the rank's own
-    rows), so the thread works across processes too."""
-    return torch.device(device).type == "cuda" if prefetch_thread is None else prefetch_thread
+# Tables from this size on stage on the prefetch thread on a CPU: large tables' staging is
+# long enough for the cores the step leaves idle to take it (benchmarks/README.md, cpu_throughput).
+LARGE_TABLES_BYTES = 2**30
+
+
+@dataclass(frozen=True)
+class StagingChoice:
+    """How the hotcache strategy stages training batches: on a background thread or not, and
+    how many batches ahead."""
+
+    thread: bool
+    depth: int
+
+
+def tables_bytes(tables: Sequence[EmbeddingBagConfig]) -> int:
+    """The float32 bytes of ``tables``' rows."""
+    return sum(t.num_embeddings * t.embedding_dim for t in tables) * 4
+
+
+def staging_choice(
+    prefetch_thread: bool | None, prefetch_depth: int | None, device: torch.device | str, table_bytes: int
+) -> StagingChoice:
+    """The staging the hotcache strategy runs, the user's choices first. By default: the
+    prefetch thread on CUDA devices, and on a CPU for tables of `LARGE_TABLES_BYTES` or more
+    where there are two cores or more; 3 batches ahead where the thread runs on a CPU, else 1.
+    Staging runs no collective (across ranks it reads only the rank's own rows), so the
+    thread works across processes too."""
+    kind = torch.device(device).type
+    if prefetch_thread is None:
+        large = table_bytes >= LARGE_TABLES_BYTES and (os.cpu_count() or 1) >= 2
+        prefetch_thread = kind == "cuda" or (kind == "cpu" and large)
+    if prefetch_depth is None:
+        prefetch_depth = 3 if prefetch_thread and kind == "cpu" else 1
+    return StagingChoice(prefetch_thread, prefetch_depth)
 
 
 class StatsNeededError(ValueError):
@@ -420,7 +450,7 @@ class HotColdPlanner:
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}.")
-        self.prefetch_thread = prefetch_thread_used(prefetch_thread, device)
+        self.prefetch_thread = staging_choice(prefetch_thread, prefetch_depth, device, 0).thread
         self.batches_in_flight = batches_in_flight(prefetch_depth, self.prefetch_thread)
         check_cache_policy(cache_policy)
         self.device_budget = device_budget

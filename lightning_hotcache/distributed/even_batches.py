@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lightning_hotcache import collectives
+from lightning_hotcache.distributed import collectives
 
 
 def check_even_batches(dataloader: Any, world_size: int, strategy_name: str) -> None:

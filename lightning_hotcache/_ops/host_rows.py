@@ -4,7 +4,7 @@ On the CPU torch's ``index_copy_`` moves a 2-D tensor's rows element by element 
 TensorIterator over every value); a loop that copies whole rows wrote 13k rows of 128
 floats into an 8M-row table in 0.9-1.4 ms where ``index_copy_`` took 2.6-3.6 ms on 2
 threads (5.2 on one), and 50k rows in 8-9.5 against 11-14 ms (AMD EPYC, AVX2), on one
-thread and holding no GIL (`lightning_hotcache.compiled`). Staging writes evicted rows back
+thread and holding no GIL (`lightning_hotcache._ops.compiled`). Staging writes evicted rows back
 to the host tables with it and installs fetched rows into a CPU cache's slots; the row-wise
 optimizers write stepped rows back with it on the CPU. Written by hand: torch has no row copy
 by index on the CPU other than ``index_copy_`` / ``index_put_`` (the same kernel).
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_hotcache.compiled import without_gil
+from lightning_hotcache._ops.compiled import without_gil
 
 
 # Values (rows x width) below which a copy stays on one thread: handing chunks to helper
@@ -140,7 +140,7 @@ def _copy_split(target: np.ndarray, at: np.ndarray, rows: np.ndarray, threads: i
 def on_cpu(tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """``tensor.to("cpu", dtype)``, without the call where it is on the CPU in that type already:
     on a staging thread beside a training loop every torch call hands the GIL over and waits to
-    take it back (`lightning_hotcache.compiled`), a no-op copy included."""
+    take it back (`lightning_hotcache._ops.compiled`), a no-op copy included."""
     if tensor.device.type == "cpu" and (dtype is None or tensor.dtype == dtype):
         return tensor
     return tensor.to("cpu", dtype)

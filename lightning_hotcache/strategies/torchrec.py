@@ -28,13 +28,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torchrec import EmbeddingBagCollection
 from typing_extensions import override
 
-from lightning_hotcache import collectives
-from lightning_hotcache.accumulation import refuse_gradient_accumulation, refuse_gradient_accumulation_now
-from lightning_hotcache.even_batches import check_even_batches
-from lightning_hotcache.like_auto import LikeAutoInOneProcess, global_rngs_restored
-from lightning_hotcache.planner import _quiet_torchrec_planner
-from lightning_hotcache.precision import refuse_half_true_precision
-from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
+from lightning_hotcache.distributed import collectives
+from lightning_hotcache.strategies.accumulation import refuse_gradient_accumulation, refuse_gradient_accumulation_now
+from lightning_hotcache.distributed.even_batches import check_even_batches
+from lightning_hotcache.strategies.like_auto import LikeAutoInOneProcess, global_rngs_restored
+from lightning_hotcache.planner.plan import _quiet_torchrec_planner
+from lightning_hotcache.strategies.precision import refuse_half_true_precision
+from lightning_hotcache.optim.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from their owners, and in backward each row's gradient goes to its owner, which 
 ranks' mean (see `lightning_hotcache.embedding.update.OwnersUpdate`): N ranks x batch B learn
 what 1 rank x N*B learns. Checkpoints gather the shards into whole tables,
 or, with ``checkpoint_shards=True`` (tables too large to gather on one rank), each rank
-writes its own shard file beside the checkpoint (`lightning_hotcache.checkpoint`: written so
+writes its own shard file beside the checkpoint (`lightning_hotcache.checkpoint.files`: written so
 that a kill mid-save leaves the previous or the new checkpoint whole); `consolidate_checkpoint`
 (or ``hotcache consolidate``) turns such a checkpoint into a plain one.
 """
@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -51,14 +50,14 @@ from torchrec.datasets.utils import Batch
 from typing_extensions import override
 
 from lightning_hotcache._compat import fit_train_dataloader, is_wrapping_checkpoint_io
-from lightning_hotcache.accumulation import refuse_gradient_accumulation, refuse_gradient_accumulation_now
-from lightning_hotcache.background import background_priority_supported, run_at_background_priority
+from lightning_hotcache.strategies.accumulation import refuse_gradient_accumulation, refuse_gradient_accumulation_now
+from lightning_hotcache._ops.background import background_priority_supported, run_at_background_priority
 from lightning_hotcache.cache import check_cache_policy
 from lightning_hotcache.cache.lookahead import default_lookahead_batches
 from lightning_hotcache.cache.fused import KernelChoice, check_kernel_choice
-from lightning_hotcache.cache.side_by_side import check_staging_threads, default_staging_threads
+from lightning_hotcache.cache.side_by_side import check_staging_threads
 from lightning_hotcache.cache.upload import batch_to_device
-from lightning_hotcache.checkpoint import (
+from lightning_hotcache.checkpoint.files import (
     SHARDS_KEY,
     AtomicCheckpointIO,
     consolidated,
@@ -69,26 +68,28 @@ from lightning_hotcache.checkpoint import (
     shard_path,
     write_atomically,
 )
-from lightning_hotcache.collectives import broadcast_from_rank_zero
+from lightning_hotcache.distributed.collectives import broadcast_from_rank_zero
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection, hot_cold_modules
-from lightning_hotcache.even_batches import check_even_batches
-from lightning_hotcache.global_batch import BatchShare
-from lightning_hotcache.guards import finite_loss_or_skip
-from lightning_hotcache.host_rows import release_helpers
-from lightning_hotcache.like_auto import LikeAutoInOneProcess, loader_rngs_restored
-from lightning_hotcache.planner import (
+from lightning_hotcache.distributed.even_batches import check_even_batches
+from lightning_hotcache.distributed.global_batch import BatchShare
+from lightning_hotcache._ops.guards import finite_loss_or_skip
+from lightning_hotcache._ops.host_rows import release_helpers
+from lightning_hotcache.strategies.like_auto import LikeAutoInOneProcess, loader_rngs_restored
+from lightning_hotcache.planner.plan import (
     Budget,
     HotColdPlan,
     HotColdPlanner,
     StatsNeededError,
-    prefetch_thread_used,
+    StagingChoice,
     resolve_budget,
+    staging_choice,
+    tables_bytes,
 )
-from lightning_hotcache.precision import refuse_half_true_precision
-from lightning_hotcache.profiling import AccessStats, profile_batches, run_batch_size
-from lightning_hotcache.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
-from lightning_hotcache.table_init import deferred_tables_left_out_of_moves, draw_seed, is_deferred
-from lightning_hotcache.torchrec_strategy import refuse_sharded_tables
+from lightning_hotcache.strategies.precision import refuse_half_true_precision
+from lightning_hotcache.planner.profiling import AccessStats, profile_batches, run_batch_size
+from lightning_hotcache.optim.rowwise import ROW_STATE_KEY, RowWiseOptimizerConfig
+from lightning_hotcache.embedding.table_init import deferred_tables_left_out_of_moves, draw_seed, is_deferred
+from lightning_hotcache.strategies.torchrec import refuse_sharded_tables
 
 PLAN_KEY = "hotcache_plan"
 
@@ -384,37 +385,26 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             none of them reads first, by LFU, then the row read farthest ahead).
         host_storage: ``"memory"`` or a directory for memory-mapped host tables.
         prefetch_depth: training batches whose rows are staged ahead of the current one.
+            Default (`staging_choice`): 3 where the prefetch thread runs on a CPU (it runs in
+            the cores the step leaves idle, and batches staged further ahead absorb the steps
+            where it is late), else 1.
         lookahead_batches: with ``cache_policy="lookahead"``, training batches read ahead of
             staging, whose ids (only) the caches see. Default (`default_lookahead_batches`):
             131,072 samples' worth, within [64, 256] batches (256 of 256 or 512 samples, 64
-            of 2,048 or more), what closed 80% of the hit-rate gap between LFU and Belady's
-            optimum on Zipf traces (benchmarks/README.md, hit_rate). The plan counts its host
-            memory.
-        prefetch_thread: stage on a background thread. Default: on CUDA devices, where the host
-            bookkeeping then overlaps GPU compute; not on CPU, where the thread competes with
-            the model for the same cores and the GIL: the demo's small steps on 2 cores leave
-            it too little idle time (0.99x inline), and with it the cache's counters depend on
-            timing, so runs no longer repeat them. With large tables, at ``background_staging``
-            and with ``prefetch_depth=3``, it trained faster than inline (33.8M rows, batch
-            2048, 2-core AMD EPYC, paired in turns: 1.14x inline at 10% of the rows, 1.18x at
-            1% under lookahead), so set both there (benchmarks/README.md, "Staging at
-            background priority").
-        reader_thread: with the prefetch thread, read and announce batches (check, order and
-            deduplicate their ids, move them to the device) on a thread of their own, so that
-            this overlaps the staging of the batch before. Default: on CUDA devices; not on
-            CPU, where a third busy thread beside the step's took 12% off training at 1% with
-            the lookahead policy on 2 cores (LFU: no change).
-        background_staging: run the prefetch and reader threads (and the threads and processes
-            they start: the DataLoader's workers too, whose iterator they make) at the lowest
-            CPU priority (nice 19; Linux only: asked for elsewhere, it warns), so that they take
-            only the cores the step leaves idle instead of preempting its ops' threads.
-            Default: on CPU devices, where the step's ops take every core (at the step's
-            priority the prefetch thread took 33.8M-row training from 1.03x TorchRec to 0.92x
-            on 2 cores); not on CUDA, where staging's pace bounds the step.
+            of 2,048 or more): on Zipf traces, the window that closed most of the hit-rate gap
+            between LFU and Belady's optimum (benchmarks/README.md, hit_rate). The plan counts
+            its host memory.
+        prefetch_thread: stage on a background thread. Default (`staging_choice`): on CUDA
+            devices, where the host's bookkeeping then overlaps the GPU's compute; on a CPU
+            only for tables of `LARGE_TABLES_BYTES` or more on two cores or more. Small steps
+            leave a CPU thread too little idle time, and with a thread the cache's counters
+            depend on timing, so runs no longer repeat them. On a CPU the thread (and the
+            DataLoader workers it starts) runs at the lowest priority, in the cores the step
+            leaves idle instead of preempting its ops' threads; on CUDA the batches are also
+            read and their ids prepared on a reader thread beside it.
         staging_threads: threads that stage a batch's caches at once (each width's split
-            tables are then stacked in that many caches, of about equal dynamic
-            slots, each with a directory of its own; see `lightning_hotcache.cache.side_by_side`).
-            Default (`default_staging_threads`): 2 on a CUDA host with 8 cores or more, else 1.
+            tables are then stacked in that many caches, of about equal dynamic slots, each
+            with a directory of its own; see `lightning_hotcache.cache.side_by_side`).
         cache_metrics: add a `CacheMetrics` callback (hit rates, traffic) unless one is there.
         kernel: the device tier's kernel: ``"auto"`` (FBGEMM's fused table-batched kernel
             where it trains exactly, except row-wise Adagrad on a CPU, where PyTorch's measured
@@ -434,7 +424,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
 
     strategy_name = "hotcache"
     # A model's deferred (meta) tables are left to this strategy, which writes their rows
-    # straight into their tiers (see `lightning_hotcache.table_init`).
+    # straight into their tiers (see `lightning_hotcache.embedding.table_init`).
     initializes_deferred_tables = True
 
     def __init__(
@@ -445,12 +435,10 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         profile_batches: int = 100,
         cache_policy: str = "lfu",
         host_storage: str = "memory",
-        prefetch_depth: int = 1,
+        prefetch_depth: int | None = None,
         lookahead_batches: int | None = None,
         prefetch_thread: bool | None = None,
-        reader_thread: bool | None = None,
-        background_staging: bool | None = None,
-        staging_threads: int | None = None,
+        staging_threads: int = 1,
         cache_metrics: bool = True,
         checkpoint_shards: bool = False,
         kernel: KernelChoice = "auto",
@@ -460,7 +448,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         super().__init__(**kwargs)
         check_cache_policy(cache_policy)
         check_kernel_choice(kernel)
-        if prefetch_depth < 0:
+        if prefetch_depth is not None and prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}.")
         if lookahead_batches is not None and lookahead_batches < 1:
             raise ValueError(f"lookahead_batches must be at least 1, got {lookahead_batches}.")
@@ -468,12 +456,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             raise ValueError("cache_policy='lookahead' reads batches ahead of staging: it needs prefetch_depth >= 1.")
         if profile_batches < 1:
             raise ValueError(f"profile_batches must be >= 1, got {profile_batches}.")
-        if staging_threads is not None:
-            check_staging_threads(staging_threads)
-        if reader_thread and prefetch_thread is False:
-            raise ValueError("reader_thread=True reads batches ahead of the prefetch thread: it needs prefetch_thread=True (or None).")
-        if background_staging and not background_priority_supported():
-            rank_zero_warn(f"background_staging=True needs Linux ({sys.platform} here): the staging threads keep the step's priority.")
+        check_staging_threads(staging_threads)
         if host_storage != "memory" and Path(host_storage).exists() and not Path(host_storage).is_dir():
             raise NotADirectoryError(
                 f"host_storage {host_storage} is a file; give a directory (created if missing) or 'memory'."
@@ -493,14 +476,13 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         self.profile_batches = profile_batches
         self.cache_policy = cache_policy
         self.host_storage = host_storage
-        self.prefetch_depth = prefetch_depth
+        self.prefetch_depth_setting = prefetch_depth  # None: `staging_choice` decides at setup
         self.lookahead_batches = lookahead_batches
         # The window the loader keeps: lookahead_batches, or the default for the run's batches (set up with the modules).
         self.window_batches = lookahead_batches or default_lookahead_batches(None)
         self.prefetch_thread = prefetch_thread
-        self.reader_thread = reader_thread
-        self.background_staging = background_staging
         self.staging_threads = staging_threads
+        self._table_bytes = 0  # the model's tables, set at setup: what the staging defaults depend on
         self.cache_metrics = cache_metrics
         self.checkpoint_shards = checkpoint_shards
         self.kernel = kernel
@@ -510,17 +492,26 @@ class HotCacheStrategy(LikeAutoInOneProcess):
 
     @property
     def uses_prefetch_thread(self) -> bool:
-        return prefetch_thread_used(self.prefetch_thread, self.root_device)
+        return self._staging.thread
+
+    @property
+    def prefetch_depth(self) -> int:
+        return self._staging.depth
+
+    @property
+    def _staging(self) -> StagingChoice:
+        return staging_choice(self.prefetch_thread, self.prefetch_depth_setting, self.root_device, self._table_bytes)
 
     @property
     def staging_threads_used(self) -> int:
-        return default_staging_threads(self.root_device) if self.staging_threads is None else self.staging_threads
+        return self.staging_threads
 
     @property
     def stages_in_background(self) -> bool:
-        """Whether the staging threads run at background priority (`lightning_hotcache.background`)."""
-        default = self.root_device.type == "cpu"
-        return background_priority_supported() and (default if self.background_staging is None else self.background_staging)
+        """Whether the staging threads run at background priority (`lightning_hotcache._ops.background`):
+        on a CPU, where the step's ops take every core and a thread at the step's priority
+        preempts one of them mid-op; on CUDA staging's pace bounds the step."""
+        return background_priority_supported() and self.root_device.type == "cpu"
 
     @property
     def staging_note(self) -> str:
@@ -531,8 +522,6 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         ahead += f", {self.staging_threads_used} caches side by side" if self.staging_threads_used > 1 else ""
         if not self.uses_prefetch_thread:
             note = f"inline on the training loop, {ahead}"
-            if self.root_device.type == "cpu":  # the CPU's default; the docstring says when to change it
-                note += " (with large tables on a CPU, prefetch_thread=True and prefetch_depth=3 trained faster: see prefetch_thread)"
             return note
         threads = "a prefetch thread" + (" and a reader thread" if self.uses_reader_thread else "")
         priority = "at background priority" if self.stages_in_background else "at the step's priority"
@@ -540,8 +529,10 @@ class HotCacheStrategy(LikeAutoInOneProcess):
 
     @property
     def uses_reader_thread(self) -> bool:
-        default = self.root_device.type == "cuda"
-        return self.uses_prefetch_thread and (default if self.reader_thread is None else self.reader_thread)
+        """Whether batches are read and announced on a thread of their own beside the prefetch
+        thread: on CUDA, where a batch's per-id preparation then overlaps the staging of the
+        one before; not on a CPU, where a third busy thread takes a core from the step."""
+        return self.uses_prefetch_thread and self.root_device.type == "cuda"
 
     # ------------------------------------------------------------------ setup
     @override
@@ -554,7 +545,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         self._install_hot_cold_embeddings(trainer)
         super().setup(trainer)
         if self.cache_metrics and self.plan is not None:
-            from lightning_hotcache.callbacks import CacheMetrics
+            from lightning_hotcache.callbacks.metrics import CacheMetrics
 
             if not any(isinstance(cb, CacheMetrics) for cb in trainer.callbacks):
                 trainer.callbacks.append(CacheMetrics())
@@ -581,6 +572,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             rank_zero_warn(f"{type(model).__name__} has no torchrec EmbeddingBagCollection; hotcache changes nothing.")
             return
         tables = [t for m in collections.values() for t in m.embedding_bag_configs()]
+        self._table_bytes = tables_bytes(tables)
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"hotcache needs unique table names across the model's collections; got {names}.")
@@ -751,7 +743,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
                 "main_crc32": main_file_crc32(checkpoint) if self.is_global_zero else None,
             }  # fmt: skip
             # Every rank writes its own shard; the main file (rank 0's) only once all are in
-            # place, so that no main file is ever without its shards (see lightning_hotcache.checkpoint).
+            # place, so that no main file is ever without its shards (see lightning_hotcache.checkpoint.files).
             target = shard_path(filepath, save_id, self.global_rank, self.world_size)
             target.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(shard_contents(save_id, self.global_rank, self.world_size, shards), target)

@@ -6,7 +6,7 @@ drops them. Lightning's `BasePredictionWriter` leaves what to write to a subclas
 keeps each batch's predictions on the host, gathers every process's at the epoch's end and
 writes them from rank 0 as one file, batch by batch and within a batch rank by rank. That is
 the order one process reads the samples in for the zoo's datamodules (each process reads the
-``r``-th consecutive slice of every global batch, `lightning_hotcache.global_batch`), under
+``r``-th consecutive slice of every global batch, `lightning_hotcache.distributed.global_batch`), under
 every strategy. A loader of another kind gets its own order, batch by batch and rank by rank:
 across processes Lightning gives a plain DataLoader a DistributedSampler, which deals samples
 to ranks in turn and repeats some to even the ranks out, and the file holds them as they came.
@@ -27,8 +27,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hotcache import collectives
-from lightning_hotcache.checkpoint import check_output_file, write_file_atomically
+from lightning_hotcache.distributed import collectives
+from lightning_hotcache.checkpoint.files import check_output_file, write_file_atomically
 
 FORMATS = (".csv", ".npy", ".pt")
 DEFAULT_PATH = "predictions.csv"  # also where `hotcache predict` writes, in the trainer's root folder

@@ -32,8 +32,8 @@ from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from lightning_hotcache.cache.host import CHUNK_BYTES, RowsAt, rows_in
-from lightning_hotcache.progress import byte_bar
-from lightning_hotcache.stacked_tables import allocate_stacked
+from lightning_hotcache._ops.progress import byte_bar
+from lightning_hotcache.optim.stacked_tables import allocate_stacked
 
 
 def is_deferred(collection: EmbeddingBagCollection) -> bool:
@@ -145,7 +145,7 @@ def _block_seed(seed: int, salt: int, block: int) -> int:
 def materialize_tables(module: nn.Module, device: torch.device | str = "cpu", seed: int | None = None) -> bool:
     """Allocate and initialize the deferred tables of every EmbeddingBagCollection in ``module``
     on ``device``, in place (a collection's tables as one stack where they can be:
-    `lightning_hotcache.stacked_tables`). ``seed=None`` draws one from the global RNG. Returns whether any
+    `lightning_hotcache.optim.stacked_tables`). ``seed=None`` draws one from the global RNG. Returns whether any
     table was deferred."""
     found = False
     for collection in module.modules():

@@ -57,9 +57,9 @@ import numpy as np
 if TYPE_CHECKING:
     from torchrec import EmbeddingBagConfig
 
-    from lightning_hotcache.planner import HotColdPlan
-    from lightning_hotcache.profiling import AccessStats
-    from lightning_hotcache.rowwise import RowWiseOptimizerConfig
+    from lightning_hotcache.planner.plan import HotColdPlan
+    from lightning_hotcache.planner.profiling import AccessStats
+    from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig
 
 FLOAT_BYTES = 4  # float32 rows, gradients and optimizer state
 ID_BYTES = 8  # int64 ids and counts
@@ -417,7 +417,7 @@ def per_rank_report(
 ) -> str:
     """What each of ``plan.world_size`` ranks holds and sends per step (modelled from the
     profile, ``batch_size`` samples per rank), as a readable table."""
-    from lightning_hotcache.planner import format_bytes, row_bytes
+    from lightning_hotcache.planner.plan import format_bytes, row_bytes
 
     ranks = plan.world_size
     split = [t for t in tables if not plan.table(t.name).on_device]
@@ -427,7 +427,7 @@ def per_rank_report(
     traffic = {name: design(workload, ranks) for name, design in DESIGNS.items()}
     lines = [
         f"per rank of {ranks}: device {format_bytes(plan.device_bytes)}, host {format_bytes(host)} (its shard of the split tables)",
-        f"modelled bytes sent (= received) per rank per step, {batch_size} samples per rank (lightning_hotcache.traffic):",
+        f"modelled bytes sent (= received) per rank per step, {batch_size} samples per rank (lightning_hotcache.planner.traffic):",
     ]
     for name, t in traffic.items():
         busiest = ""

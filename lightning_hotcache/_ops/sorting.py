@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from lightning_hotcache._compat import add_to_each
-from lightning_hotcache.compiled import without_gil
+from lightning_hotcache._ops.compiled import without_gil
 
 
 # A batch's ids as `unique` with counts finds them: the distinct ids ascending, each id's

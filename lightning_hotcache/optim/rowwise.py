@@ -24,9 +24,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_hotcache._compat import add_to_each
-from lightning_hotcache.host_rows import put_rows
-from lightning_hotcache.sorting import sort_with_repeats, split_stack_rows, sum_by_index
-from lightning_hotcache.stacked_tables import stacked_rows
+from lightning_hotcache._ops.host_rows import put_rows
+from lightning_hotcache._ops.sorting import sort_with_repeats, split_stack_rows, sum_by_index
+from lightning_hotcache.optim.stacked_tables import stacked_rows
 
 RowWiseOptimizerName = Literal["sgd", "rowwise_adagrad", "adam"]
 # ``eps`` when none is given: the default of the optimizer each rule claims to be, so "the same
@@ -136,7 +136,7 @@ def apply_sparse_update(
 
     SGD is linear, so it scatter-adds the uncoalesced gradient (duplicates sum on the way)
     and skips the sort. The other rules need each row's summed gradient: `sum_by_index`
-    gives it without coalescing the COO tensor (see `lightning_hotcache.sorting`).
+    gives it without coalescing the COO tensor (see `lightning_hotcache._ops.sorting`).
     """
     rows, values = grad._indices()[0], grad._values()  # uncoalesced COO: .indices() insists on coalescing
     if config.name == "sgd":

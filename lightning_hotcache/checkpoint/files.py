@@ -34,8 +34,8 @@ from typing_extensions import override
 
 from lightning_hotcache.cache.exchange import RoundRobinRows
 from lightning_hotcache.cache.host import CHUNK_BYTES
-from lightning_hotcache.progress import Progress, byte_bar
-from lightning_hotcache.rowwise import ROW_STATE_KEY
+from lightning_hotcache._ops.progress import Progress, byte_bar
+from lightning_hotcache.optim.rowwise import ROW_STATE_KEY
 
 SHARDS_KEY = "hotcache_shards"
 # What `new_save_id` makes. A main file's id becomes part of its shards' file names, so one

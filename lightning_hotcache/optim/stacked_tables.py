@@ -9,7 +9,7 @@ stores all tables in one weight for that reason, but it keeps its own optimizer 
 CUDA build. Here each table's ``nn.Parameter`` stays where TorchRec put it, with its name, shape,
 state dict and sharders, but its data is a view of one stack of rows: the forward
 (`lightning_hotcache.embedding.torchrec_lookup`) and the row-wise step
-(`lightning_hotcache.rowwise`) find the stack with `stacked_rows` and run one op on it; where
+(`lightning_hotcache.optim.rowwise`) find the stack with `stacked_rows` and run one op on it; where
 the tables are not stacked (a user's own collection, a table swapped), they run per table as
 before.
 
@@ -89,7 +89,7 @@ def stack_tables(module: nn.Module) -> None:
     stack each, values unchanged. Tables already stacked, declared only (meta) or of several
     widths are left as they are. Holds the tables twice while copying (they free one by one as
     the stack takes them): tables too large for that are deferred (``defer_table_init``), and
-    `lightning_hotcache.table_init.materialize_tables` allocates them stacked."""
+    `lightning_hotcache.embedding.table_init.materialize_tables` allocates them stacked."""
     for collection in module.modules():
         weights = _stackable(collection)
         if weights is None or stacked_rows(weights) is not None:
