@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export WANDB_MODE ?= offline
 
-.PHONY: setup demo test bench clean gpu-wheels gpu-check
+.PHONY: setup demo test test-all bench clean gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -23,7 +23,11 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/hotcache fit -c configs/dlrm_synthetic.yaml
 
+# The full products of the exactness matrices are marked `full`: `make test-all` runs them too.
 test: setup
+	$(PY) -m pytest -q -m "not full" tests
+
+test-all: setup
 	$(PY) -m pytest -q tests
 
 clean:

@@ -19,13 +19,13 @@ Prints a table and writes benchmarks/results/cpu_throughput.json.
     python benchmarks/cpu_throughput.py --strategies hotcache@0.01 hotcache@0.01+lookahead --pieces   # and where staging's time goes (benchmarks/pieces.py)
     python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.01 hotcache@0.01+2threads   # staging on two threads
     python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.1 hotcache@0.01+lookahead --steps 600 --warmup 200 --interleave 20   # in turns (benchmarks/turns.py)
-    python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.1+thread hotcache@0.1+thread+foreground --steps 600 --warmup 200 --interleave 20   # staging's priority
+    python benchmarks/cpu_throughput.py --strategies torchrec hotcache@0.1 hotcache@0.1+inline --steps 600 --warmup 200 --interleave 20   # the staging default against inline
 
-By default every strategy but the ``+lookahead`` (the lookahead cache policy), ``+thread``
-(staging on the prefetch thread, at background priority; ``+thread+foreground`` at the step's,
-``+thread+depth3`` three batches ahead), ``+2threads`` (inline, the split tables in two caches
-staged side by side: ``staging_threads=2``) and ``+fbgemm`` / ``+pytorch`` (the device tier's
-kernel named, not chosen) ones runs.
+By default every strategy but the ``+lookahead`` (the lookahead cache policy), ``+inline``
+(staging on the training loop), ``+thread`` (on the prefetch thread, one batch ahead;
+``+thread+depth3`` three), ``+2threads`` (the split tables in two caches staged side by side:
+``staging_threads=2``) and ``+fbgemm`` / ``+pytorch`` (the device tier's kernel named, not
+chosen) ones runs; with no suffix, the strategy stages as it chooses (`staging_choice`).
 """
 
 from __future__ import annotations
@@ -103,19 +103,21 @@ def strategy_makers() -> dict[str, Callable[[], Any]]:
     """Name -> a maker of the strategy (each run builds its own)."""
     makers: dict[str, Callable[[], Any]] = {"auto": lambda: "auto", "torchrec": lambda: "torchrec"}
     # hotcache at 100%, 10% and 1% of the tables; with options too: the lookahead cache policy
-    # (10% and 1%), staging on the prefetch thread (inline by default on the CPU; at background
-    # priority unless "+foreground"; "+depth3": three batches staged ahead), a kernel named
-    # (the device tier's, "auto" choosing by default).
+    # (10% and 1%), staging as the strategy chooses it (no suffix), inline on the loop
+    # ("+inline"), on the prefetch thread one batch ahead ("+thread") or three ("+thread+depth3"),
+    # on two staging threads ("+2threads"), a kernel named (the device tier's, "auto" by default).
+    staging: dict[str, dict[str, Any]] = {
+        "": {}, "+inline": {"prefetch_thread": False}, "+thread": {"prefetch_thread": True, "prefetch_depth": 1},
+        "+thread+depth3": {"prefetch_thread": True, "prefetch_depth": 3}, "+2threads": {"staging_threads": 2},
+    }  # fmt: skip
     for budget in (1.0, 0.1, 0.01):
         for policy in ("", "+lookahead") if budget < 1 else ("",):
-            for thread in ("", "+thread", "+thread+depth3", "+thread+foreground", "+2threads") if budget < 1 else ("", "+thread"):
+            for thread in staging if budget < 1 else ("", "+inline", "+thread"):
                 for kernel in ("", "+fbgemm", "+pytorch"):
                     makers[f"hotcache@{budget:g}{policy}{thread}{kernel}"] = (
                         lambda b=budget, policy=policy, thread=thread, kernel=kernel: HotCacheStrategy(
                             device_budget=b, profile_batches=50, cache_policy="lookahead" if policy else "lfu",
-                            prefetch_thread=thread.startswith("+thread"), background_staging=False if "+foreground" in thread else None,
-                            prefetch_depth=3 if "+depth3" in thread else 1, staging_threads=2 if thread == "+2threads" else 1,
-                            kernel=kernel[1:] or "auto",
+                            kernel=kernel[1:] or "auto", **staging[thread],
                         )
                     )  # fmt: skip
     return makers

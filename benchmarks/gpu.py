@@ -68,7 +68,7 @@ Prints a table and writes benchmarks/results/gpu.json.
     python benchmarks/gpu.py [--scale 1.0] [--batch-size 8192] [--steps 200] [--rounds 3] [--strategies auto hotcache@0.1]
     python benchmarks/gpu.py --scale 1.0 --device-memory 8 --strategies auto hotcache@0.1   # tables larger than the GPU
     python benchmarks/gpu.py --strategies auto hotcache@0.01 hotcache@0.01+lookahead   # the lookahead policy
-    python benchmarks/gpu.py --strategies auto hotcache@0.01+lookahead hotcache@0.01+lookahead+1thread   # staging on 2 threads against 1
+    python benchmarks/gpu.py --strategies auto hotcache@0.01+lookahead hotcache@0.01+lookahead+2threads   # staging on 2 threads against 1
     python benchmarks/gpu.py --device cpu --scale 0.001 --steps 5 --rounds 1   # smoke mode, seconds on a CPU
     python benchmarks/gpu.py --device cpu --scale 0.001 --batch-size 64 --dim 16 --kernel pytorch   # host time a step, on a CPU
 
@@ -177,7 +177,7 @@ class DrawnAheadDataModule(SyntheticCTRDataModule):
         return self._train if split == "train" else super().source(split)
 
 
-def _hotcache(args: argparse.Namespace, budget: float, policy: str = "lfu", staging_threads: int | None = None) -> HotCacheStrategy:
+def _hotcache(args: argparse.Namespace, budget: float, policy: str = "lfu", staging_threads: int = 1) -> HotCacheStrategy:
     return HotCacheStrategy(
         device_budget=budget, profile_batches=args.profile_batches, grow_budget_to_minimum=True, cache_policy=policy, kernel=args.kernel,
         staging_threads=staging_threads,
@@ -186,15 +186,15 @@ def _hotcache(args: argparse.Namespace, budget: float, policy: str = "lfu", stag
 
 def strategies(args: argparse.Namespace) -> dict[str, Any]:
     """Name -> a maker of the strategy (each run builds its own). The ``+lookahead`` ones (the
-    lookahead cache policy) and the ``+1thread`` ones (staging on one thread, where a GPU host
-    stages on two by default: `default_staging_threads`) run only when named."""
+    lookahead cache policy) and the ``+2threads`` ones (a batch's caches staged side by side on
+    two threads, where the strategy stages on one by default) run only when named."""
     return {
         "auto": lambda: "auto",
         "cpu-lookup": lambda: "auto",  # with HostLookupDLRM (see `train`)
         **{f"hotcache@{b:g}": (lambda b=b: _hotcache(args, b)) for b in BUDGETS},
         **{f"hotcache@{b:g}+lookahead": (lambda b=b: _hotcache(args, b, "lookahead")) for b in BUDGETS[1:]},
-        **{f"hotcache@{b:g}+1thread": (lambda b=b: _hotcache(args, b, staging_threads=1)) for b in BUDGETS[1:]},
-        **{f"hotcache@{b:g}+lookahead+1thread": (lambda b=b: _hotcache(args, b, "lookahead", 1)) for b in BUDGETS[1:]},
+        **{f"hotcache@{b:g}+2threads": (lambda b=b: _hotcache(args, b, staging_threads=2)) for b in BUDGETS[1:]},
+        **{f"hotcache@{b:g}+lookahead+2threads": (lambda b=b: _hotcache(args, b, "lookahead", 2)) for b in BUDGETS[1:]},
     }
 
 

@@ -64,7 +64,7 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   PYTHON=.venv/bin/python
   ACCELERATOR=cpu
   SMALL="--device cpu --scale 0.001 --batch-size 64"
-  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --pieces --strategies auto hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01+lookahead+1thread hotcache@0.01"  # stage 3's
+  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --pieces --strategies auto hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01+lookahead+2threads hotcache@0.01"  # stage 3's
   BEYOND_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1"  # no cap on a CPU
   PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 0.02 --rows 2000 --copies 3 --threads 1 2"
@@ -77,7 +77,7 @@ else
   # its caches); with 20 the timed steps were all filling (no row evicted in any 10% run before
   # 2026-11-29), measuring neither victims nor write-backs. --pieces: where the prefetch
   # thread's time goes (compiled loops and row copies, which torch.profiler does not see).
-  BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 120 --warmup 80 --rounds 1 --pieces --strategies auto hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01+lookahead+1thread hotcache@0.01"}
+  BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 120 --warmup 80 --rounds 1 --pieces --strategies auto hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01+lookahead+2threads hotcache@0.01"}
   BEYOND_ARGS="--scale 1.0 --steps 120 --warmup 80 --rounds 1 --device-memory 8 --strategies auto hotcache@0.1"
   PROFILE_ARGS="--scale 0.1 --steps 30 --warmup 20 --profile-steps 5 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 8 --copies 40 --threads 1 2 4 8"

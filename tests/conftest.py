@@ -53,6 +53,24 @@ class UserModel(pl.LightningModule):
         return torch.optim.SGD(self.head.parameters(), lr=0.1)
 
 
+def forced_staging(reader_thread: bool = False, step_priority: bool = False, **options: Any):
+    """A HotCacheStrategy that runs, on a CPU, staging the device chooses otherwise: a reader
+    thread beside the prefetch thread (CUDA's), or staging threads at the step's priority
+    (CUDA's). Both paths are the same code on every device; tests run them here."""
+    from lightning_hotcache import HotCacheStrategy
+
+    class ForcedStaging(HotCacheStrategy):
+        @property
+        def uses_reader_thread(self) -> bool:
+            return self.uses_prefetch_thread and reader_thread
+
+        @property
+        def stages_in_background(self) -> bool:
+            return super().stages_in_background and not step_priority
+
+    return ForcedStaging(**options)
+
+
 def cpu_trainer(**overrides: Any) -> pl.Trainer:
     settings: dict[str, Any] = dict(
         accelerator="cpu",
@@ -132,3 +150,46 @@ def flip_largest_tensor(file: Path) -> None:
         data = f.read(4)
         f.seek(-4, os.SEEK_CUR)
         f.write(bytes(byte ^ 0xFF for byte in data))
+
+
+def covering_rows(*factors: list) -> list[tuple]:
+    """Rows over ``factors`` in which every pair of values of two factors appears at least once
+    (a pairwise covering array, built greedily: each row the one covering most pairs not yet seen)."""
+    import itertools
+
+    def pairs(row: tuple) -> set:  # and each value alone, so that one factor is covered too
+        pairs = {((i, row[i]), (j, row[j])) for i, j in itertools.combinations(range(len(row)), 2)}
+        return pairs | {((i, value),) for i, value in enumerate(row)}
+
+    candidates = list(itertools.product(*factors))
+    wanted = set().union(*map(pairs, candidates))
+    rows: list[tuple] = []
+    while wanted:
+        def covered(row: tuple) -> set:
+            return pairs(row) & wanted
+
+        best = max(candidates, key=lambda row: len(covered(row)))
+        wanted -= covered(best)
+        rows.append(best)
+    return rows
+
+
+def exactness_matrix(names: list[str], together: dict[str, list], apart: dict[str, list]) -> list:
+    """The cases of a test over ``together`` x ``apart``, as ``pytest.param``s in the order of
+    ``names``. `make test` runs the full product of the factors that interact (``together``)
+    with rows of the others (``apart``) that cover each of their pairs; every other case is
+    marked ``full`` (`make test-all` runs them)."""
+    import itertools
+
+    apart_rows = covering_rows(*apart.values())
+    together_rows = list(itertools.product(*together.values()))
+    fast = set()
+    for k in range(max(len(together_rows), len(apart_rows))):
+        fast.add(together_rows[k % len(together_rows)] + apart_rows[k % len(apart_rows)])
+    keys = [*together, *apart]
+    cases = []
+    for row in itertools.product(*together.values(), *apart.values()):
+        values = dict(zip(keys, row))
+        ordered = tuple(values[name] for name in names)
+        cases.append(pytest.param(*ordered, marks=() if row in fast else pytest.mark.full))
+    return cases

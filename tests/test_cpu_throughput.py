@@ -34,12 +34,12 @@ def test_pieces_are_timed_when_asked(capsys) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "thread", "background", "depth"),
-    [("hotcache@0.1", False, None, 1), ("hotcache@0.1+thread", True, None, 1), ("hotcache@0.01+lookahead+thread+depth3", True, None, 3),
-     ("hotcache@0.1+thread+foreground", True, False, 1), ("hotcache@1+thread", True, None, 1)],
+    ("name", "thread", "depth"),
+    [("hotcache@0.1", None, None), ("hotcache@0.1+inline", False, None), ("hotcache@0.1+thread", True, 1),
+     ("hotcache@0.01+lookahead+thread+depth3", True, 3), ("hotcache@1+thread", True, 1)],
 )  # fmt: skip
-def test_a_name_makes_the_strategy_it_says(name, thread, background, depth) -> None:
-    # background None: the device's default (background priority on a CPU)
+def test_a_name_makes_the_strategy_it_says(name, thread, depth) -> None:
+    # None: the strategy's own choice (`staging_choice`), made at setup from the tables' size
     strategy = cpu_throughput.strategy_makers()[name]()
-    assert (strategy.prefetch_thread, strategy.background_staging, strategy.prefetch_depth) == (thread, background, depth)
+    assert (strategy.prefetch_thread, strategy.prefetch_depth_setting) == (thread, depth)
     assert strategy.cache_policy == ("lookahead" if "+lookahead" in name else "lfu")

@@ -113,7 +113,8 @@ def _hotcache_runs(procs: int, optimizer: str, thread: bool | str, kernel: str, 
 HOTCACHE_RUNS = {case: _hotcache_runs(*settings) for case, settings in HOTCACHE_CASES.items()}
 
 
-@pytest.mark.parametrize("case", list(HOTCACHE_CASES))
+# Four processes only under `make test-all`: two cover every path the exchange takes.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.full) if c.startswith("4-") else c for c in HOTCACHE_CASES])
 def test_hotcache_processes_match_one_with_their_batches_together(trained, case: str) -> None:
     """Host stores sharded across the ranks, each row updated by its owner from every rank's
     gradient, other ranks' rows fetched in the forward that reads them (with staging on a

@@ -17,6 +17,7 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from conftest import exactness_matrix
 
 from lightning_hotcache import RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
 from lightning_hotcache.cache.exchange import RowSharding
@@ -130,10 +131,11 @@ def reference_state(ebc: EmbeddingBagCollection) -> dict[str, dict[str, torch.Te
 LOOKAHEAD = 3  # batches announced ahead of staging under the lookahead policy
 UPSTREAM = [torch.randn(BATCH, 8 + 4 + 4 + 8, generator=torch.Generator().manual_seed(i)) for i in range(STEPS)]
 BUDGETS = {"100%": 1.0, "10%": 0.1, "1%": 0.01, "minimum": None}
-CASES = list(
-    itertools.product(
-        BUDGETS, ["static", "lru", "lfu", "lookahead"], ["sgd", "rowwise_adagrad", "adam"], ["memory", "mmap"], [0, 2], KERNEL_TABLES
-    )
+POLICIES = ["static", "lru", "lfu", "lookahead"]
+CASES = exactness_matrix(
+    ["budget", "policy", "optimizer", "storage", "depth", "kernel"],
+    together={"budget": list(BUDGETS), "policy": POLICIES, "depth": [0, 2]},
+    apart={"optimizer": ["sgd", "rowwise_adagrad", "adam"], "storage": ["memory", "mmap"], "kernel": list(KERNEL_TABLES)},
 )
 FUSED_OPTIMIZERS = ("sgd", "rowwise_adagrad")  # FBGEMM's Adam is not the library's lazy Adam
 
@@ -352,7 +354,11 @@ ONE_WIDTH_UPSTREAM = [torch.randn(BATCH, 8 * 4, generator=torch.Generator().manu
 
 @pytest.mark.parametrize(
     ("budget", "policy", "optimizer", "storage", "depth"),
-    list(itertools.product(BUDGETS, ["static", "lru", "lfu", "lookahead"], FUSED_OPTIMIZERS, ["memory", "mmap"], [0, 2])),
+    exactness_matrix(
+        ["budget", "policy", "optimizer", "storage", "depth"],
+        together={"budget": list(BUDGETS), "policy": POLICIES, "depth": [0, 2]},
+        apart={"optimizer": list(FUSED_OPTIMIZERS), "storage": ["memory", "mmap"]},
+    ),
 )
 def test_stacked_split_tables_learn_what_torchrec_learns(budget, policy, optimizer, storage, depth, tmp_path) -> None:
     config = RowWiseOptimizerConfig(name=optimizer, lr=0.05)

@@ -130,6 +130,7 @@ def _dry_run(out: Path, **env_overrides: str):
     return subprocess.run(["make", "-s", "gpu-check", "GPU_DRY_RUN=1"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.full  # every stage of `make gpu-check` on a CPU; the stage selection test below runs by default
 def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
     """`make gpu-check GPU_DRY_RUN=1`: the five stages the GPU machine runs (a 2-step fit, the
     CUDA tests, the benchmarks, the profile), here on the CPU, each reported in $OUT as it ends."""
@@ -150,7 +151,7 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
     assert "skipped" in (tmp_path / "stage2.log").read_text()  # found, and skipped without CUDA
     results = json.loads((tmp_path / "gpu.json").read_text())["results"]
     assert list(results) == [
-        "auto", "hotcache@0.1", "hotcache@0.01+lookahead", "hotcache@0.01+lookahead+1thread", "hotcache@0.01"
+        "auto", "hotcache@0.1", "hotcache@0.01+lookahead", "hotcache@0.01+lookahead+2threads", "hotcache@0.01"
     ]  # what stage 3 runs on the GPU  # fmt: skip
     assert results["hotcache@0.01"]["pieces_ms_per_batch"]["stage"] > 0  # where the prefetch thread's time goes
     assert list(json.loads((tmp_path / "beyond_gpu.json").read_text())["results"]) == ["auto", "hotcache@0.1"]

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import exactness_matrix
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_hotcache import STRATEGY_PRESETS
@@ -45,8 +46,10 @@ def test_registered_names_hold_strategy_classes_and_refuse_mps_as_instances_do(n
         strategy.setup_environment()
 
 
-@pytest.mark.parametrize("config", SYNTHETIC_CONFIGS, ids=[c.stem for c in SYNTHETIC_CONFIGS])
-@pytest.mark.parametrize("preset", sorted(STRATEGY_PRESETS))
+@pytest.mark.parametrize(
+    ("preset", "config"),
+    exactness_matrix(["preset", "config"], together={"preset": sorted(STRATEGY_PRESETS)}, apart={"config": SYNTHETIC_CONFIGS}),
+)
 def test_preset_trains_synthetic_config(preset: str, config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_hotcache import HotCacheStrategy
 

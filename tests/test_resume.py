@@ -16,7 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import cpu_trainer, tiny_synthetic
+from conftest import cpu_trainer, exactness_matrix, forced_staging, tiny_synthetic
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_hotcache import HotCacheStrategy
@@ -39,7 +39,7 @@ STRATEGIES = ["auto", "torchrec", "hotcache", "hotcache/pytorch+thread", "hotcac
 def _strategy(name: str) -> str | HotCacheStrategy:
     # A budget below the tables' size, so rows really move between the cache and the host store.
     if name == "hotcache/pytorch+thread":
-        return HotCacheStrategy(device_budget=0.05, profile_batches=2, kernel="pytorch", prefetch_thread=True, reader_thread=True)
+        return forced_staging(reader_thread=True, device_budget=0.05, profile_batches=2, kernel="pytorch", prefetch_thread=True)
     if name.startswith("hotcache/lookahead"):
         threads = 2 if name.endswith("+2threads") else 1
         return HotCacheStrategy(device_budget=0.05, profile_batches=2, cache_policy="lookahead", lookahead_batches=2, staging_threads=threads)
@@ -106,12 +106,17 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, in
     return run
 
 
-@pytest.mark.parametrize("position", list(POSITIONS))
-@pytest.mark.parametrize(("max_epochs", "shuffle"), [(2, False), (3, True)], ids=["2epochs", "3epochs-shuffled"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_resumed_run_equals_uninterrupted(
-    strategy: str, max_epochs: int, shuffle: bool, position: str, uninterrupted: Callable[..., Uninterrupted]
-) -> None:
+RUNS = {"2epochs": (2, False), "3epochs-shuffled": (3, True)}  # (max_epochs, shuffle)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "run", "position"),
+    exactness_matrix(
+        ["strategy", "run", "position"], together={"position": list(POSITIONS), "run": list(RUNS)}, apart={"strategy": STRATEGIES}
+    ),
+)
+def test_resumed_run_equals_uninterrupted(strategy: str, run: str, position: str, uninterrupted: Callable[..., Uninterrupted]) -> None:
+    max_epochs, shuffle = RUNS[run]
     expected = uninterrupted(strategy, max_epochs, shuffle)
     _, trainer = _fit(strategy, max_epochs, shuffle, ckpt_path=expected.checkpoints / POSITIONS[position])
     assert trainer.global_step == expected.global_step

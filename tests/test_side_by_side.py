@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from conftest import exactness_matrix
 import torch
 from forked import from_a_fresh_process, in_forked_child
 from test_embedding_exactness import (
@@ -27,7 +28,7 @@ from torchrec import EmbeddingBagConfig
 
 from lightning_hotcache import HotCacheStrategy, RowWiseOptimizerConfig
 from lightning_hotcache.cache import DeviceCache
-from lightning_hotcache.cache.side_by_side import SideBySide, default_staging_threads
+from lightning_hotcache.cache.side_by_side import SideBySide
 from lightning_hotcache.embedding import HotColdEmbeddingBagCollection
 from lightning_hotcache.embedding.layout import balanced_parts, build_layout
 
@@ -75,7 +76,11 @@ def test_parts_are_regions_of_the_widths_one_device_table() -> None:
                                 "<split tables of dim 16>": 80}  # fmt: skip
 
 
-CASES = list(itertools.product(["10%", "minimum"], ["lfu", "lookahead"], ["fbgemm", "pytorch"], ["memory", "mmap"], [0, 2]))
+CASES = exactness_matrix(
+    ["budget", "policy", "kernel", "storage", "depth"],
+    together={"budget": ["10%", "minimum"], "policy": ["lfu", "lookahead"], "depth": [0, 2]},
+    apart={"kernel": ["fbgemm", "pytorch"], "storage": ["memory", "mmap"]},
+)
 
 
 @pytest.mark.parametrize(("budget", "policy", "kernel", "storage", "depth"), CASES)
@@ -156,15 +161,6 @@ def test_bad_staging_threads_are_clear_errors(bad) -> None:
     batches = zipf_batches(steps=1, extra={"shop": 400})
     with pytest.raises(ValueError, match="staging_threads must be"):
         HotColdEmbeddingBagCollection(FOUR_TABLES, make_plan(batches, None, 0, "lfu", FOUR_TABLES), staging_threads=bad)
-
-
-def test_staging_threads_default_to_two_on_a_cuda_host_with_cores_to_spare(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_hotcache.cache import side_by_side
-
-    monkeypatch.setattr(side_by_side, "host_cores", lambda: 16)
-    assert (default_staging_threads("cpu"), default_staging_threads("cuda")) == (1, 2)
-    monkeypatch.setattr(side_by_side, "host_cores", lambda: 4)
-    assert default_staging_threads("cuda") == 1
 
 
 def test_tables_staged_side_by_side_equal_one_stack_after_training() -> None:

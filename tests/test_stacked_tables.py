@@ -15,7 +15,8 @@ from conftest import tiny_synthetic
 from test_step_ops import _CountOps
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
-from lightning_hotcache.optim import rowwise, sorting
+from lightning_hotcache._ops import sorting
+from lightning_hotcache.optim import rowwise
 from lightning_hotcache.embedding.torchrec_lookup import pooled_in_one_node
 from lightning_hotcache.optim.rowwise import RowWiseOptimizer, RowWiseOptimizerConfig, use_sparse_gradients
 from lightning_hotcache.optim.stacked_tables import stack_tables, stacked_rows

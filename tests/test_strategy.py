@@ -13,7 +13,7 @@ from typing import Iterator
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import UserModel, cpu_trainer, mappings_at, tiny_synthetic
+from conftest import UserModel, cpu_trainer, exactness_matrix, forced_staging, mappings_at, tiny_synthetic
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_hotcache
@@ -95,7 +95,11 @@ def assert_same_val_metrics(metrics: dict, expected: dict) -> None:
     assert metrics["val/auc"] == pytest.approx(expected["val/auc"], abs=1e-4)
 
 
-CASES = list(itertools.product(sorted(MODEL_REGISTRY), [1.0, 0.05, "minimum"], ["lfu", "lru", "static", "lookahead"]))
+CASES = exactness_matrix(
+    ["name", "budget", "policy"],
+    together={"budget": [1.0, 0.05, "minimum"], "policy": ["lfu", "lru", "static", "lookahead"]},
+    apart={"name": sorted(MODEL_REGISTRY)},
+)
 
 
 @pytest.mark.parametrize(("name", "budget", "policy"), CASES)
@@ -150,11 +154,6 @@ def test_the_loader_announces_each_batch_ahead_of_staging(policy: str) -> None:
             HotCacheStrategy(cache_policy="lookahead", lookahead_batches=bad)
     with pytest.raises(ValueError, match="needs prefetch_depth >= 1"):
         HotCacheStrategy(cache_policy="lookahead", prefetch_depth=0)
-
-
-def test_a_reader_thread_needs_the_prefetch_thread() -> None:
-    with pytest.raises(ValueError, match=r"reader_thread=True reads batches ahead of the prefetch thread: it needs prefetch_thread=True"):
-        HotCacheStrategy(prefetch_thread=False, reader_thread=True)
 
 
 def test_profiles_when_no_stats_and_logs_cache_metrics() -> None:
@@ -417,11 +416,11 @@ def test_cache_metrics_log_staging_waits_where_a_prefetch_thread_stages(thread, 
     pl.seed_everything(0)
     dm = data()
     model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
-    strategy = HotCacheStrategy(device_budget=0.1, profile_batches=4, prefetch_thread=thread, reader_thread=reader or None)
+    strategy = forced_staging(reader_thread=reader, device_budget=0.1, profile_batches=4, prefetch_thread=thread)
     announcing = _LoggedEveryStep("cache/announcing_ms")
     trainer = cpu_trainer(strategy=strategy, max_steps=4, log_every_n_steps=1, callbacks=[announcing])
     trainer.fit(model, dm)
-    assert strategy.uses_reader_thread == reader  # on the CPU not by default
+    assert strategy.uses_reader_thread == reader
     assert ("cache/staging_wait_ms" in trainer.callback_metrics) == ("cache/staging_ms" in trainer.callback_metrics) == thread
     work = strategy.staging_work
     if thread:
@@ -480,8 +479,8 @@ def test_prefetch_thread_and_inline_staging_match_auto(thread, reader, kernel, s
     import threading
 
     watcher = _SeesPrefetchThread()
-    strategy = HotCacheStrategy(
-        device_budget=0.05, stats_path=str(stats_path), prefetch_thread=thread, reader_thread=reader, prefetch_depth=2, kernel=kernel
+    strategy = forced_staging(
+        reader_thread=reader, device_budget=0.05, stats_path=str(stats_path), prefetch_thread=thread, prefetch_depth=2, kernel=kernel
     )
     model, trainer, _ = fit("dlrm", strategy, callbacks=[watcher])
     assert (watcher.seen, watcher.seen_reader) == (thread, reader)
@@ -556,7 +555,7 @@ def test_forked_loader_workers_train_exactly_without_the_host_arrays(stats_path,
     not get (`cache/host_arrays.py`): a worker that read one would crash the fit. With the
     prefetch thread and two workers, hotcache learns what auto learned without workers."""
     watcher = _HostArraysOutsideWorkers()
-    strategy = HotCacheStrategy(device_budget=0.05, stats_path=str(stats_path), prefetch_thread=True, reader_thread=True)
+    strategy = forced_staging(reader_thread=True, device_budget=0.05, stats_path=str(stats_path), prefetch_thread=True)
     pl.seed_everything(0)
     dm = data(num_workers=2)
     model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
@@ -574,7 +573,7 @@ def test_bad_ids_found_on_the_prefetch_thread_surface_in_training(threads) -> No
     tables = [EmbeddingBagConfig(**{**t.__dict__, "num_embeddings": 1}) if t.name == "t_cat_2" else t for t in dm.tables]
     model = create_model("dlrm", tables, dm.num_dense_features)
     with pytest.raises(ValueError, match="Feature 'cat_2' of table 't_cat_2' has id"):
-        cpu_trainer(strategy=HotCacheStrategy(device_budget=1.0, **threads), max_steps=2).fit(model, dm)
+        cpu_trainer(strategy=forced_staging(device_budget=1.0, **threads), max_steps=2).fit(model, dm)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("hotcache-")]
 
 
@@ -704,7 +703,7 @@ def test_torchrec_refuses_ddp_settings_it_cannot_honour(settings: dict) -> None:
 
 
 @pytest.mark.skipif(not background_priority_supported(), reason="per-thread priority is Linux's")
-@pytest.mark.parametrize("background", [None, False], ids=["default", "off"])
+@pytest.mark.parametrize("background", [None, False], ids=["default", "step_priority"])
 def test_staging_threads_run_at_background_priority_on_the_cpu(background, monkeypatch) -> None:
     from lightning_hotcache.embedding.collection import HotColdEmbeddingBagCollection
 
@@ -723,7 +722,7 @@ def test_staging_threads_run_at_background_priority_on_the_cpu(background, monke
     pl.seed_everything(0)
     dm = data()
     model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
-    strategy = HotCacheStrategy(device_budget=0.1, profile_batches=4, prefetch_thread=True, reader_thread=True, background_staging=background)
+    strategy = forced_staging(reader_thread=True, step_priority=background is False, device_budget=0.1, profile_batches=4, prefetch_thread=True)
     cpu_trainer(strategy=strategy, max_steps=3).fit(model, dm)
     staging = BACKGROUND_NICE if background is None else step_priority
     assert strategy.stages_in_background == (background is None)
@@ -731,21 +730,15 @@ def test_staging_threads_run_at_background_priority_on_the_cpu(background, monke
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == step_priority
 
 
-def test_background_staging_asked_where_no_thread_priority_exists_warns(monkeypatch) -> None:
-    monkeypatch.setattr("lightning_hotcache.strategies.hotcache.background_priority_supported", lambda: False)
-    with pytest.warns(UserWarning, match=r"background_staging=True needs Linux .*: the staging threads keep the step's priority"):
-        HotCacheStrategy(background_staging=True)
-
-
 @pytest.mark.parametrize(
     ("settings", "note"),
     [
-        ({}, "inline on the training loop, 1 batch ahead (with large tables on a CPU, prefetch_thread=True and prefetch_depth=3"),
-        ({"prefetch_thread": True, "prefetch_depth": 3}, "on a prefetch thread at background priority, 3 batches ahead"),
-        ({"prefetch_thread": True, "reader_thread": True, "background_staging": False},
+        ({}, "inline on the training loop, 1 batch ahead"),
+        ({"prefetch_thread": True}, "on a prefetch thread at background priority, 3 batches ahead"),
+        ({"prefetch_thread": True, "reader_thread": True, "step_priority": True, "prefetch_depth": 1},
          "on a prefetch thread and a reader thread at the step's priority, 1 batch ahead"),
         ({"prefetch_thread": True, "prefetch_depth": 0}, "by each batch's own forward (prefetch_depth=0: nothing staged ahead)"),
-        ({"staging_threads": 2}, "inline on the training loop, 1 batch ahead, 2 caches side by side (with large tables"),
+        ({"staging_threads": 2}, "inline on the training loop, 1 batch ahead, 2 caches side by side"),
     ],
     ids=["inline", "thread", "thread+reader", "nothing-ahead", "inline+2threads"],
 )  # fmt: skip
@@ -756,7 +749,7 @@ def test_the_log_says_how_batches_are_staged(settings, note, caplog) -> None:
     dm = data()
     model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
     with caplog.at_level("INFO"):
-        cpu_trainer(strategy=HotCacheStrategy(device_budget=0.1, profile_batches=4, **settings), max_steps=1).fit(model, dm)
+        cpu_trainer(strategy=forced_staging(device_budget=0.1, profile_batches=4, **settings), max_steps=1).fit(model, dm)
     assert f"hotcache staging: {note}" in caplog.text
 
 

@@ -5,10 +5,10 @@ a core). A staging thread at the step's own priority gets an equal share of the 
 kernel preempts one of the team's threads mid-op, and the whole op waits at its barrier for
 the thread that was put aside. At the lowest priority (nice 19, which any process may set
 for its own threads) the scheduler runs staging while the step leaves a core idle: the
-Python between ops, autograd's bookkeeping, single-threaded ops, the loader. On a 2-core AMD
-EPYC at 33.8M rows, 10% of them on the "device", the prefetch thread took training from 0.92x
-TorchRec at the step's priority to 1.03x at nice 19 (`benchmarks/cpu_throughput.py`, in
-turns; benchmarks/README.md, "Staging at background priority").
+Python between ops, autograd's bookkeeping, single-threaded ops, the loader. So staging does
+not stall the step's ops at their barriers, and training with a prefetch thread keeps pace
+with TorchRec on a CPU, where at the step's priority it falls behind
+(`benchmarks/cpu_throughput.py`, in turns; benchmarks/README.md).
 
 Linux only: elsewhere no per-thread priority exists through `os.setpriority`, and the thread
 keeps the step's. Neither torch nor Lightning sets a thread's priority, so this is ours.

@@ -2,10 +2,11 @@
 
 hotcache stages batches on threads beside the training loop, which on a GPU host runs Python
 for most of a step. Each torch call a staging thread makes hands the GIL over and must take it
-back, which beside a thread running Python cost ~0.1 ms a call on a 2-core AMD EPYC
-(`benchmarks/staging.py --beside-python`). A loop compiled with ``nogil=True`` is one call
-that holds no GIL while it runs, and passes over a batch's ids once where torch ops pass once
-per op. Written as loops over numpy views of the host tensors (`Tensor.numpy()` shares memory).
+back, which beside a thread running Python means waiting for that thread to give it up,
+far longer than the call's own work (`benchmarks/staging.py --beside-python`). A loop compiled
+with ``nogil=True`` is one call that holds no GIL while it runs, and passes over a batch's ids
+once where torch ops pass once per op. Written as loops over numpy views of the host tensors
+(`Tensor.numpy()` shares memory).
 """
 
 from __future__ import annotations

@@ -1,23 +1,22 @@
 """Rows written into a host tensor at distinct row indices: ``index_copy_`` as a compiled loop.
 
 On the CPU torch's ``index_copy_`` moves a 2-D tensor's rows element by element (a
-TensorIterator over every value); a loop that copies whole rows wrote 13k rows of 128
-floats into an 8M-row table in 0.9-1.4 ms where ``index_copy_`` took 2.6-3.6 ms on 2
-threads (5.2 on one), and 50k rows in 8-9.5 against 11-14 ms (AMD EPYC, AVX2), on one
-thread and holding no GIL (`lightning_hotcache._ops.compiled`). Staging writes evicted rows back
-to the host tables with it and installs fetched rows into a CPU cache's slots; the row-wise
-optimizers write stepped rows back with it on the CPU. Written by hand: torch has no row copy
+TensorIterator over every value); a loop that copies whole rows is faster on one thread than
+``index_copy_`` on several, and holds no GIL (`lightning_hotcache._ops.compiled`;
+benchmarks/README.md). Staging writes evicted rows back to the host tables with it and
+installs fetched rows into a CPU cache's slots; the row-wise optimizers write stepped rows
+back with it on the CPU. Written by hand: torch has no row copy
 by index on the CPU other than ``index_copy_`` / ``index_put_`` (the same kernel).
 
 A large copy is split between the calling thread and helper threads where the machine has
 cores to spare beyond the training loop's and the staging thread's (`copy_threads`): writing
 rows to random places of a table of many GB waits on memory for every row, and threads wait
-side by side. 15.4k rows of 128 floats into a 16M-row table: 2.5-4.0 ms on one thread, two
-threads 0.99-1.63x faster in four alternated runs (2-core Intel Xeon, `benchmarks/row_copy.py`).
-A GPU host's staging thread writes a 1% cache's evicted rows back with it on every batch. The
-rows are distinct, so the threads' writes never overlap and the result is the same. Python
-threads, not numba's parallel loops: numba's default threading layer aborts when two threads
-(the staging thread and the training loop) run parallel loops at once.
+side by side, so a second thread shortens the copy where a core is free for it
+(`benchmarks/row_copy.py`). A GPU host's staging thread writes a 1% cache's evicted rows back
+with it on every batch. The rows are distinct, so the threads' writes never overlap and the
+result is the same. Python threads, not numba's parallel loops: numba's default threading
+layer aborts when two threads (the staging thread and the training loop) run parallel loops
+at once.
 """
 
 from __future__ import annotations
@@ -155,7 +154,7 @@ def put_rows(target: Tensor, at: Tensor, rows: Tensor) -> None:
     """``target.index_copy_(0, at, rows)`` for distinct ``at``: row ``at[k]`` of ``target``
     becomes ``rows[k]``. Compiled for 2-D host tensors of one dtype, rows of 2 values or more;
     elsewhere torch's op. Rows of one value (Adagrad's accumulator, Adam's step count) are
-    torch's: it copies a column as one scatter, 30 against 54 us for 4k rows (AMD EPYC)."""
+    torch's: it copies a column as one scatter, faster than a loop of one-value rows."""
     if not (
         target.device.type == rows.device.type == at.device.type == "cpu"
         and target.dim() == rows.dim() == 2

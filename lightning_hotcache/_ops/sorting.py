@@ -3,32 +3,29 @@ and gradient rows summed by row index, with one sort and no sparse COO tensor.
 
 Every step sorts the ids a batch reads, several times across processes (the cache's distinct
 ids, the rows a device table reads, the keys of summed gradients, ids grouped by owning
-rank). On CPU, torch sorts int64 with a stable sort that takes 240 us for 8k ids on 2 cores
-where numpy's introsort takes 56 (``torch.unique`` sorts with it: 250 vs 115 us with the
-inverse and counts; 1.0 vs 0.8 ms for 53k ids), and grouping by owner, a stable sort of
-small integers, is a radix sort in numpy (23 vs 122 us for 8k ids). From 32768 ids on
-(`RADIX_SORT_FROM`), torch sorts integers with FBGEMM's parallel radix sort instead, and its
-``torch.unique`` is the faster: 0.55 against numpy's 2.0 ms for 32768 Zipf ids of the Criteo
-Kaggle tables, 9 against 33 ms for 262k (AMD EPYC, 2 cores), where 32767 ids take 1.5 ms.
-Below that size `unique` sorts int64 ids with a radix sort of its own, compiled and without
-the GIL (`_radix_unique`): 0.12 / 0.25 / 0.49 ms for 8k / 16k / 30k Zipf ids of the Kaggle
-stack where numpy's took 0.23 / 0.56 / 1.48 (2-core Intel Xeon): a cache's distinct ids are
-found once a batch, when it is announced.
+rank). On CPU, torch sorts int64 below `RADIX_SORT_FROM` ids with a general stable sort that
+is slower than numpy's introsort (``torch.unique`` sorts with it too, inverse and counts
+included), and grouping by owner, a stable sort of small integers, is a radix sort in numpy.
+From `RADIX_SORT_FROM` ids on, torch sorts integers with FBGEMM's parallel radix sort instead,
+and its ``torch.unique`` is then the faster. Below that size `unique` sorts int64 ids with a
+radix sort of its own, compiled and without the GIL (`_radix_unique`), faster than numpy's
+at every size up to it: a cache's distinct ids are found once a batch, when it is announced
+(benchmarks/README.md).
 All give exactly torch's results. Tensors on other devices use torch's own ops.
 
 The distinct rows of a table whose size is known (`distinct_rows`: a device table's reads,
 gradient rows summed by row) need no sort at all while the table is small beside the ids:
 each row is marked in a bitmap of the table's rows and numbered by the marks below it, three
-passes without the GIL. 0.27 against torch's 1.7 ms for 53k Zipf ids of a 3.4M-row table
-(a 10% cache's device table at scale 1.0), 0.77 against 1.5 for 24M rows; 6.3 against 1.6
-for 34M rows, where the bitmap's fresh pages cost more than the sort (2-core Intel Xeon).
+passes without the GIL, each linear in the ids or the table. That beats torch's sort for a
+cache's device table; for a table of tens of millions of rows the bitmap's fresh pages cost
+more than sorting the ids would.
 
 Summing gradient rows by index (`sum_by_index`) is a sparse COO gradient's ``coalesce``
-without the COO: the distinct indices and an ``index_add_`` of the rows into them. On CPU (AMD
-EPYC, 2 cores) it took 1.5 / 5.0 / 24 ms where ``coalesce`` took 3.7 / 10.1 / 60 ms for 53k Zipf
-ids of dim 16, 53k of dim 128 and 213k of dim 128; on CUDA, ``coalesce``'s values kernel sums a
-row's duplicates one after another, which cost 19 of a 32 ms DLRM step on an H200 for the hot
-rows of 26 tables (first GPU run), where ``index_add_`` adds them in parallel.
+without the COO: the distinct indices and an ``index_add_`` of the rows into them, which on
+CPU is faster than ``coalesce`` at every width and size in the benchmarks; on CUDA,
+``coalesce``'s values kernel sums a row's duplicates one after another, which for the hot
+rows of many tables takes a large share of a DLRM step, where ``index_add_`` adds them in
+parallel (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -186,11 +183,10 @@ def lowest_first(values: Tensor, count: int) -> Tensor:
     with batches of 8,192). On the CPU a strided sample's quantile, a little above ``count``'s
     share, sets a threshold; one compiled pass keeps the values at or under it (at least
     `RADIX_SORT_FROM` of them, which torch then sorts with its radix sort), and only those are
-    sorted: 1.7 / 3.9 / 6.9 ms for those two and 120k of 3.3M, where numpy's partition of all
-    of them and sort of the ``count`` took 4.2 / 9.2 / 64 (2-core AMD EPYC,
-    `benchmarks/results/lowest_first_amd_avx512/micro.py`). A threshold that keeps too few (a
-    sample unlike the whole) falls back to that partition, as do fewer values than torch's
-    radix sort takes."""
+    sorted: numpy's partition of all the scores dominated the scan, so a sampled threshold
+    keeps little more than the ``count`` asked for and torch's radix sort orders them
+    (benchmarks/README.md). A threshold that keeps too few (a sample unlike the whole) falls
+    back to numpy's partition, as do fewer values than torch's radix sort takes."""
     if values.device.type != "cpu" or values.dim() != 1 or count >= len(values):
         return values.sort().indices[: max(count, 0)]
     if count <= 0:
@@ -244,8 +240,7 @@ def sum_by_index(indices: Tensor, rows: Tensor, num_rows: int | None = None) -> 
     coalescing a sparse gradient with these indices and values gives (``num_rows``: the
     indices' bound, where known: `distinct_rows` then finds them)."""
     # torch's unique, not `unique`'s numpy path: what coalescing sorts with, so never slower than
-    # it; numpy's was 2.4 vs 0.5 ms for 53k Zipf ids on an AMD EPYC (AVX-512), against the Intel
-    # figures above.
+    # it, where numpy's sort is slower than torch's on some CPUs (benchmarks/README.md).
     if num_rows is None:
         distinct, inverse = torch.unique(indices, sorted=True, return_inverse=True)
     else:
@@ -271,8 +266,8 @@ def sum_bag_rows(per_bag: Tensor, bag_lengths: Tensor, inverse: Tensor, num_rows
     gradient row is its bag's row of ``per_bag`` (times its weight): what
     ``zeros(num_rows).index_add_(0, inverse, per_bag[bag of each value] * weights)`` gives, in
     the same order of adds. On the CPU one compiled pass over the values, not a row per value
-    gathered and then added (1.1 against 3.4 ms for 53k values of dim 16, 1.2 against 8.0
-    weighted; 2-core Intel Xeon)."""
+    gathered and then added, so no (values, dim) temporary is written and read back (and with
+    weights, no second one for the products)."""
     summed = torch.zeros(num_rows, per_bag.shape[1], dtype=torch.float32, device=per_bag.device)
     on_cpu = per_bag.device.type == "cpu" and per_bag.dtype == torch.float32 and inverse.device.type == "cpu"
     if on_cpu and (weights is None or weights.dtype == torch.float32) and len(bag_lengths):

@@ -322,8 +322,8 @@ class DeviceCache:
 
         The batch's ids are deduplicated first (or were ahead: ``found``, or the window's
         announcement): every later step works on distinct ids, and
-        the slot map's binary searches run on sorted queries, which walk the same paths
-        (2.6x faster than the batch's raw ids for Criteo-like skew in a micro-benchmark)."""
+        the slot map's binary searches run on sorted queries, which walk the same paths one
+        after another and so stay in cache, where a batch's raw ids jump between paths."""
         ids = on_cpu(ids, torch.int64)  # to the books, where the directory lives
         self.counters.lookups += ids.numel()
         self._issued += 1
@@ -451,12 +451,12 @@ class DeviceCache:
     def _choose_victims(self, count: int) -> Tensor:
         """``count`` unlocked dynamic slots to refill, emptiest first, then the least used.
 
-        Scoring every dynamic slot for every batch cost a full pass over the cache per step
-        (~1 ms of a 12 ms step at 100k slots on a 2-core CPU, more than the batch's own
-        bookkeeping), so a scan reserves the `RESERVE_BATCHES` x ``count`` lowest-scored slots
-        in order, and later batches take their victims from the front of that reserve. A
-        reserved slot read since the scan has a new score (and may be locked) and is dropped
-        from it; the others' scores have not moved, so the reserve stays in LFU/LRU order.
+        Scoring every dynamic slot for every batch would cost a full pass over the cache per
+        step, more than the batch's own bookkeeping at large caches, so a scan reserves the
+        `RESERVE_BATCHES` x ``count`` lowest-scored slots in order, and later batches take
+        their victims from the front of that reserve. A reserved slot read since the scan has a
+        new score (and may be locked) and is dropped from it; the others' scores have not
+        moved, so the reserve stays in LFU/LRU order.
         What it gives up: rows installed after the scan are not victims before the next one.
         The ``static`` policy keeps the exact scan (its dynamic slots are emptied every batch).
         Under ``lookahead`` the rows an announced batch reads come after every other unlocked

@@ -1,14 +1,13 @@
 """The cache directory's per-batch steps, each one compiled call that holds no GIL.
 
-Staging made ~130 torch calls a batch, most of them the directory's small steps over a
-batch's distinct ids (hits and misses, installs, evictions and the order of their
-write-backs, tallies, the reserve, the id -> slot maps, the lookahead window's books), and on
-a GPU host each hands the GIL over to a training loop running Python and waits to take it
-back (see `lightning_hotcache._ops.compiled`: ~0.1 ms a call on a 2-core CPU; 40k row gathers split
-over 100 calls took 14 ms beside such a loop against 3 ms alone). Here each step is a loop
-compiled with ``without_gil``: called once, and one pass over the ids where torch's ops made
-one each (a prototype of the hit path took 0.51 ms for 100k distinct ids of a 10M-row dense
-map, torch's ops 6.2 ms, one thread).
+The directory's steps are many small ones over a batch's distinct ids (hits and misses,
+installs, evictions and the order of their write-backs, tallies, the reserve, the id -> slot
+maps, the lookahead window's books). As torch ops they would be over a hundred calls a batch,
+and on a GPU host each call hands the GIL over to a training loop running Python and waits to
+take it back (see `lightning_hotcache._ops.compiled`), so their hand-overs, not their work,
+would set staging's time. Here each step is a loop compiled with ``without_gil``: called
+once, and one pass over the ids where torch's ops would make one each, which is faster even
+on a thread of its own (benchmarks/README.md).
 They read and write numpy views of the directory's host tensors, so the directory stays torch
 tensors everywhere else; the rows themselves (device slots, host store, pinned buffers) still
 move with torch, a few large calls a batch. Written by hand: TorchRec and FBGEMM keep their

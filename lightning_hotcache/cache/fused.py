@@ -152,8 +152,8 @@ class FusedTables:
         That backward finds tables as runs of features with equal ``hash_size_cumsum``. All
         features of a stack read one TBE table, so it sees one table shared by every feature
         and takes its serial loop, where a table read by one feature takes FBGEMM's parallel
-        JIT kernel (row-wise Adagrad: 1.3x faster steps at budget 0.1 in cache_micro's
-        setting). Giving each group a segment of the hash space of the size of the TBE table it
+        JIT kernel, which steps faster (row-wise Adagrad among them; benchmarks/README.md).
+        Giving each group a segment of the hash space of the size of the TBE table it
         reads keeps every feature's rows and optimizer state where they are (``weights_offsets``
         and ``momentum1_offsets`` are per feature and unchanged), and the groups' rows are
         disjoint, so each row still gets one update with all its gradient. CPU only: CUDA

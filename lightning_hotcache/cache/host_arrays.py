@@ -3,25 +3,22 @@
 **2 MiB pages** (Linux transparent huge pages, THP). A lookup or a row-wise update touches
 random rows of tables that span gigabytes. With 4 KiB pages nearly every row read is also a
 TLB miss and a page walk; with 2 MiB pages the page tables of a few GB fit the TLB's second
-level. Measured on the 2-core CPU at cpu_throughput's setting (26 tables, 33.8M rows of dim 16,
-batch 2048): FBGEMM's row-wise Adagrad backward 10.7 -> 9.7 ms a step with the tables and their
-state on 2 MiB pages.
+level, so lookups and row-wise updates (FBGEMM's row-wise Adagrad backward among them) spend
+less time walking page tables (benchmarks/README.md).
 
 **Not shared with forked processes** (``MADV_DONTFORK``). DataLoader workers are forked from
 the training process, and after a fork every page of the parent is shared copy-on-write with
 the children for as long as they live: the parent's first write to each page then faults and
 copies it. Staging writes evicted rows back to random rows of host stores of many GB, so for
-thousands of steps nearly every row written was a fault: 15,000 rows of dim 128 written into
-a 2 GB array took 60-140 ms with 4 idle forked children, against 3-5 ms without them and 3 ms
-with the array not forked (2-core AMD EPYC). On an H100 machine's host (12 workers) hotcache
-at 1% staged a batch in 67 ms, 40 ms once its arrays were kept out of the workers (0.22x ->
-0.39x the speed of all tables on the GPU). The children never read these arrays (they load
-data), so they do not get them at all.
+thousands of steps nearly every row written would be a fault and a page copy, which makes
+staging's write-back many times slower while workers live, and more so the more workers there
+are (benchmarks/README.md). The children never read these arrays (they load data), so they do
+not get them at all.
 
 Written by hand because neither PyTorch nor FBGEMM offers either per tensor: PyTorch's only
 page switch (``THP_MEM_ALLOC_ENABLE``) is process-wide and also puts every large temporary on
-2 MiB pages, which then fault and get zeroed 2 MiB at a time on every step (the same lookup's
-forward went from 3.1 to 5.0 ms under it). Here only the long-lived arrays are advised:
+2 MiB pages, which then fault and get zeroed 2 MiB at a time on every step (slowing the same
+lookup's forward down). Here only the long-lived arrays are advised:
 
 * `new_host_array` maps a new array and advises it before anything touches it, so its pages
   fault in as 2 MiB pages and stay out of forked children (host stores in RAM, the cache's
@@ -126,5 +123,6 @@ def new_array(shape: tuple[int, ...], device: torch.device | str, dtype: torch.d
 
 def move_to_huge_pages(tensor: Tensor) -> bool:
     """Put ``tensor``'s filled memory on 2 MiB pages in place; whether the kernel did (values
-    never change; about 2 s per GB on the 2-core CPU, so only for long-lived arrays)."""
+    never change; collapsing copies every page, which is slow for gigabytes, so only for
+    long-lived arrays)."""
     return _advise(tensor, _MADV_HUGEPAGE) and _advise(tensor, _MADV_COLLAPSE)

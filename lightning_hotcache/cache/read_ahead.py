@@ -2,15 +2,15 @@
 
 A table larger than RAM lives in memory-mapped files (`host.map_rows`), and a miss whose page
 is not in the page cache waits for the disk: one page fault at a time, in the staging of the
-batch that reads it (on a 2-core machine with a virtio disk, 4,000 cold rows of 512 bytes
-took 127-139 ms to read). Under the lookahead policy the rows a batch will miss are known
-when the batch is announced, a window of batches before it is staged, so their pages are
-asked of the kernel then (``madvise(MADV_WILLNEED)``: the kernel queues the reads and
-returns), and when the batch is staged they are in the page cache (the same 4,000 rows,
-advised 0.3 s before: 26 ms to advise, 7 ms to read). Nothing is read into the process or
-changes the rows: the batch still reads its rows when it is staged, after every earlier
-write-back, so what the model learns does not change. A page the kernel drops before then
-is read again as before.
+batch that reads it, so a batch's cold rows cost it one disk round trip each. Under the
+lookahead policy the rows a batch will miss are known when the batch is announced, a window
+of batches before it is staged, so their pages are asked of the kernel then
+(``madvise(MADV_WILLNEED)``: the kernel queues the reads and returns, and serves them side by
+side), and when the batch is staged they are in the page cache and read at memory speed
+(benchmarks/README.md). Nothing is read into the process or changes the rows: the batch still
+reads its rows when it is staged, after every earlier write-back, so what the model learns
+does not change. A page the kernel drops before then is read on its fault, as without the
+advice.
 
 Written by hand: neither TorchRec nor FBGEMM has a host tier in files (FBGEMM's SSD tier
 keeps rows in RocksDB, whose prefetch is its own). The advice is one compiled loop over the

@@ -8,10 +8,9 @@ of the sparse map the cache's device uses (`sparse_map_bytes_per_resident`), nev
 what the chosen map holds, so the budget is honest. That is where the directory is the
 device's memory (on the CPU). Where the rows are on an accelerator, the directory is host
 memory outside the device budget, and the map is dense: 4 bytes a table row is at most
-1/(dim + 1) of the host store's bytes for the same rows, and a lookup is 1.6-2.2x faster
-than the hash table's (30k distinct ids of a batch in the 34M-row stack, caches cold: 0.19 /
-0.36 ms against 0.43 / 0.58 ms with 0.34M / 3.4M resident; `benchmarks/slot_map.py`, 2-core
-Intel Xeon).
+1/(dim + 1) of the host store's bytes for the same rows, and a lookup is one indexed read
+per id where the hash table's is a probe sequence, so it is the faster, however many rows
+are resident (`benchmarks/slot_map.py`; benchmarks/README.md).
 
 The hash table (`HashedSlotMap`) keeps every resident id, a lookup one probe sequence per id
 and a fetch one insert. Ids past int32 do not fit its packed cells: those tables keep sorted
@@ -20,12 +19,12 @@ position) apart from the dynamic ones (id and int32 slot). Dynamic ids
 are two sorted runs, as in a log-structured merge tree: every fetch merges its new ids into
 a small recent run, and only when the runs (with the evicted ids they still hold) outgrow
 their room, or the recent run the size that keeps the two kinds of merge cheapest, are both
-merged into one. Merging the whole cache on every fetch would cost
-O(cache slots) per step, the largest cost of a split-budget step before.
+merged into one. Merging the whole cache on every fetch would cost O(cache slots) per step,
+which would dominate a split-budget step.
 
-The hash table replaced the sorted runs for int32 ids: map work 1.66 -> 0.95 ms a step at
-cache_micro's budget 0.1, 2.21 -> 0.92 ms at cpu_throughput's (in-process A/Bs, with FBGEMM's
-CPU hash table then; see `HashedSlotMap` for why it is ours now).
+Int32 ids take the hash table rather than sorted runs: a step's map work is one probe
+sequence per id instead of binary searches and merges, and so is smaller at every budget
+(benchmarks/README.md; see `HashedSlotMap` for why the table is written here).
 """
 
 from __future__ import annotations
@@ -143,9 +142,8 @@ class SortedSlotMap:
     def _recent_room(self, inserted: int) -> int:
         """Size at which the recent run is merged into the whole one. Adding ``inserted`` ids a
         step to a recent run of room R costs R/2 a step on average, and merging the whole run W
-        every R/inserted steps W x inserted/R a step: the sum is least at R = sqrt(2 W inserted)
-        (with a million dynamic slots and 5,000 new ids a step, 3.3 ms a step against 5.3 ms
-        with a room of a quarter of W, on this 2-core CPU)."""
+        every R/inserted steps W x inserted/R a step: the sum is least at R = sqrt(2 W inserted),
+        which costs less a step than a fixed room such as a quarter of W."""
         return min(self.max_entries // 4, int((2 * self.max_entries * inserted) ** 0.5))
 
     def remove(self, ids: Tensor) -> None:
@@ -165,11 +163,10 @@ class HashedSlotMap:
     rebuild, and every lookup is one probe sequence.
 
     Written by hand: FBGEMM's CPU hash table (`pruned_hashmap_insert` / `_lookup`, made for
-    pruned inference tables), used here before, has no removal, so every lookup checked the
-    cache's slot -> id array for stale entries, and the table was rebuilt from the resident ids
-    every few dozen steps. Compiled loops without either: a lookup of 30k distinct ids in a 1%
-    cache of the Kaggle tables (338k slots) 0.49 against 0.99 ms (FBGEMM's 0.89, the stale
-    check 0.11; 2-core Intel Xeon)."""
+    pruned inference tables) has no removal, so with it every lookup would have to check the
+    cache's slot -> id array for stale entries, and the table be rebuilt from the resident ids
+    every few dozen steps. These compiled loops need neither, and their lookup is faster than
+    FBGEMM's alone (benchmarks/README.md)."""
 
     def __init__(self, num_embeddings: int, static_ids: Tensor, num_slots: int, device: torch.device) -> None:
         if num_embeddings >= INT32_IDS_BELOW:
@@ -200,9 +197,10 @@ class HashedSlotMap:
 _FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: spreads ids that differ in any bit
 # Ids ahead whose home cell is prefetched: each id's probe is a cache miss of its own (the
 # table is tens of MB, cold after the dense step), and misses in flight side by side cost
-# about one. A lookup of 30k ids in a cold 338k-slot table 1.03 -> 0.70 ms with 16 ahead (4:
-# 0.88, 32: 0.70; 2-core Intel Xeon); 3.5k removals 0.38 -> 0.26 ms, inserts about the same.
-# Written into each loop: behind a helper function the prefetch stopped paying (0.64 -> 1.34 ms).
+# about one. 16 ahead is where lookups stop gaining (fewer leave misses serial, more gain
+# nothing), and removals gain too; inserts about break even (benchmarks/README.md).
+# Written into each loop: behind a helper function the prefetch does not pay, and lookups get
+# slower, not faster.
 _AHEAD = 16
 
 

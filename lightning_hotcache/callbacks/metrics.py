@@ -44,8 +44,8 @@ class SamplesPerSecond(Callback):
     the trend; the first batch of each epoch (data loader start-up) is not counted. It is
     logged once an epoch has a rate (its second batch, for the progress bar) and then on the
     steps whose logs Lightning writes to the loggers (every ``trainer.log_every_n_steps``):
-    a ``self.log`` call is ~0.9 ms of Python (2-core Intel Xeon), and at every step it took
-    what a step of a GPU bound by its host can least spare.
+    a ``self.log`` call runs a good deal of Python, and at every step it would take what a
+    step of a GPU bound by its host can least spare.
     """
 
     def __init__(self, smoothing: float = 0.9) -> None:

@@ -245,12 +245,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
         else:
             reason = fused_unavailable(self._tables, self.optimizer, self.device)
         if reason is None and kernel == "auto" and self.device.type == "cpu" and self.optimizer.name == "rowwise_adagrad":
-            # Measured (benchmarks/README.md, "The device tier's kernel on a CPU"): FBGEMM's CPU
-            # row-wise Adagrad backward sorts the batch's ids and steps rows table by table,
-            # where the PyTorch path's distinct rows were found in staging. DLRM trained
-            # 1.16-1.28x as fast with it at dim 16 in one process (every round, every budget),
-            # 1.00-1.20x at dim 64, and as fast across two processes (where FBGEMM's kernel only
-            # looks rows up). FBGEMM's CPU SGD is as fast end to end, and faster alone: it stays.
+            # FBGEMM's CPU row-wise Adagrad backward sorts the batch's ids and steps rows table
+            # by table, where the PyTorch path's distinct rows were found in staging, so the
+            # PyTorch path trains DLRM faster in one process and no slower across processes
+            # (where FBGEMM's kernel only looks rows up; benchmarks/README.md). FBGEMM's CPU
+            # SGD is as fast end to end, and faster alone: it stays.
             reason = "on a CPU the PyTorch path trains row-wise Adagrad faster than FBGEMM's CPU kernel (kernel='fbgemm' chooses it)"
         if reason is not None and kernel == "fbgemm":
             raise ValueError(f"kernel='fbgemm' cannot train these tables exactly here: {reason}. Use kernel='auto'.")

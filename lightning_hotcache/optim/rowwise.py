@@ -160,9 +160,10 @@ def step_read_rows(
     """One step of ``config`` for the distinct ``rows`` of ``table`` a batch read, from their
     ``summed`` gradient rows (`sorting.sum_bag_rows`: staging knows the distinct rows, so
     summing duplicates needs no sort). SGD too: adding every value's row straight into the
-    table (a large one, at random rows) made a CPU's embedding step 1.3-1.9x as long
-    (benchmarks/cache_micro.py, dim 16 and 64). With ``segment`` (see `TableReads`) ``rows``
-    has repeats, each stepped from its distinct row's sum: they write the same values."""
+    table (a large one, at random rows) scatters into it once per value rather than once per
+    distinct row, which made a CPU's embedding step markedly longer (benchmarks/README.md).
+    With ``segment`` (see `TableReads`) ``rows`` has repeats, each stepped from its distinct
+    row's sum: they write the same values."""
     step_rows(config, table, state, rows, summed if segment is None else summed.index_select(0, segment))
 
 
@@ -293,9 +294,9 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         themselves one stack of rows in the state's order (`stack_tables`), their rows are
         gathered and written with one op each, not one per table (and no per-table split,
         which reads the split points on the host). SGD is summed here too: adding every value's
-        row straight into a large table at random rows made the zoo's embedding step 1.16-1.25x
-        as long (benchmarks/cache_micro.py's `plain`, dim 16 and 64), as it made hotcache's
-        (`step_read_rows`)."""
+        row straight into a large table at random rows writes it once per value, not once per
+        distinct row, which lengthened the zoo's embedding step as it did hotcache's
+        (`step_read_rows`; benchmarks/README.md)."""
         weight_stack = stacked_rows(stack.tables)
         if weight_stack is not None and keys.device.type in SORTS_WITH_REPEATS_ON:
             # The distinct rows' count (``unique``'s output size) would make the host wait for

@@ -30,10 +30,10 @@ def stacked_rows(weights: Sequence[Tensor]) -> Tensor | None:
     """The (total rows, dim) tensor whose consecutive row ranges are ``weights``, in order (a
     view sharing their memory and version counter), or None where they are not laid out so.
 
-    Checked at every call from the weights' addresses (45 us for 26 tables on a 2-core Xeon; the
-    per-table lookups, gathers and writes it saves took ~3 ms of host time a step in an H200
-    profile): a user may swap a table's data between steps, and a stale stack would write rows
-    to memory no table uses."""
+    Checked at every call from the weights' addresses (a walk over the tables' pointers, far
+    cheaper than the per-table lookups, gathers and writes the stack saves; see
+    benchmarks/README.md): a user may swap a table's data between steps, and a stale stack
+    would write rows to memory no table uses."""
     first = weights[0]
     if first.is_meta or first.dim() != 2 or not first.is_contiguous():
         return None
