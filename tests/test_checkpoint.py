@@ -445,6 +445,19 @@ def test_consolidate_into_a_folder_or_nowhere_says_so_before_loading(run, tmp_pa
         main(["consolidate", str(saved / "a.ckpt"), "--out", out])
 
 
+@pytest.mark.parametrize("target", ["main", "shard"])
+def test_consolidate_onto_its_own_input_is_refused_and_leaves_it_whole(run, target, tmp_path) -> None:
+    # Issue 69 item 11: --out equal to the main file or a shard succeeded and overwrote it.
+    _, saved = run
+    main_file = saved / "a.ckpt"
+    out = main_file if target == "main" else next(saved.glob("a.ckpt.*.rank0-of-*"))
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match=r"would overwrite its input"):
+        main(["consolidate", str(main_file), "--out", str(out)])
+    assert out.read_bytes() == before
+    main(["consolidate", str(main_file), "--out", str(tmp_path / "plain.ckpt")])  # still a whole checkpoint
+
+
 @pytest.mark.parametrize("content", [b"step,loss\n1,0.5\n", b""], ids=["text", "empty"])
 def test_consolidate_of_a_file_that_is_no_checkpoint_says_so(tmp_path, content: bytes) -> None:
     # Issue 29 item 15: a text file ended in "KeyError: 101".

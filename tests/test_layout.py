@@ -15,7 +15,7 @@ from lightning_hotcache._compat import MOVED_MODULES
 
 PACKAGE = Path(lightning_hotcache.__file__).parent
 # Lowest first: a folder imports only from its own and the folders before it.
-LAYERS = ["_ops", "optim", "distributed", "cache", "planner", "embedding", "checkpoint", "callbacks", "strategies"]
+LAYERS = ["_ops", "kernels", "optim", "distributed", "cache", "planner", "embedding", "checkpoint", "callbacks", "strategies"]
 PUBLIC_FACE = {"__init__.py", "__main__.py", "cli.py", "_compat.py"}
 
 
@@ -87,3 +87,27 @@ def test_the_package_itself_imports_no_old_path() -> None:
         for path in modules():
             for module in imported_modules(path):
                 assert module not in MOVED_MODULES, f"{path.relative_to(PACKAGE)} imports the old path {module}"
+
+
+def test_every_environment_switch_is_read_through_the_registry() -> None:
+    from lightning_hotcache._ops.switches import Switch
+
+    variables = {s.variable for s in Switch}
+    for path in modules():
+        if path.name == "switches.py":
+            continue
+        text = path.read_text()
+        assert "os.environ.get(\"LIGHTNING_HOTCACHE" not in text and "os.environ[\"LIGHTNING_HOTCACHE" not in text, path
+        for found in re.findall(r"LIGHTNING_HOTCACHE_[A-Z_]+", text):
+            assert found in variables, f"{path.relative_to(PACKAGE)} names {found}, which Switch does not list"
+
+
+def test_a_switch_turns_its_mechanism_off_only_at_zero(monkeypatch) -> None:
+    from lightning_hotcache._ops.switches import Switch, enabled, setting
+
+    monkeypatch.delenv(Switch.READ_AHEAD.variable, raising=False)
+    assert enabled(Switch.READ_AHEAD) and setting(Switch.READ_AHEAD) is None
+    monkeypatch.setenv(Switch.READ_AHEAD.variable, "0")
+    assert not enabled(Switch.READ_AHEAD)
+    monkeypatch.setenv(Switch.COPY_THREADS.variable, "3")
+    assert setting(Switch.COPY_THREADS) == "3"

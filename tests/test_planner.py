@@ -327,3 +327,23 @@ def test_the_lookahead_window_is_counted_in_host_memory(tmp_path, monkeypatch) -
     monkeypatch.setattr(planner_module, "_available_host_memory", lambda: two.window_bytes + 1)
     with pytest.raises(ValueError, match="A lookahead window of 4 batches needs .* lower lookahead_batches"):
         planned(4)
+
+
+@pytest.mark.parametrize(
+    ("thread", "depth", "device", "table_bytes", "chosen"),
+    [
+        (None, None, "cpu", 2**20, (False, 1)),  # small tables on a CPU: inline
+        (None, None, "cpu", 2**31, (True, 3)),  # large ones: the thread, three batches ahead
+        (True, None, "cpu", 2**20, (True, 1)),  # asked for: one ahead unless told
+        (None, 2, "cpu", 2**31, (True, 2)),
+        (False, None, "cpu", 2**31, (False, 1)),
+        (None, None, "cuda", 2**20, (True, 1)),
+    ],
+)
+def test_staging_is_chosen_by_device_and_table_size_unless_given(thread, depth, device, table_bytes, chosen, monkeypatch) -> None:
+    from lightning_hotcache.planner.plan import staging_choice
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert tuple(vars(staging_choice(thread, depth, device, table_bytes)).values()) == chosen
+    monkeypatch.setattr("os.cpu_count", lambda: 1)  # one core: no thread to run beside the step
+    assert staging_choice(None, None, "cpu", 2**31).thread is False

@@ -734,7 +734,7 @@ def test_staging_threads_run_at_background_priority_on_the_cpu(background, monke
     ("settings", "note"),
     [
         ({}, "inline on the training loop, 1 batch ahead"),
-        ({"prefetch_thread": True}, "on a prefetch thread at background priority, 3 batches ahead"),
+        ({"prefetch_thread": True, "prefetch_depth": 3}, "on a prefetch thread at background priority, 3 batches ahead"),
         ({"prefetch_thread": True, "reader_thread": True, "step_priority": True, "prefetch_depth": 1},
          "on a prefetch thread and a reader thread at the step's priority, 1 batch ahead"),
         ({"prefetch_thread": True, "prefetch_depth": 0}, "by each batch's own forward (prefetch_depth=0: nothing staged ahead)"),

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_hotcache._ops.compiled import without_gil
+from lightning_hotcache._ops.switches import Switch, setting
 
 
 # Values (rows x width) below which a copy stays on one thread: handing chunks to helper
@@ -74,7 +75,7 @@ def copy_threads() -> int:
     """Threads a large row copy is split between: ``LIGHTNING_HOTCACHE_COPY_THREADS`` (for A/B
     measurements), else the cores beyond two (the training loop's and the staging thread's),
     at most 8, and at least the calling thread alone."""
-    configured = os.environ.get("LIGHTNING_HOTCACHE_COPY_THREADS")
+    configured = setting(Switch.COPY_THREADS)
     if configured is None:
         return max(1, min(8, host_cores() - 2))
     if not configured.strip().isdigit() or int(configured) < 1:

@@ -44,12 +44,13 @@ import ctypes.util
 import functools
 import math
 import mmap
-import os
 import sys
 from typing import Callable
 
 import torch
 from torch import Tensor
+
+from lightning_hotcache._ops.switches import Switch, enabled
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # <asm-generic/mman-common.h>
@@ -73,7 +74,7 @@ def libc_madvise() -> Callable[[int, int, int], int] | None:
 
 
 def _madvise() -> Callable[[int, int, int], int] | None:
-    return None if os.environ.get("LIGHTNING_HOTCACHE_HUGE_PAGES", "1") == "0" else libc_madvise()
+    return libc_madvise() if enabled(Switch.HUGE_PAGES) else None
 
 
 def _advise(tensor: Tensor, advice: int) -> bool:
@@ -102,7 +103,7 @@ def new_host_array(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, f
     if nbytes < HUGE_PAGE or not sys.platform.startswith("linux"):
         return torch.full(shape, 0 if fill is None else fill, dtype=dtype)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if os.environ.get("LIGHTNING_HOTCACHE_DONTFORK", "1") != "0" and hasattr(mmap, "MADV_DONTFORK"):
+    if enabled(Switch.DONTFORK) and hasattr(mmap, "MADV_DONTFORK"):
         memory.madvise(mmap.MADV_DONTFORK)
     if _madvise() is not None and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # THP built out of the kernel: 4 KiB pages, as any array

@@ -34,6 +34,7 @@ import numba
 import torch
 from torch import Tensor
 
+from lightning_hotcache._ops.switches import Switch, enabled
 from lightning_hotcache.cache.host_arrays import libc_madvise
 
 _MADV_WILLNEED = 3  # <asm-generic/mman-common.h>
@@ -47,7 +48,7 @@ MAX_PENDING = 256
 def _compiled_advise() -> Any | None:
     """The compiled loop (None where there is no ``madvise`` or read-ahead is off)."""
     madvise = libc_madvise()
-    if madvise is None or os.environ.get("LIGHTNING_HOTCACHE_READ_AHEAD", "1") == "0":
+    if madvise is None or not enabled(Switch.READ_AHEAD):
         return None
 
     @numba.njit(nogil=True)  # not cached: it calls C through ctypes (see the module)

@@ -206,10 +206,23 @@ def consolidate_checkpoint(path: _PATH, out: _PATH | None = None) -> dict[str, A
     whole tables in memory. Saves to ``out`` when given."""
     if out is not None:
         check_output_file(out, "plain checkpoint")
+        _refuse_overwriting_the_input(path, out)
     checkpoint = consolidated(_load_main_file(path), path)
     if out is not None:
         write_atomically(checkpoint, out)
     return checkpoint
+
+
+def _refuse_overwriting_the_input(path: _PATH, out: _PATH) -> None:
+    """``out`` must be neither the sharded checkpoint's main file nor one of its shard files:
+    writing there would replace what is being read, and a failure midway would lose both."""
+    main, target = Path(path).resolve(), Path(out).resolve()
+    is_shard = target.parent == main.parent and target.name.startswith(f"{main.name}.") and ".rank" in target.name
+    if target == main or is_shard:
+        raise ValueError(
+            f"--out {out} is {'the checkpoint being consolidated' if target == main else 'one of its shard files'}: "
+            "writing the plain checkpoint there would overwrite its input. Give another path."
+        )
 
 
 def check_not_sharded(checkpoint: dict[str, Any]) -> None:

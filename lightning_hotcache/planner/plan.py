@@ -94,15 +94,17 @@ def staging_choice(
 ) -> StagingChoice:
     """The staging the hotcache strategy runs, the user's choices first. By default: the
     prefetch thread on CUDA devices, and on a CPU for tables of `LARGE_TABLES_BYTES` or more
-    where there are two cores or more; 3 batches ahead where the thread runs on a CPU, else 1.
-    Staging runs no collective (across ranks it reads only the rank's own rows), so the
-    thread works across processes too."""
+    where there are two cores or more, three batches ahead there (the thread runs in the
+    cores the step leaves idle, and batches staged further ahead absorb the steps where it is
+    late); else one batch ahead. Staging runs no collective (across ranks it reads only the
+    rank's own rows), so the thread works across processes too."""
     kind = torch.device(device).type
+    large_on_cpu = kind == "cpu" and table_bytes >= LARGE_TABLES_BYTES and (os.cpu_count() or 1) >= 2
+    chosen = prefetch_thread is None and large_on_cpu
     if prefetch_thread is None:
-        large = table_bytes >= LARGE_TABLES_BYTES and (os.cpu_count() or 1) >= 2
-        prefetch_thread = kind == "cuda" or (kind == "cpu" and large)
+        prefetch_thread = kind == "cuda" or large_on_cpu
     if prefetch_depth is None:
-        prefetch_depth = 3 if prefetch_thread and kind == "cpu" else 1
+        prefetch_depth = 3 if chosen else 1
     return StagingChoice(prefetch_thread, prefetch_depth)
 
 

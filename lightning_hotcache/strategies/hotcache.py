@@ -385,9 +385,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             none of them reads first, by LFU, then the row read farthest ahead).
         host_storage: ``"memory"`` or a directory for memory-mapped host tables.
         prefetch_depth: training batches whose rows are staged ahead of the current one.
-            Default (`staging_choice`): 3 where the prefetch thread runs on a CPU (it runs in
-            the cores the step leaves idle, and batches staged further ahead absorb the steps
-            where it is late), else 1.
+            Default (`staging_choice`): 3 where the strategy chooses the prefetch thread on a
+            CPU (large tables), else 1.
         lookahead_batches: with ``cache_policy="lookahead"``, training batches read ahead of
             staging, whose ids (only) the caches see. Default (`default_lookahead_batches`):
             131,072 samples' worth, within [64, 256] batches (256 of 256 or 512 samples, 64
@@ -584,33 +583,13 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         if any(map(is_deferred, collections.values())):
             seed = getattr(model, "table_init_seed", None)
             seed = self.broadcast(draw_seed() if seed is None else seed)
-        saved = HotColdPlan.load(self.plan_path) if self.plan_path is not None else None
-        # With a plan file, "auto" leaves the budget to the plan (`hotcache plan --budget` chose it).
-        budget = saved.budget_bytes if saved is not None and self.device_budget == "auto" else self.device_budget
-        # The run's batch size, read once (from the loader's first batches) by whatever needs it.
-        default_window = self.cache_policy == "lookahead" and self.lookahead_batches is None
-        needs_batch_size = saved is not None or self.stats_path is not None or default_window
-        batch_size = self._run_batch_size(trainer) if needs_batch_size else None
-        if default_window:
-            self.window_batches = default_lookahead_batches(batch_size)
-        planner = HotColdPlanner(
-            budget, optimizer, world_size=self.world_size, prefetch_depth=self.prefetch_depth,
-            cache_policy=self.cache_policy, device=self.root_device, grow_budget_to_minimum=self.grow_budget_to_minimum,
-            prefetch_thread=self.uses_prefetch_thread, lookahead_batches=self.window_batches,
-        )  # fmt: skip
-        if saved is not None:
-            self.plan = saved
-            planner.check_plan(self.plan, tables, batch_size)
-        else:
-            stats = AccessStats.load(self.stats_path, tables) if self.stats_path else None
-            try:
-                plan = planner.plan(tables, stats, batch_size if stats is not None else None)
-            except StatsNeededError:
-                plan = None  # profiled below, outside the handler: a planner error then is not shown "during handling" of this
-            if plan is None:
-                with self._training_batches(trainer) as batches:
-                    plan = planner.plan(tables, profile_batches(batches, tables, self.profile_batches))
-            self.plan = plan
+        failure: Exception | None = None
+        try:  # planning and each rank's folder are checked on every rank, before the next collective
+            self.plan = self._make_plan(trainer, tables, optimizer)
+            storage = self._rank_storage()
+        except Exception as err:
+            failure = err
+        self._stop_every_rank_if_one_failed(failure, "plan its tables")
         if self.world_size > 1:
             # Ranks profiled different batches; they must share one plan (their row exchanges
             # must match), so rank 0's wins.
@@ -626,12 +605,61 @@ class HotCacheStrategy(LikeAutoInOneProcess):
                 # weights): each rank keeps its own share of them, and ranks seeded apart
                 # would otherwise train one table made of several initializations.
                 broadcast_from_rank_zero(collection.parameters())
-            hot = HotColdEmbeddingBagCollection.from_ebc(
-                collection, self.plan, optimizer, self.root_device, self.cache_policy,  # type: ignore[arg-type]
-                self._rank_storage(), group, seed, self.kernel, self.staging_threads_used,
-            )  # fmt: skip
+            try:  # a rank's host storage may refuse (a lock, the disk): every rank stops, naming it
+                hot = HotColdEmbeddingBagCollection.from_ebc(
+                    collection, self.plan, optimizer, self.root_device, self.cache_policy,  # type: ignore[arg-type]
+                    storage, group, seed, self.kernel, self.staging_threads_used,
+                )  # fmt: skip
+            except Exception as err:
+                failure = err
+            self._stop_every_rank_if_one_failed(failure, f"build the tables of {path}")
             rank_zero_info(f"hotcache embedding kernel ({path}): {hot.kernel_note}")
             model.set_submodule(path, hot)
+
+    def _make_plan(self, trainer: pl.Trainer, tables: list[Any], optimizer: RowWiseOptimizerConfig) -> HotColdPlan:
+        """This rank's plan: the plan file's, checked, or one planned from stats or a profile."""
+        saved = HotColdPlan.load(self.plan_path) if self.plan_path is not None else None
+        # With a plan file, "auto" leaves the budget to the plan (`hotcache plan --budget` chose it).
+        budget = saved.budget_bytes if saved is not None and self.device_budget == "auto" else self.device_budget
+        # The run's batch size, read once (from the loader's first batches) by whatever needs it.
+        default_window = self.cache_policy == "lookahead" and self.lookahead_batches is None
+        needs_batch_size = saved is not None or self.stats_path is not None or default_window
+        batch_size = self._run_batch_size(trainer) if needs_batch_size else None
+        if default_window:
+            self.window_batches = default_lookahead_batches(batch_size)
+        planner = HotColdPlanner(
+            budget, optimizer, world_size=self.world_size, prefetch_depth=self.prefetch_depth,
+            cache_policy=self.cache_policy, device=self.root_device, grow_budget_to_minimum=self.grow_budget_to_minimum,
+            prefetch_thread=self.uses_prefetch_thread, lookahead_batches=self.window_batches,
+        )  # fmt: skip
+        if saved is not None:
+            planner.check_plan(saved, tables, batch_size)
+            return saved
+        else:
+            stats = AccessStats.load(self.stats_path, tables) if self.stats_path else None
+            try:
+                plan = planner.plan(tables, stats, batch_size if stats is not None else None)
+            except StatsNeededError:
+                plan = None  # profiled below, outside the handler: a planner error then is not shown "during handling" of this
+            if plan is None:
+                with self._training_batches(trainer) as batches:
+                    plan = planner.plan(tables, profile_batches(batches, tables, self.profile_batches))
+            return plan
+
+    def _stop_every_rank_if_one_failed(self, failure: Exception | None, what: str) -> None:
+        """Raise ``failure`` here, and on every other rank an error naming this rank and it:
+        one rank leaving alone would leave the others waiting in their next collective."""
+        if self.world_size == 1:
+            if failure is not None:
+                raise failure
+            return
+        failed = self.all_gather(torch.tensor([failure is not None], dtype=torch.int32, device=self.root_device)).flatten()
+        if bool(failed.any()):
+            first = int(failed.nonzero()[0, 0])
+            why = self.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}", src=first)
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"Rank {first} could not {what}, so no rank goes on. {why}")
 
     def _rank_storage(self) -> str:
         # Memory-mapped host tables: one directory per rank, each holding that rank's shard.
@@ -791,13 +819,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             )  # fmt: skip
         except Exception as err:  # raised after the ranks agree: one rank leaving alone would hang the others
             failure = err
-        failed = self.all_gather(torch.tensor([failure is not None], dtype=torch.int32, device=self.root_device)).flatten()
-        if bool(failed.any()):
-            first = int(failed.nonzero()[0, 0])
-            why = self.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}", src=first)
-            if failure is not None:
-                raise failure
-            raise ValueError(f"Rank {first} could not load {checkpoint_path}, so no rank resumes from it. {why}")
+        self._stop_every_rank_if_one_failed(failure, f"load {checkpoint_path}, so no rank resumes from it")
         return checkpoint
 
     @property

@@ -1,0 +1,231 @@
+"""A table-batched embedding in Triton: pooled lookups over a stack of tables of one width, and
+a backward that applies the row-wise rule to each distinct row inside the kernel.
+
+Why by hand: FBGEMM's CUDA build must match torch and CUDA exactly and is often missing on a
+new GPU or an offline node; TorchRec's upstream Triton TBE is forward-only for caches and not in
+the release we pin. Triton ships with every CUDA build of torch, so this runs wherever torch does.
+
+Layout (TorchRec's, FBGEMM's TBE): ``indices`` are rows of ``weight`` (a stack: each table's
+rows after the previous table's), ``offsets`` (``num_bags + 1``) cut them into bags, and the
+bags are feature-major (bag ``f * batch + b``). The output is one pooled row per bag,
+``(num_bags, dim)``. Each bag pools by sum, or by mean where ``bag_mean`` says so (mixed
+pooling in one launch), with optional per-sample weights. An empty bag pools to zeros.
+
+The backward sorts the batch's rows once (a fixed-size sort: no count reaches the host) and
+runs one program per position: the first position of each run of one row sums the run's
+gradient rows (each bag's output gradient, scaled by the value's weight and, for mean bags,
+by one over the bag's length) and steps that row with SGD or row-wise Adagrad
+(``acc += mean(g**2)``, ``w -= lr * g / (sqrt(acc) + eps)``, as `RowWiseOptimizerConfig`);
+the other positions return. No ``.item()``, ``nonzero`` or ``unique`` whose size the host
+must learn, so the step can be captured in a CUDA graph.
+
+Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (slowly): the tests compare them
+there against ``embedding_bag`` and the PyTorch row step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch's CPU builds do not bring Triton
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+
+TRITON_RULES = ("sgd", "rowwise_adagrad")  # applied in the kernel; lazy Adam stays on the PyTorch path
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its kernels on the CPU (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def why_unavailable(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on ``device`` (None where they can)."""
+    if triton is None:
+        return "Triton is not installed (it ships with torch's CUDA builds; `pip install triton` elsewhere)"
+    if device.type == "cuda" or (device.type == "cpu" and interpreted()):
+        return None
+    if device.type == "cpu":
+        return "Triton's kernels run on CUDA devices (on a CPU only under TRITON_INTERPRET=1, for tests)"
+    return f"Triton's kernels run on CUDA devices, not {device.type}"
+
+
+def _block(dim: int) -> int:
+    return max(16, triton.next_power_of_2(dim))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pooled_kernel(
+        weight, indices, offsets, per_sample, bag_mean, out, dim, weight_stride, out_stride,
+        HAS_WEIGHTS: tl.constexpr, HAS_MEAN: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        bag = tl.program_id(0)
+        start = tl.load(offsets + bag)
+        end = tl.load(offsets + bag + 1)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < dim
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in range(start, end):
+            row = tl.load(indices + j).to(tl.int64)
+            values = tl.load(weight + row * weight_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_WEIGHTS:
+                values = values * tl.load(per_sample + j).to(tl.float32)
+            acc += values
+        if HAS_MEAN:
+            if tl.load(bag_mean + bag) != 0:
+                acc = acc / tl.maximum(end - start, 1).to(tl.float32)
+        tl.store(out + bag.to(tl.int64) * out_stride + cols, acc, mask=mask)
+
+    @triton.jit
+    def _backward_step_kernel(
+        weight, momentum, sorted_rows, order, bag_of_value, scale, grad, num_values, dim, weight_stride, grad_stride,
+        lr, eps, ADAGRAD: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        p = tl.program_id(0)
+        row = tl.load(sorted_rows + p)
+        first = True
+        if p > 0:
+            first = tl.load(sorted_rows + p - 1) != row
+        if first:
+            cols = tl.arange(0, BLOCK)
+            mask = cols < dim
+            g = tl.zeros([BLOCK], dtype=tl.float32)
+            q = p
+            same = True
+            while same:
+                value = tl.load(order + q)
+                bag = tl.load(bag_of_value + value).to(tl.int64)
+                g += tl.load(grad + bag * grad_stride + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(scale + value)
+                q += 1
+                same = False
+                if q < num_values:
+                    same = tl.load(sorted_rows + q) == row
+            at = weight + row.to(tl.int64) * weight_stride + cols
+            w = tl.load(at, mask=mask, other=0.0)
+            if ADAGRAD:
+                acc = tl.load(momentum + row) + tl.sum(g * g, axis=0) / dim
+                tl.store(momentum + row, acc)
+                w = w - lr * g / (tl.sqrt(acc) + eps)
+            else:
+                w = w - lr * g
+            tl.store(at, w, mask=mask)
+
+
+def pooled(
+    weight: Tensor, indices: Tensor, offsets: Tensor, bag_mean: Tensor | None = None, per_sample_weights: Tensor | None = None
+) -> Tensor:
+    """One pooled row per bag, ``(len(offsets) - 1, dim)`` float32: each bag's rows of
+    ``weight`` summed (times ``per_sample_weights``), averaged where ``bag_mean`` (one flag a
+    bag) is set. One launch for every bag of the stack."""
+    num_bags, dim = offsets.numel() - 1, weight.shape[1]
+    out = torch.empty(num_bags, dim, dtype=torch.float32, device=weight.device)
+    if num_bags == 0:
+        return out
+    _pooled_kernel[(num_bags,)](
+        weight, indices, offsets, per_sample_weights if per_sample_weights is not None else out,
+        bag_mean if bag_mean is not None else offsets, out, dim, weight.stride(0), out.stride(0),
+        HAS_WEIGHTS=per_sample_weights is not None, HAS_MEAN=bag_mean is not None, BLOCK=_block(dim),
+    )  # fmt: skip
+    return out
+
+
+def value_scales(offsets: Tensor, num_values: int, bag_mean: Tensor | None, per_sample_weights: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Each value's bag and the factor its bag's output gradient reaches its row with (its
+    weight, over its bag's length in a mean bag): fixed-size device ops, nothing for the host."""
+    lengths = offsets.diff()
+    bags = torch.arange(lengths.numel(), device=offsets.device)
+    bag_of_value = torch.repeat_interleave(bags, lengths, output_size=num_values)
+    scale = torch.ones(num_values, dtype=torch.float32, device=offsets.device)
+    if per_sample_weights is not None:
+        scale = scale * per_sample_weights.to(torch.float32)
+    if bag_mean is not None:
+        per_bag = torch.where(bag_mean.bool(), 1.0 / lengths.clamp(min=1).to(torch.float32), 1.0)
+        scale = scale * per_bag.index_select(0, bag_of_value)
+    return bag_of_value, scale
+
+
+def backward_step(
+    weight: Tensor,
+    grad: Tensor,
+    indices: Tensor,
+    offsets: Tensor,
+    rule: str,
+    lr: float,
+    eps: float,
+    momentum: Tensor | None = None,
+    bag_mean: Tensor | None = None,
+    per_sample_weights: Tensor | None = None,
+) -> None:
+    """Step the rows of ``weight`` the bags read, in place, from ``grad`` (the pooled output's
+    gradient, one row per bag): each distinct row once, from its summed gradient, by ``rule``
+    (``sgd``, or ``rowwise_adagrad`` with its per-row ``momentum``, shape ``(rows,)`` or
+    ``(rows, 1)``). One sort and one launch for the whole stack."""
+    if rule not in TRITON_RULES:
+        raise ValueError(f"the Triton kernels apply {' and '.join(TRITON_RULES)}, not {rule!r}: use kernel='pytorch' for it.")
+    if rule == "rowwise_adagrad" and momentum is None:
+        raise ValueError("rowwise_adagrad needs the rows' momentum.")
+    num_values = indices.numel()
+    if num_values == 0:
+        return
+    bag_of_value, scale = value_scales(offsets, num_values, bag_mean, per_sample_weights)
+    sorted_rows, order = torch.sort(indices.to(torch.int64), stable=True)
+    grad = grad.contiguous()
+    _backward_step_kernel[(num_values,)](
+        weight, momentum if momentum is not None else weight, sorted_rows, order, bag_of_value, scale, grad,
+        num_values, weight.shape[1], weight.stride(0), grad.stride(0), float(lr), float(eps),
+        ADAGRAD=rule == "rowwise_adagrad", BLOCK=_block(weight.shape[1]),
+    )  # fmt: skip
+
+
+class TritonTableBatchedEmbedding(torch.nn.Module):
+    """A stack of tables of one width as one ``weight``, looked up with `pooled` and trained in
+    its backward with `backward_step` (no gradient reaches ``weight``: the rule is applied to
+    the rows read, as FBGEMM's fused TBE does).
+
+    Args:
+        weight: the stack, ``(rows, dim)``, float32, on a CUDA device (or the CPU under
+            ``TRITON_INTERPRET=1``).
+        rule, lr, eps: the row-wise rule (`TRITON_RULES`).
+    """
+
+    def __init__(self, weight: Tensor, rule: str, lr: float, eps: float) -> None:
+        super().__init__()
+        if rule not in TRITON_RULES:
+            raise ValueError(f"the Triton kernels apply {' and '.join(TRITON_RULES)}, not {rule!r}: use kernel='pytorch' for it.")
+        why = why_unavailable(weight.device)
+        if why is not None:
+            raise RuntimeError(f"kernel='triton' cannot run here: {why}.")
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.register_buffer("momentum", torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device))
+        self.rule, self.lr, self.eps = rule, lr, eps
+        self._anchor = torch.zeros((), requires_grad=True, device=weight.device)  # lets autograd reach the backward
+
+    def forward(self, indices: Tensor, offsets: Tensor, bag_mean: Tensor | None = None, per_sample_weights: Tensor | None = None) -> Tensor:
+        if not torch.is_grad_enabled():
+            return pooled(self.weight, indices, offsets, bag_mean, per_sample_weights)
+        return _LookupAndStep.apply(self._anchor, self, indices, offsets, bag_mean, per_sample_weights)
+
+
+class _LookupAndStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, tbe: TritonTableBatchedEmbedding, indices: Tensor, offsets: Tensor,  # type: ignore[override]
+                bag_mean: Tensor | None, per_sample_weights: Tensor | None) -> Tensor:  # fmt: skip
+        ctx.tbe, ctx.inputs = tbe, (indices, offsets, bag_mean, per_sample_weights)
+        return pooled(tbe.weight, indices, offsets, bag_mean, per_sample_weights)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:  # type: ignore[override]
+        tbe = ctx.tbe
+        indices, offsets, bag_mean, per_sample_weights = ctx.inputs
+        with torch.no_grad():
+            backward_step(tbe.weight, grad, indices, offsets, tbe.rule, tbe.lr, tbe.eps, tbe.momentum, bag_mean, per_sample_weights)
+        return (None,) * 6
