@@ -32,7 +32,8 @@ from report import job_in_process, write_report
 
 import lightning_hotcache.strategies.hotcache as strategy_module
 from datamodules import SyntheticCTRDataModule
-from lightning_hotcache import HotCacheStrategy, checkpoint
+from lightning_hotcache import HotCacheStrategy
+from lightning_hotcache.checkpoint import files as checkpoint
 from lightning_hotcache.embedding import hot_cold_modules
 from models import DLRM
 

@@ -9,15 +9,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
-import pytest
-import torch
+# Without a GPU, Triton's kernels run on CPU tensors in its interpreter, so their tests and
+# kernel="triton" fits run here. Set before torch and Lightning are imported: Triton reads it
+# when it is imported (torch's compiler imports it) and when a kernel is defined.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import lightning.pytorch as pl  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("WANDB_MODE", "offline")
-# Without a GPU, Triton's kernels run on CPU tensors in its interpreter (read when a kernel is
-# defined, so before the package is imported), so their tests and kernel="triton" fits run here.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
