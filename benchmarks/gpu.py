@@ -73,7 +73,8 @@ Prints a table and writes benchmarks/results/gpu.json.
     python benchmarks/gpu.py --device cpu --scale 0.001 --batch-size 64 --dim 16 --kernel pytorch   # host time a step, on a CPU
 
 ``--kernel`` picks hotcache's device-tier kernel (``auto``: FBGEMM's fused one where it trains
-exactly; each run records which ran). On a CPU, ``--kernel pytorch`` with tiny batches and
+exactly, else Triton's on CUDA; ``triton``: the Triton TBE against FBGEMM's in another run; each
+run records which ran). On a CPU, ``--kernel pytorch`` with tiny batches and
 tables times the host's share of the path a GPU without FBGEMM's CUDA build runs: the step's
 compute is then negligible, so a step's time is its Python, dispatch and staging.
 """
@@ -374,7 +375,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-batches", type=int, default=20, help="batches hotcache profiles to plan")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every strategy; the median is reported")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--kernel", choices=("auto", "fbgemm", "pytorch"), default="auto",
+    parser.add_argument("--kernel", choices=("auto", "fbgemm", "triton", "pytorch"), default="auto",
                         help="hotcache's device-tier kernel (each run records which ran); pytorch on a CPU: the path of a GPU without FBGEMM's CUDA build")
     parser.add_argument("--strategies", nargs="+", help="a subset to run, in this order (default: all but the +lookahead ones; auto is the baseline)")
     parser.add_argument("--device-memory", type=float, help="cap each run's GPU memory at this many GiB (CUDA only)")

@@ -21,7 +21,8 @@
 #   4. tables larger than the GPU: the same tables with each run's GPU memory capped at 8 GiB,
 #      where auto cannot hold them and hotcache at 10% trains (86-96 s; share 95 s);
 #   5. where a step's time goes: the host's row copies first (benchmarks/row_copy.py: a 1%
-#      cache's write-backs on 1, 2, 4 and 8 threads, ~10 s; its JSON goes to the log), then
+#      cache's write-backs on 1, 2, 4 and 8 threads, ~10 s; its JSON goes to the log), the
+#      Triton TBE against embedding_bag + the PyTorch row step (benchmarks/triton_tbe.py), then
 #      torch.profiler's key averages of auto and hotcache at 10% and 1% at 0.1x the tables
 #      (32-42 s on an H200; share 45 s): at 1% the H100's steps waited 55 ms each for
 #      staging, whose ops (the prefetch thread's too) this shows.
@@ -68,6 +69,8 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   BEYOND_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1"  # no cap on a CPU
   PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 0.02 --rows 2000 --copies 3 --threads 1 2"
+  TBE_ARGS="--tables 3 --rows-per-table 100 --dim 8 --batch-size 16 --calls 2"  # Triton's interpreter: a check, not a speed
+  export TRITON_INTERPRET=1
   export PYTHONPATH="$PWD:$PWD/benchmarks/gpu_image"
 else
   PYTHON=${GPU_PYTHON:-python3}
@@ -81,6 +84,7 @@ else
   BEYOND_ARGS="--scale 1.0 --steps 120 --warmup 80 --rounds 1 --device-memory 8 --strategies auto hotcache@0.1"
   PROFILE_ARGS="--scale 0.1 --steps 30 --warmup 20 --profile-steps 5 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 8 --copies 40 --threads 1 2 4 8"
+  TBE_ARGS="--tables 26 --rows-per-table 1000000 --dim 128 --batch-size 8192 --calls 50"  # 27 GB of rows and state in GPU memory
   rm -rf .gpu_site
   "$PYTHON" -m pip install --quiet --no-index --find-links gpu_wheels --no-deps --target .gpu_site -r benchmarks/requirements-gpu.txt \
     2>&1 | tee "$OUT/stage1.log"  # stage 1 appends to it: $OUT holds 8 files at most
@@ -128,7 +132,8 @@ first=$?
 # at every budget against auto, a checkpoint written on the GPU loading on the CPU, and the
 # CPU-lookup baseline, `auto`'s one-node lookup over stacked tables and a zoo model moved to
 # the GPU whole (skipped on a CPU: the dry run checks that they are found).
-stage 2 cuda-tests "$PYTHON" -m pytest -q -rP -m cuda tests/test_cuda.py -k "gpu_path or dlrm- or checkpoint_written_on_cuda or cpu_lookup or whole_training_step or in_one_node or moved_to_the_gpu or hands_its_gradient_rows"
+# The Triton kernels' tests run there on the GPU's own kernels (here in Triton's interpreter).
+stage 2 cuda-tests "$PYTHON" -m pytest -q -rP -m "cuda or kernels" tests/test_cuda.py tests/test_triton_tbe.py -k "gpu_path or dlrm- or checkpoint_written_on_cuda or cpu_lookup or whole_training_step or in_one_node or moved_to_the_gpu or hands_its_gradient_rows or test_triton_tbe"
 second=$?
 # shellcheck disable=SC2086  # the benchmarks' settings, split as on a command line
 stage 3 gpu-benchmark "$PYTHON" benchmarks/gpu.py $BENCH_ARGS --out "$OUT/gpu.json"
@@ -138,7 +143,8 @@ stage 4 tables-larger-than-the-gpu "$PYTHON" benchmarks/gpu.py $BEYOND_ARGS --ou
 fourth=$?
 # Both run though one fails; the row copy's JSON goes to stage5.log, not a ninth file in $OUT.
 # shellcheck disable=SC2016  # expanded by the inner bash, from its arguments
-stage 5 profile bash -c '"$0" benchmarks/row_copy.py $1 --out "$2"; copies=$?; "$0" benchmarks/gpu.py $3; exit $((copies || $?))' \
-  "$PYTHON" "$ROW_COPY_ARGS" "${TMPDIR:-/tmp}/row_copy.json" "$PROFILE_ARGS"
+# The Triton TBE's own time against embedding_bag + the PyTorch row step goes to stage5.log too.
+stage 5 profile bash -c '"$0" benchmarks/row_copy.py $1 --out "$2"; copies=$?; "$0" benchmarks/triton_tbe.py $4 --out "$2.tbe"; tbe=$?; "$0" benchmarks/gpu.py $3; exit $((copies || tbe || $?))' \
+  "$PYTHON" "$ROW_COPY_ARGS" "${TMPDIR:-/tmp}/row_copy.json" "$PROFILE_ARGS" "$TBE_ARGS"
 fifth=$?
 exit $((first || second || third || fourth || fifth))

@@ -181,6 +181,7 @@ def test_predict_with_uneven_user_batches_fails_on_every_rank_at_once(trained, s
 TORCHRUN_ALONE = planned("test_hotcache_on_two_nodes_of_two_processes_under_torchrun", 1, 256, "rowwise_adagrad", "auto", "--big-tables")
 
 
+@pytest.mark.full  # torchrun's launch; Lightning's own launcher runs the two-process cases by default
 def test_hotcache_on_two_nodes_of_two_processes_under_torchrun(tmp_path: Path, trained) -> None:
     """Multi-node as a cluster runs it: one torchrun per "node" (here both on this machine),
     Lightning's num_nodes; 2 nodes x 2 processes x batch 64 learn what 1 process x 256 learns."""

@@ -59,7 +59,9 @@ def zipf_batches(steps: int = STEPS, seed: int = 0, weighted: bool = False, extr
 
 SUM_TABLES = [EmbeddingBagConfig(**{**t.__dict__, "pooling": PoolingType.SUM}) for t in TABLES]
 # FBGEMM's TBE has one pooling mode for all its tables: the fused path is swept on SUM tables.
-KERNEL_TABLES = {"fbgemm": SUM_TABLES, "pytorch": TABLES}
+# Triton's kernels run in its interpreter on a CPU (TRITON_INTERPRET=1, set by conftest): a
+# program at a time, so by default over the factors that change what its kernels see.
+KERNEL_TABLES = {"fbgemm": SUM_TABLES, "pytorch": TABLES, "triton": TABLES}
 
 
 def make_plan(batches, fraction: float | None, depth: int, policy: str, tables=TABLES) -> HotColdPlan:
@@ -132,10 +134,16 @@ LOOKAHEAD = 3  # batches announced ahead of staging under the lookahead policy
 UPSTREAM = [torch.randn(BATCH, 8 + 4 + 4 + 8, generator=torch.Generator().manual_seed(i)) for i in range(STEPS)]
 BUDGETS = {"100%": 1.0, "10%": 0.1, "1%": 0.01, "minimum": None}
 POLICIES = ["static", "lru", "lfu", "lookahead"]
+NAMES = ["budget", "policy", "optimizer", "storage", "depth", "kernel"]
+OPTIMIZERS = ["sgd", "rowwise_adagrad", "adam"]
 CASES = exactness_matrix(
-    ["budget", "policy", "optimizer", "storage", "depth", "kernel"],
+    NAMES,
     together={"budget": list(BUDGETS), "policy": POLICIES, "depth": [0, 2]},
-    apart={"optimizer": ["sgd", "rowwise_adagrad", "adam"], "storage": ["memory", "mmap"], "kernel": list(KERNEL_TABLES)},
+    apart={"optimizer": OPTIMIZERS, "storage": ["memory", "mmap"], "kernel": ["fbgemm", "pytorch"]},
+) + exactness_matrix(
+    NAMES,
+    together={"budget": ["10%", "minimum"], "policy": ["lfu", "lookahead"], "kernel": ["triton"]},
+    apart={"optimizer": OPTIMIZERS, "storage": ["memory", "mmap"], "depth": [0, 2]},
 )
 FUSED_OPTIMIZERS = ("sgd", "rowwise_adagrad")  # FBGEMM's Adam is not the library's lazy Adam
 
@@ -148,9 +156,9 @@ def test_same_tables_and_state_as_torchrec(budget, policy, optimizer, storage, d
     plan = make_plan(batches, BUDGETS[budget], depth, policy, tables)
     reference = train_reference(config, batches, UPSTREAM, tables)
     storage_path = "memory" if storage == "memory" else tmp_path
-    chosen = "fbgemm" if kernel == "fbgemm" and optimizer in FUSED_OPTIMIZERS else "pytorch"  # FBGEMM has no lazy Adam
+    chosen = "pytorch" if kernel == "fbgemm" and optimizer not in FUSED_OPTIMIZERS else kernel  # FBGEMM has no lazy Adam
     module = train_hotcache(config, batches, UPSTREAM, plan, policy, storage_path, depth, tables, kernel=chosen)
-    assert module.kernel_note.startswith(chosen)
+    assert module.kernel_note.startswith(chosen), module.kernel_note
     assert_same(module, reference)
     if policy == "lookahead" and depth and storage == "mmap" and budget != "100%":
         assert sum(c.counters.read_ahead_rows for c in module.caches.values()) > 0  # its misses were read ahead

@@ -61,10 +61,32 @@ def test_resume_takes_row_state_from_the_checkpoint_not_leftover_files(tmp_path)
 
 def test_second_owner_in_the_same_process_fails_fast(tmp_path) -> None:
     held = HostDirectory(tmp_path)
-    with pytest.raises(HostStorageInUseError, match=f"in use by pid {os.getpid()}"):
+    with pytest.raises(HostStorageInUseError, match=rf"in use by this process \(pid {os.getpid()} .*an earlier fit"):
         HostDirectory(tmp_path)
     held.release()
     HostDirectory(tmp_path).release()  # free again once released
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX's")
+def test_a_forked_child_does_not_keep_the_directory_locked(tmp_path) -> None:
+    # Issue 69 item 5: DataLoader workers inherited the lock, so after a worker error a retry in
+    # the same process (a notebook) was refused "in use by pid <its own pid>".
+    import signal
+
+    held = HostDirectory(tmp_path)
+    ready, started = os.pipe()
+    child = os.fork()
+    if child == 0:  # a worker that outlives the fit
+        os.write(started, b"1")  # after the fork's hooks ran
+        signal.pause()
+        os._exit(0)
+    try:
+        os.read(ready, 1)
+        held.release()
+        HostDirectory(tmp_path).release()  # free while the child lives
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
 
 
 def test_lock_names_the_other_process_and_dies_with_it(tmp_path) -> None:

@@ -347,3 +347,22 @@ def test_staging_is_chosen_by_device_and_table_size_unless_given(thread, depth, 
     assert tuple(vars(staging_choice(thread, depth, device, table_bytes)).values()) == chosen
     monkeypatch.setattr("os.cpu_count", lambda: 1)  # one core: no thread to run beside the step
     assert staging_choice(None, None, "cpu", 2**31).thread is False
+
+
+def test_a_hand_edited_plan_is_checked_and_its_bytes_counted_again() -> None:
+    # Issue 69 item 10: a plan with cache_slots 1000x a table's rows trained, and the printed
+    # plan still said what the file said.
+    import dataclasses
+
+    planner = HotColdPlanner(0.1, SGD)
+    plan = planner.plan(TABLES, stats())
+    split = next(t for t in plan.tables if not t.on_device)
+    edited = [dataclasses.replace(t, cache_slots=1000 * t.num_embeddings) if t is split else t for t in plan.tables]
+    with pytest.raises(ValueError, match=rf"table {split.name} has .* cache slots but only {split.num_embeddings:,} rows"):
+        planner.check_plan(dataclasses.replace(plan, tables=edited), TABLES)
+    understated = [dataclasses.replace(t, device_bytes=1) for t in plan.tables]
+    counted = planner.with_this_runs_bytes(dataclasses.replace(plan, tables=understated), TABLES)
+    assert [t.device_bytes for t in counted.tables] == [t.device_bytes for t in plan.tables]
+    tight = HotColdPlanner(plan.device_bytes - 1, SGD)  # the real bytes no longer fit, whatever the file says
+    with pytest.raises(ValueError, match="on the device but device_budget"):
+        tight.check_plan(dataclasses.replace(plan, tables=understated), TABLES)

@@ -11,6 +11,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # appe
 import resume_memory  # noqa: E402
 
 
+@pytest.mark.full  # the benchmark's own run; test_resharding resumes sharded checkpoints by default
 def test_both_loads_restore_the_same_rows_and_report_their_memory(tmp_path) -> None:
     out = tmp_path / "resume_memory.json"
     resume_memory.main(["--scale", "0.01", "--dim", "16", "--batch-size", "256", "--dir", str(tmp_path / "scratch"), "--out", str(out)])

@@ -249,6 +249,7 @@ def _across_two_ranks(rank: int) -> None:
     assert many - few <= SLACK, (rank, few, many)
 
 
+@pytest.mark.full  # one process is counted by default
 def test_step_ops_do_not_grow_with_tables_across_two_processes(tmp_path) -> None:
     failures = _on_two_processes({"step ops": _across_two_ranks}, tmp_path)
     assert not failures, failures

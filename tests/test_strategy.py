@@ -126,6 +126,42 @@ def assert_hotcache_matches_auto(
     assert_same_val_metrics(metrics, expected_metrics)
 
 
+TRITON_FIT = dict(batch_size=16, num_train_samples=320, num_val_samples=32)  # Triton's interpreter runs a program at a time
+
+
+@pytest.mark.parametrize(
+    ("name", "budget", "policy"),
+    [("dlrm", 0.001, "lfu"), pytest.param("deepfm", 0.001, "lookahead", marks=pytest.mark.full),
+     pytest.param("fm", 1.0, "static", marks=pytest.mark.full)],
+)  # fmt: skip
+def test_the_triton_kernel_trains_what_auto_trains(name, budget, policy, tmp_path) -> None:
+    # On a CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest):
+    # its lookups and in-kernel row steps through a fit with eviction, and validation.
+    def trained(strategy) -> tuple[CTRModel, dict]:
+        pl.seed_everything(0)
+        dm = data(**TRITON_FIT)
+        model = create_model(name, dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+        trainer = cpu_trainer(strategy=strategy, max_epochs=1)
+        trainer.fit(model, dm)
+        return model, trainer.validate(model, dm, verbose=False)[0]
+
+    expected, expected_metrics = trained("auto")
+    strategy = HotCacheStrategy(device_budget=budget, profile_batches=2, cache_policy=policy, kernel="triton", grow_budget_to_minimum=True)
+    model, metrics = trained(strategy)
+    assert all(m.kernel_note.startswith("triton TBE") for m in hot_cold_modules(model).values())
+    if budget != 1.0:
+        assert sum(c.counters.evicted_rows for m in hot_cold_modules(model).values() for c in m.caches.values()) > 0
+    torch.testing.assert_close(model.state_dict(), expected.state_dict(), rtol=1e-5, atol=1e-5)
+    assert metrics["val/logloss"] == pytest.approx(expected_metrics["val/logloss"], rel=1e-5, abs=1e-6)
+
+
+def test_the_triton_kernel_on_a_cpu_outside_the_interpreter_is_a_clear_error(stats_path, monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    strategy = HotCacheStrategy(device_budget=0.05, stats_path=str(stats_path), kernel="triton")
+    with pytest.raises(ValueError, match=r"kernel='triton' cannot run here: Triton's kernels run on CUDA devices .*Use kernel='auto'"):
+        fit("dlrm", strategy)
+
+
 @pytest.mark.parametrize("policy", ["lookahead", "lfu"])
 def test_the_loader_announces_each_batch_ahead_of_staging(policy: str) -> None:
     from torchrec import KeyedJaggedTensor

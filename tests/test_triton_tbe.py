@@ -13,6 +13,7 @@ if triton_tbe.why_unavailable(torch.device("cuda" if torch.cuda.is_available() e
 from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig, step_rows  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.kernels  # `make gpu-check` runs them on the GPU's own kernels
 
 
 def stack_batch(table_rows: list[int], batch: int, max_len: int, seed: int, empty_share: float = 0.2):

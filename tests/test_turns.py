@@ -67,6 +67,7 @@ def test_a_failing_job_ends_the_run_with_its_error(job: Path) -> None:
     assert "c (exit 1)" in str(failure.value) and "ended without handing the turn on" in str(failure.value)
 
 
+@pytest.mark.full  # the benchmark end to end; the ring's order and failures are tested above
 @pytest.mark.timeout(300)
 def test_cpu_throughput_in_turns_pairs_blocks(tmp_path: Path, capsys) -> None:
     out = tmp_path / "turns.json"

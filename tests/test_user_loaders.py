@@ -178,3 +178,50 @@ def test_a_loader_with_its_own_generator_trains_in_autos_order(num_workers, gene
     model, order = fit_with_generator(HotCacheStrategy(device_budget=0.05, **given), num_workers, generator_of)
     assert order == expected_order
     torch.testing.assert_close(model.state_dict(), expected.state_dict(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_without_a_feature_names_it_and_the_batch() -> None:
+    # Issue 69 item 4: hotcache said "forward() got a different training batch than the next
+    # prefetched one" (auto: KeyError: 'cat_25').
+    from torchrec import KeyedJaggedTensor
+    from torchrec.datasets.utils import Batch
+
+    batches, dm = user_batches()
+
+    def without_last_feature(batch: Batch) -> Batch:
+        kjt = batch.sparse_features
+        keep = kjt.keys()[:-1]
+        lengths = kjt.lengths().view(len(kjt.keys()), -1)[:-1].flatten()
+        values = kjt.values()[: int(lengths.sum())]
+        return Batch(batch.dense_features, KeyedJaggedTensor(keep, values, lengths=lengths), batch.labels)
+
+    broken = [*batches[:3], without_last_feature(batches[3]), *batches[4:]]
+    pl.seed_everything(0)
+    model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    missing = batches[3].sparse_features.keys()[-1]
+    with pytest.raises(KeyError, match=rf"training batch 3 of this epoch lacks the feature\(s\) \['{missing}'\]"):
+        cpu_trainer(strategy=HotCacheStrategy(device_budget=0.05, profile_batches=2), max_epochs=1).fit(
+            model, train_dataloaders=DataLoader(broken, batch_size=None)
+        )
+
+
+def test_a_feature_no_table_reads_is_warned_of_once() -> None:
+    from torchrec import KeyedJaggedTensor
+    from torchrec.datasets.utils import Batch
+
+    batches, dm = user_batches()
+
+    def with_extra_feature(batch: Batch) -> Batch:
+        kjt = batch.sparse_features
+        samples = kjt.stride()
+        values = torch.cat([kjt.values(), torch.zeros(samples, dtype=kjt.values().dtype)])
+        lengths = torch.cat([kjt.lengths(), torch.ones(samples, dtype=kjt.lengths().dtype)])
+        return Batch(batch.dense_features, KeyedJaggedTensor([*kjt.keys(), "unknown"], values, lengths=lengths), batch.labels)
+
+    pl.seed_everything(0)
+    model = DLRM(dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    with pytest.warns(UserWarning, match=r"sparse features \['unknown'\] are looked up by no table") as warned:
+        cpu_trainer(strategy=HotCacheStrategy(device_budget=0.05, profile_batches=2), max_steps=4).fit(
+            model, train_dataloaders=DataLoader([with_extra_feature(b) for b in batches], batch_size=None)
+        )
+    assert sum("looked up by no table" in str(w.message) for w in warned) == 1

@@ -25,8 +25,8 @@ from torchrec.modules.embedding_configs import PoolingType
 from lightning_hotcache.cache.host_arrays import move_to_huge_pages
 from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig
 
-KernelChoice = Literal["auto", "fbgemm", "pytorch"]
-KERNEL_CHOICES: tuple[str, ...] = ("auto", "fbgemm", "pytorch")
+KernelChoice = Literal["auto", "fbgemm", "triton", "pytorch"]
+KERNEL_CHOICES: tuple[str, ...] = ("auto", "fbgemm", "triton", "pytorch")
 
 
 def check_kernel_choice(kernel: str) -> None:

@@ -13,6 +13,7 @@ an earlier run or from a concurrent one.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -109,6 +110,12 @@ class HostDirectory:
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "an unknown process"
             os.close(fd)
+            if holder.startswith(f"pid {os.getpid()} "):
+                raise HostStorageInUseError(
+                    f"host_storage {self.path} is in use by this process ({holder}): an earlier fit or module here "
+                    "still holds it. Let that run end (its teardown releases the directory), or give this run its "
+                    "own host_storage directory."
+                ) from None
             raise HostStorageInUseError(
                 f"host_storage {self.path} is in use by {holder}. Two runs on one directory would overwrite each "
                 "other's rows: give this run its own host_storage directory, or wait for the other run to end."
@@ -117,6 +124,16 @@ class HostDirectory:
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} ({' '.join(sys.argv)})\n".encode(), 0)
         self._fd = fd
         self._finalizer = weakref.finalize(self, os.close, fd)  # closing the file drops the lock
+        _LOCKED.add(self)
+
+    def _forget_in_child(self) -> None:
+        """In a forked child (a DataLoader worker): close the inherited lock. A child holding it
+        would keep the directory locked after the parent released it."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            with contextlib.suppress(OSError):
+                os.close(self._fd)  # type: ignore[arg-type]
+        self._fd, self._finalizer = None, None
 
     def release(self) -> None:
         """Drop the lock (the mapped files stay usable by this process)."""
@@ -137,6 +154,12 @@ class HostDirectory:
         if path.exists():
             path.unlink()  # a new inode: whoever still maps the old file keeps its rows
         return map_rows(path, num_rows, width)
+
+
+# Directories locked by this process, whose locks its forked children close at once.
+_LOCKED: "weakref.WeakSet[HostDirectory]" = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [directory._forget_in_child() for directory in list(_LOCKED)])
 
 
 def _open_no_symlink(path: Path, flags: int) -> int:

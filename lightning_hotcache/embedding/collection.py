@@ -7,8 +7,9 @@ cache (`lightning_hotcache.cache.group`), so that a step's bookkeeping does not 
 number of tables.
 
 The module is a facade over three parts chosen once, when it is built, from the kernel
-(FBGEMM's fused TBE where it trains exactly, else PyTorch's ``embedding_bag``) and the
-number of processes:
+(FBGEMM's fused TBE where it trains exactly; on CUDA without it, the Triton TBE of
+`lightning_hotcache.kernels.triton_tbe`; else PyTorch's ``embedding_bag``) and the number of
+processes:
 
     forward = staging (`Staging`)  ->  lookup (`lookup.py`)  ->  update attached (`update.py`)
 
@@ -18,6 +19,11 @@ number of processes:
 | fbgemm  | several   | `LookupForOwners`    | `OwnersUpdate`: owners step a width's rows     |
 | pytorch | 1         | `EmbeddingBagLookup` | `SummingUpdate`: rows summed, a width at once  |
 | pytorch | several   | `EmbeddingBagLookup` | `OwnersUpdate`, as FBGEMM's                    |
+| triton  | 1         | `EmbeddingBagLookup` | `TritonUpdate`: the kernel steps each row      |
+| triton  | several   | `EmbeddingBagLookup` | `OwnersUpdate`, as FBGEMM's                    |
+
+(The Triton lookup pools with `triton_tbe.pooled`; with lazy Adam, which the kernel does not
+apply, its one-process update is `SummingUpdate`.)
 
 Where the rows live (`Layout`) is decided alongside; nothing in a step tests the
 configuration again.
@@ -44,6 +50,8 @@ from tqdm.auto import tqdm
 from lightning_hotcache.cache import CachePolicy, DeviceCache, HostDirectory, HostStore
 from lightning_hotcache.cache.exchange import RowSharding
 from lightning_hotcache.cache.fused import FusedTables, KernelChoice, check_kernel_choice, fused_unavailable
+from lightning_hotcache.kernels import triton_tbe
+from lightning_hotcache.kernels.triton_tbe import TRITON_RULES
 from lightning_hotcache.cache.group import TableInGroup
 from lightning_hotcache.cache.host_arrays import new_array
 from lightning_hotcache.cache.owned_rows import OwnedRows
@@ -51,7 +59,7 @@ from lightning_hotcache.cache.side_by_side import check_staging_threads
 from lightning_hotcache.embedding.layout import Layout, build_layout
 from lightning_hotcache.embedding.lookup import EmbeddingBagLookup, FusedLookup, LookupForOwners
 from lightning_hotcache.embedding.staging import Staging
-from lightning_hotcache.embedding.update import FusedUpdate, OwnersUpdate, SummingUpdate
+from lightning_hotcache.embedding.update import FusedUpdate, OwnersUpdate, SummingUpdate, TritonUpdate
 from lightning_hotcache.planner.plan import HotColdPlan
 from lightning_hotcache._ops.progress import byte_bar
 from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig
@@ -115,8 +123,9 @@ class HotColdEmbeddingBagCollection(nn.Module):
             row-wise rule fused into backward (see `FusedTables`); ``"pytorch"``: one
             ``embedding_bag`` per width and pooling, the update in its backward; ``"auto"``:
             FBGEMM where it trains exactly (`fused_unavailable` says where not), except for
-            row-wise Adagrad on a CPU, where PyTorch's measured faster; else PyTorch.
-            ``kernel_note`` says which runs and why.
+            row-wise Adagrad on a CPU, where PyTorch's measured faster; else, on CUDA, the
+            Triton TBE (``"triton"`` forces it: on a CPU only under ``TRITON_INTERPRET=1``);
+            else PyTorch. ``kernel_note`` says which runs and why.
         process_group: data-parallel ranks training the same tables (None: this process alone).
             Host stores are sharded round-robin across the ranks, each rank caches the rows
             its batches read, and each row's owner applies the ranks' mean gradient to it
@@ -168,6 +177,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         }
         split = {t.name for t in self._tables if not plan.table(t.name).on_device}
         reason = self._why_not_fused(kernel, min(slot_counts.values()))
+        self._triton = reason is not None and self._triton_runs(kernel)
         dynamic = {t.name: plan.table(t.name).cache_slots for t in self._tables}
         self.layout = build_layout(self._tables, slot_counts, split, reason is None, sharding.world, staging_threads, dynamic)
         self._fused = None if reason is not None else self._fused_tables(self.layout)
@@ -233,13 +243,15 @@ class HotColdEmbeddingBagCollection(nn.Module):
             update = SummingUpdate(self.layout, self._device_tables, staging, self.optimizer, self._is_weighted)
         if self._fused is not None:
             return LookupForOwners(self._fused, self._is_weighted, self.device, update.on_output_gradient), update
+        if self._triton and world == 1 and self.optimizer.name in TRITON_RULES:
+            update = TritonUpdate(self.layout, self._device_tables, staging, self.optimizer, self._is_weighted)
         weights = [table["weight"] for table in self._device_tables]
-        return EmbeddingBagLookup(self.layout, weights, self._is_weighted, self.device, update.on_output_gradient), update
+        return EmbeddingBagLookup(self.layout, weights, self._is_weighted, self.device, update.on_output_gradient, self._triton), update
 
     def _why_not_fused(self, kernel: KernelChoice, fewest_slots: int) -> str | None:
         """Why the device tier is not FBGEMM's fused kernel here (None: it is); sets `kernel_note`."""
-        if kernel == "pytorch":
-            reason: str | None = "kernel='pytorch' was chosen"
+        if kernel in ("pytorch", "triton"):
+            reason: str | None = f"kernel={kernel!r} was chosen"
         elif fewest_slots == 0:
             reason = "a table has no device rows"
         else:
@@ -253,6 +265,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             reason = "on a CPU the PyTorch path trains row-wise Adagrad faster than FBGEMM's CPU kernel (kernel='fbgemm' chooses it)"
         if reason is not None and kernel == "fbgemm":
             raise ValueError(f"kernel='fbgemm' cannot train these tables exactly here: {reason}. Use kernel='auto'.")
+        self._fused_refusal = reason
         if reason is not None:
             self.kernel_note = f"pytorch embedding_bag ({reason})"
         elif self._sharding.world == 1:
@@ -260,6 +273,27 @@ class HotColdEmbeddingBagCollection(nn.Module):
         else:
             self.kernel_note = "fbgemm TBE lookup, each row's owner applies the ranks' mean gradient"
         return reason
+
+    def _triton_runs(self, kernel: KernelChoice) -> bool:
+        """Whether the device tier runs the Triton TBE where FBGEMM's fused kernel does not:
+        when asked (or refused with why), and by default on CUDA; sets `kernel_note`."""
+        why = triton_tbe.why_unavailable(self.device)
+        if kernel == "triton" and why is not None:
+            raise ValueError(f"kernel='triton' cannot run here: {why}. Use kernel='auto'.")
+        if kernel == "pytorch" or (kernel == "auto" and (self.device.type != "cuda" or why is not None)):
+            return False
+        if self._sharding.world > 1:
+            self.kernel_note = "triton TBE lookup, each row's owner applies the ranks' mean gradient"
+        elif self.optimizer.name in triton_tbe.TRITON_RULES:
+            self.kernel_note = f"triton TBE, {self.optimizer.name} applied in its backward"
+        else:
+            self.kernel_note = (
+                f"triton TBE lookup, {self.optimizer.name} on the PyTorch path (the kernel applies "
+                f"{' and '.join(triton_tbe.TRITON_RULES)})"
+            )
+        if kernel == "auto":
+            self.kernel_note += f" (FBGEMM's fused kernel does not run here: {self._fused_refusal})"
+        return True
 
     def _fused_tables(self, layout: Layout) -> FusedTables:
         """One TBE: a table per device table of the layout (one per width when shared)."""
@@ -383,9 +417,24 @@ class HotColdEmbeddingBagCollection(nn.Module):
     def is_weighted(self) -> bool:
         return self._is_weighted
 
-    def reads(self, features: KeyedJaggedTensor) -> bool:
-        """Whether ``features`` has every feature this module looks up."""
-        return set(self.layout.input_of.values()) <= set(features.keys())
+    def reads(self, features: KeyedJaggedTensor, batch_index: int | None = None) -> bool:
+        """Whether ``features`` is this module's input: it has every feature the module looks up
+        (False where it has none: another module's). Raises KeyError, naming what is missing
+        (and the batch, with ``batch_index``), where it has some but not all."""
+        wanted, given = set(self.layout.input_of.values()), set(features.keys())
+        missing = sorted(wanted - given)
+        if missing and len(missing) < len(wanted):
+            where = "" if batch_index is None else f"training batch {batch_index} of this epoch "
+            raise KeyError(
+                f"{where}lacks the feature(s) {missing} that this model's tables look up (it has {sorted(given)}): "
+                "give every batch every sparse feature of the model's EmbeddingBagCollection."
+            )
+        return not missing
+
+    @property
+    def input_features(self) -> set[str]:
+        """The features this module looks up."""
+        return set(self.layout.input_of.values())
 
     # -------------------------------------------------------------- a step
     def prefetch(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None, announced: bool = False) -> None:

@@ -5,9 +5,10 @@
 - `LookupForOwners`: the same call, but its backward hands the output's gradient to a
   callback instead of updating this rank's copies (across ranks, each row's owner applies
   the ranks' mean gradient; see `OwnersUpdate`).
-- `EmbeddingBagLookup`: one ``embedding_bag`` per device table (a width) and pooling mode, whose
-  backward, like `LookupForOwners`', hands the output's gradient to the update (see
-  `SummingUpdate`): no sparse gradient, which would need sorting to sum.
+- `EmbeddingBagLookup`: one ``embedding_bag`` (or the Triton TBE's `pooled`) per device table
+  (a width) and pooling mode, whose backward, like `LookupForOwners`', hands the output's
+  gradient to the update (see `SummingUpdate`, `TritonUpdate`): no sparse gradient, which would
+  need sorting to sum.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from lightning_hotcache.cache.fused import FusedTables
 from lightning_hotcache.embedding.batch import StagedBatch, bag_offsets, concat_spans, runs_of
 from lightning_hotcache.embedding.layout import Layout
+from lightning_hotcache.kernels import triton_tbe
 
 
 class FusedLookup:
@@ -93,6 +95,7 @@ class EmbeddingBagLookup:
 
     Args:
         weights: each device table's weight array.
+        triton: pool with the Triton TBE's kernel (`triton_tbe.pooled`) instead of ``embedding_bag``.
     """
 
     def __init__(
@@ -102,7 +105,9 @@ class EmbeddingBagLookup:
         is_weighted: bool,
         device: torch.device,
         on_gradient: Callable[[StagedBatch, Tensor], None],
+        triton: bool = False,
     ) -> None:
+        self.triton = triton
         groups: dict[tuple[int, PoolingType], list[int]] = {}
         for k, (feature, table) in enumerate(zip(layout.features, layout.device_table_of_feature())):
             groups.setdefault((table, layout.table_of[feature].pooling), []).append(k)
@@ -140,14 +145,15 @@ class EmbeddingBagLookup:
         for weight, mode, count, runs in self.groups:
             spans = [(bounds[a], bounds[b]) for a, b in runs]
             bag_lengths = concat_spans(lengths, [(a * batch, b * batch) for a, b in runs])
-            rows = nn.functional.embedding_bag(
-                concat_spans(staged.indices, spans),
-                weight,
-                torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)]),
-                mode=mode,
-                per_sample_weights=None if weights is None else concat_spans(weights, spans),
-                include_last_offset=True,
-            )
+            indices, bags = concat_spans(staged.indices, spans), torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)])
+            per_sample = None if weights is None else concat_spans(weights, spans)
+            if self.triton:
+                mean = torch.ones_like(bag_lengths) if mode == "mean" else None
+                rows = triton_tbe.pooled(weight, indices, bags, mean, None if per_sample is None else per_sample.to(self.device))
+            else:
+                rows = nn.functional.embedding_bag(
+                    indices, weight, bags, mode=mode, per_sample_weights=per_sample, include_last_offset=True
+                )
             pooled.append(rows.view(count, batch, -1))
         # Feature-major bags to (batch, features x dim), the columns in table order.
         pieces = [pooled[g][a:b].transpose(0, 1).reshape(batch, -1) for g, a, b in self.output_pieces]

@@ -43,6 +43,7 @@ from lightning_hotcache._ops.sorting import sum_bag_rows, sum_rows_by_index
 from lightning_hotcache.embedding.batch import StagedBatch, concat_spans, runs_of
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.embedding.staging import Staging
+from lightning_hotcache.kernels import triton_tbe
 from lightning_hotcache.optim.rowwise import SORTS_WITH_REPEATS_ON, RowWiseOptimizerConfig, step_read_rows
 
 
@@ -130,6 +131,48 @@ class SummingUpdate:
         self.staging.finish(staged)  # changed: written back on eviction
 
 
+class TritonUpdate:
+    """Triton, one process: the lookup's backward hands over the output's gradient, and each
+    device table's rows (a width) are stepped by the Triton TBE's backward (`triton_tbe.backward_step`):
+    the width's values sorted once on the device and each distinct row stepped in the kernel
+    from its summed gradient. Staging finds no distinct rows for it."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        tables: list[dict[str, Tensor]],
+        staging: Staging,
+        optimizer: RowWiseOptimizerConfig,
+        is_weighted: bool,
+    ) -> None:
+        self.tables = tables
+        self.staging = staging
+        self.optimizer = optimizer
+        self.is_weighted = is_weighted
+        self._features = [_TableFeatures.of(layout, k, table["weight"].device) for k, table in enumerate(tables)]
+
+    def before_lookup(self, staged: StagedBatch) -> None:
+        pass
+
+    def attach(self, staged: StagedBatch, output: Tensor) -> None:
+        self.staging.keep(staged, output)
+
+    def settle(self) -> None:
+        """Every update is applied in backward: nothing waits."""
+
+    def on_output_gradient(self, staged: StagedBatch, grad: Tensor) -> None:
+        ours, config = staged.ours, self.optimizer
+        for table, features in zip(self.tables, self._features):
+            per_bag, bag_lengths = features.bag_gradients(ours, grad)
+            spans = features.value_spans(ours)
+            weights = concat_spans(ours.weights(), spans).to(grad.device, torch.float32) if self.is_weighted else None
+            triton_tbe.backward_step(
+                table["weight"], per_bag, concat_spans(staged.indices, spans), torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)]),
+                config.name, config.lr, config.eps, table.get("momentum"), features.bag_mean(ours.stride()), weights,
+            )  # fmt: skip
+        self.staging.finish(staged)  # changed: written back on eviction
+
+
 @dataclass(frozen=True)
 class _TableFeatures:
     """Where the features of one device table are in a batch and in the module's output, for
@@ -159,24 +202,37 @@ class _TableFeatures:
             torch.tensor(mean, device=device) if any(mean) else None, all(mean),
         )  # fmt: skip
 
-    def summed_gradients(self, ours: KeyedJaggedTensor, grad: Tensor, is_weighted: bool, inverse: Tensor, num_rows: int) -> Tensor:
-        """The summed gradient row of each of the ``num_rows`` distinct rows these features read
-        in ``ours`` (``inverse``: each value's, features end to end), from the output's gradient
-        ``grad`` (batch, sum of dims): a value's gradient row is its bag's (times its weight)."""
+    def bag_gradients(self, ours: KeyedJaggedTensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+        """The gradient of each of these features' bags in ``ours``, feature-major as the values
+        come, (bags, dim), from the output's gradient ``grad`` (batch, sum of dims); and the bags' lengths."""
         batch, count = ours.stride(), len(self.features)
         if self.columns is None:
             per_bag = grad[:, self.first_column : self.first_column + count * self.dim]
         else:
             per_bag = grad.index_select(1, self.columns)
-        # Sample-major columns to feature-major bags, as the values come.
         per_bag = per_bag.reshape(batch, count, self.dim).transpose(0, 1).reshape(count * batch, self.dim)
-        bounds = ours.offset_per_key()
-        spans = [(bounds[a], bounds[b]) for a, b in self.runs]
         bag_lengths = concat_spans(ours.lengths(), [(a * batch, b * batch) for a, b in self.runs]).to(grad.device)
+        return per_bag, bag_lengths
+
+    def value_spans(self, ours: KeyedJaggedTensor) -> list[tuple[int, int]]:
+        """Where these features' values are in ``ours`` (one span per run of adjacent features)."""
+        bounds = ours.offset_per_key()
+        return [(bounds[a], bounds[b]) for a, b in self.runs]
+
+    def bag_mean(self, batch: int) -> Tensor | None:
+        """Per bag, whether it pools by mean (None: none does)."""
+        return None if self.mean is None else self.mean.repeat_interleave(batch, output_size=len(self.features) * batch)
+
+    def summed_gradients(self, ours: KeyedJaggedTensor, grad: Tensor, is_weighted: bool, inverse: Tensor, num_rows: int) -> Tensor:
+        """The summed gradient row of each of the ``num_rows`` distinct rows these features read
+        in ``ours`` (``inverse``: each value's, features end to end), from the output's gradient
+        ``grad`` (batch, sum of dims): a value's gradient row is its bag's (times its weight)."""
+        per_bag, bag_lengths = self.bag_gradients(ours, grad)
+        spans = self.value_spans(ours)
         if self.mean is not None:
             scale = bag_lengths.clamp(min=1).to(grad.dtype).reciprocal()  # as embedding_bag: times 1 / size
             if not self.all_mean:
-                scale = torch.where(self.mean.repeat_interleave(batch, output_size=count * batch), scale, 1.0)
+                scale = torch.where(self.bag_mean(ours.stride()), scale, 1.0)
             per_bag = per_bag * scale[:, None]
         weights = concat_spans(ours.weights(), spans).to(grad.device, grad.dtype) if is_weighted else None
         return sum_bag_rows(per_bag, bag_lengths, inverse, num_rows, weights)

@@ -130,6 +130,7 @@ def pooled(
     out = torch.empty(num_bags, dim, dtype=torch.float32, device=weight.device)
     if num_bags == 0:
         return out
+    bag_mean = None if bag_mean is None else bag_mean.to(torch.int32)
     _pooled_kernel[(num_bags,)](
         weight, indices, offsets, per_sample_weights if per_sample_weights is not None else out,
         bag_mean if bag_mean is not None else offsets, out, dim, weight.stride(0), out.stride(0),

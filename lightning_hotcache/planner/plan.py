@@ -21,6 +21,7 @@ plan.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import logging
 import math
@@ -601,12 +602,13 @@ class HotColdPlanner:
         it counted, and, when ``batch_size`` (the run's) is given, the batch size of the stats
         it was made from."""
         plan.check_tables(tables)
+        problems = self._impossible_slots(plan)
+        plan = self.with_this_runs_bytes(plan, tables)
         whole = sum(t.num_embeddings * row_bytes(t, self.optimizer) for t in tables)
         budget = resolve_budget(self.device_budget, whole, self.device)
         if self.grow_budget_to_minimum and plan.minimum_bytes > budget:  # as `plan` would have grown it
             self._check_growable(budget, plan.minimum_bytes)
             budget = plan.minimum_bytes
-        problems = []
         if plan.world_size != self.world_size:
             problems.append(f"it was made for world size {plan.world_size} but this run has {self.world_size}")
         if plan.cache_policy != self.cache_policy:
@@ -725,6 +727,34 @@ class HotColdPlanner:
                 required[t.name] = slots
                 fixed += self._split_bytes(t, 0, slots)
         return on_device, split, required, fixed
+
+    @staticmethod
+    def _impossible_slots(plan: HotColdPlan) -> list[str]:
+        """What no run of ``plan``'s tables can hold: more device rows than a table has, or static
+        ids outside it (a plan file edited by hand)."""
+        problems = []
+        for t in plan.tables:
+            if not t.on_device and len(t.static_ids) + t.cache_slots > t.num_embeddings:
+                problems.append(
+                    f"table {t.name} has {len(t.static_ids):,} static rows and {t.cache_slots:,} cache slots but only "
+                    f"{t.num_embeddings:,} rows"
+                )
+            if len(t.static_ids) and (t.static_ids.min() < 0 or t.static_ids.max() >= t.num_embeddings):
+                problems.append(f"table {t.name} has static ids outside its {t.num_embeddings:,} rows")
+        return problems
+
+    def with_this_runs_bytes(self, plan: HotColdPlan, tables: Sequence[EmbeddingBagConfig]) -> HotColdPlan:
+        """``plan`` with each table's device bytes as this run counts them (its rows, slots,
+        optimizer state and device), not as the plan file says."""
+        by_name = {t.name: t for t in tables}
+
+        def counted(table: TablePlan) -> int:
+            config = by_name[table.name]
+            if table.on_device:
+                return config.num_embeddings * row_bytes(config, self.optimizer)
+            return self._split_bytes(config, len(table.static_ids), table.cache_slots)
+
+        return dataclasses.replace(plan, tables=[dataclasses.replace(t, device_bytes=counted(t)) for t in plan.tables])
 
     def minimum_bytes(self, tables: Sequence[EmbeddingBagConfig], stats: "AccessStats") -> int:
         """The smallest device budget `plan` accepts for these tables and stats."""

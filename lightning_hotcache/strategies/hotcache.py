@@ -121,6 +121,7 @@ class _PrefetchingLoader:
         # (appended by whichever thread reads), and the state after the last one handed over.
         self._states_read: deque[Any] = deque()
         self._state_handed: Any = None
+        self._warned_of_unread_features = False
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -165,19 +166,28 @@ class _PrefetchingLoader:
         ahead = self.strategy.window_batches if self.strategy.cache_policy == "lookahead" else 0
         window: deque[Any] = deque()
         stateful = self._stateful
-        for batch in self._batches_the_loop_takes():
+        for n, batch in enumerate(self._batches_the_loop_takes()):
             if stateful:
                 self._states_read.append(self.loader.state_dict())  # type: ignore[attr-defined]
             started = time.perf_counter()
             for features in _features_of(batch):
                 for module in modules:
-                    if module.reads(features):
+                    if module.reads(features, n):
                         module.announce(features)
+                self._warn_once_of_unread_features(features, modules)
             self.strategy.staging_work.announcing_seconds += time.perf_counter() - started
             window.append(batch)
             if len(window) > ahead:
                 yield window.popleft()
         yield from window
+
+    def _warn_once_of_unread_features(self, features: KeyedJaggedTensor, modules: list[HotColdEmbeddingBagCollection]) -> None:
+        if self._warned_of_unread_features:
+            return
+        unread = set(features.keys()) - set().union(*(m.input_features for m in modules))
+        if unread:
+            self._warned_of_unread_features = True
+            rank_zero_warn(f"The training batches' sparse features {sorted(unread)} are looked up by no table of the model: they are ignored.")
 
     def _batches_the_loop_takes(self) -> Iterator[Any]:
         """The loader's batches, no more than its length: Lightning's loop stops asking at the
@@ -634,7 +644,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         )  # fmt: skip
         if saved is not None:
             planner.check_plan(saved, tables, batch_size)
-            return saved
+            return planner.with_this_runs_bytes(saved, tables)
         else:
             stats = AccessStats.load(self.stats_path, tables) if self.stats_path else None
             try:

@@ -1,0 +1,106 @@
+"""The Triton table-batched embedding against what it replaces, per call: ``embedding_bag``'s
+forward plus the PyTorch path's row step (each value's gradient row summed at its distinct row,
+then gather-step-scatter), on one stack of tables of one width.
+
+Both take the same batch (one-hot features, feature-major bags, as TorchRec's KJT) and the
+same output gradient, and both step the rows they read with row-wise Adagrad; they take turns
+call by call, so drift hits both alike. Reported: the median milliseconds of a forward, of a
+backward with its row step, and of both, and the PyTorch path's time over Triton's (above 1:
+Triton is faster). On CUDA it synchronizes around each timed part; on a CPU it runs only under
+``TRITON_INTERPRET=1`` (a check that the script works, not a speed).
+
+    python benchmarks/triton_tbe.py [--tables 26] [--rows-per-table 1000000] [--dim 128] [--batch-size 8192] [--calls 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from report import write_report
+
+from lightning_hotcache.kernels import triton_tbe
+from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig, step_rows
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pytorch_step(weight, momentum, indices, offsets, grad, config) -> None:
+    """The PyTorch path's backward: each value's gradient row summed at its distinct row, then the rule."""
+    lengths = offsets.diff()
+    bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel(), device=weight.device), lengths, output_size=indices.numel())
+    rows, inverse = torch.unique(indices, return_inverse=True)
+    summed = torch.zeros(rows.numel(), weight.shape[1], device=weight.device).index_add_(0, inverse, grad.index_select(0, bag_of_value))
+    step_rows(config, weight, {"momentum": momentum}, rows, summed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tables", type=int, default=26)
+    parser.add_argument("--rows-per-table", type=int, default=1_000_000)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8192)
+    parser.add_argument("--calls", type=int, default=50, help="timed calls per path")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=RESULTS / "triton_tbe.json")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    why = triton_tbe.why_unavailable(device)
+    if why is not None:
+        raise SystemExit(f"triton_tbe.py: {why}.")
+    config = RowWiseOptimizerConfig(name="rowwise_adagrad", lr=0.01)
+    rows = args.tables * args.rows_per_table
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights = {path: torch.randn(rows, args.dim, device=device, generator=gen) * 0.01 for path in ("triton", "pytorch")}
+    momenta = {path: torch.zeros(rows, 1, device=device) for path in ("triton", "pytorch")}
+    firsts = torch.arange(args.tables, device=device).repeat_interleave(args.batch_size) * args.rows_per_table
+    offsets = torch.arange(args.tables * args.batch_size + 1, device=device)
+    times: dict[str, list[float]] = {f"{path} {part}": [] for path in ("triton", "pytorch") for part in ("forward", "backward")}
+    for call in range(args.calls + 3):  # the first calls compile
+        # Zipf-like ids: a few hot rows read by many samples, as in CTR data.
+        ids = (torch.rand(args.tables * args.batch_size, device=device, generator=gen) ** 3 * args.rows_per_table).long()
+        indices = ids + firsts
+        grad = torch.randn(args.tables * args.batch_size, args.dim, device=device, generator=gen)
+        for path in ("triton", "pytorch"):
+            _sync(device)
+            started = time.perf_counter()
+            if path == "triton":
+                triton_tbe.pooled(weights[path], indices, offsets)
+            else:
+                torch.nn.functional.embedding_bag(indices, weights[path], offsets, mode="sum", include_last_offset=True)
+            _sync(device)
+            forward = time.perf_counter()
+            if path == "triton":
+                triton_tbe.backward_step(weights[path], grad, indices, offsets, "rowwise_adagrad", config.lr, config.eps, momenta[path])
+            else:
+                pytorch_step(weights[path], momenta[path], indices, offsets, grad, config)
+            _sync(device)
+            if call >= 3:
+                times[f"{path} forward"].append(forward - started)
+                times[f"{path} backward"].append(time.perf_counter() - forward)
+    # Both stepped the same rows alike (the sums' order differs: float rounding apart).
+    difference = float((weights["triton"] - weights["pytorch"]).abs().max())
+    median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    results = {
+        part: {"triton_ms": median[f"triton {part}"], "pytorch_ms": median[f"pytorch {part}"], "pytorch_over_triton": median[f"pytorch {part}"] / median[f"triton {part}"]}
+        for part in ("forward", "backward")
+    }
+    both = {path: median[f"{path} forward"] + median[f"{path} backward"] for path in ("triton", "pytorch")}
+    results["forward+backward"] = {"triton_ms": both["triton"], "pytorch_ms": both["pytorch"], "pytorch_over_triton": both["pytorch"] / both["triton"]}
+    print(f"{'part':<18} {'triton ms':>10} {'pytorch ms':>11} {'pytorch/triton':>15}   ({args.tables} tables x {args.rows_per_table:,} rows, dim {args.dim}, batch {args.batch_size}, {device})")
+    for part, r in results.items():
+        print(f"{part:<18} {r['triton_ms']:10.3f} {r['pytorch_ms']:11.3f} {r['pytorch_over_triton']:15.2f}")
+    print(f"largest difference of a row value between the paths after {args.calls + 3} steps: {difference:.2e}")
+    write_report("triton_tbe", args, results, interpreted=triton_tbe.interpreted(), max_abs_difference=difference)
+
+
+if __name__ == "__main__":
+    main()
