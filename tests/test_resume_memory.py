@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # appended: shadows nothing
+import pytest  # noqa: E402
 import resume_memory  # noqa: E402
 
 
