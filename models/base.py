@@ -41,6 +41,7 @@ from lightning_hotcache.embedding.torchrec_lookup import GradientRowsSink, poole
 from lightning_hotcache.distributed.global_batch import real_samples, share_mean
 from lightning_hotcache._ops.guards import (
     NonFiniteLossAction,
+    check_batch_dtypes,
     check_non_finite_loss_action,
     check_not_empty,
     finite_loss_or_skip,
@@ -301,6 +302,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         strategy. For a single-id feature it is the row's squared norm; for a multi-id one
         (SUM pooling) that of the bag the model reads, the sum of its rows.
         """
+        check_batch_dtypes(dense_features, sparse_features, self._dense_dtype)
         if self.uses_embeddings:
             pooled = self.embed(sparse_features)
             logits = self.over_arch(self.inter_arch(self.dense_arch(dense_features), pooled)).squeeze(-1)
@@ -314,6 +316,13 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             return first_order, first_order_norms
         return logits + first_order, squared_norms + first_order_norms
 
+    @property
+    def _dense_dtype(self) -> torch.dtype:
+        """The float type the dense features meet: the dense layers' (the first-order term's
+        dense weight where the model has no embedding tower)."""
+        layer = self.dense_arch if self.uses_embeddings else self.first_order_arch.dense
+        return next(layer.parameters()).dtype
+
     @override
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Self:
         # Moves and casts take each collection's stack of tables whole: `nn.Module._apply` would
@@ -325,6 +334,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     # ----------------------------------------------------------------- training
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor | None:
+        check_batch_dtypes(batch.dense_features, batch.sparse_features, self._dense_dtype, batch.labels)
         logits, squared_norms = self.logits_and_squared_norms(batch.dense_features, batch.sparse_features)
         per_sample = self.loss_fn(logits, batch.labels)
         if self.hparams.embedding_l2:
@@ -346,6 +356,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         # Every sample's forward, padding too (it is a collective step under hotcache); the
         # metrics see the data only, so they do not depend on the number of processes.
         real = real_samples(batch)
+        check_batch_dtypes(batch.dense_features, batch.sparse_features, self._dense_dtype, batch.labels)
         logits = self(batch.dense_features, batch.sparse_features)[:real]
         labels = batch.labels[:real]
         per_sample = self.loss_fn(logits, labels)

@@ -57,6 +57,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--resume-ckpt", type=Path, help="resume from this checkpoint (of a run with any number of processes)")
     parser.add_argument("--nan-at-step", type=int, help="poison one dense value of the last rank's batch at this step")
+    parser.add_argument("--link-last-ranks-storage", action="store_true", help="hotcache: the last rank's host_storage folder a symlink")
     parser.add_argument("--manual-optimization", action="store_true", help="the model steps its optimizers itself")
     parser.add_argument("--predict-batches", type=int, help="predict this many batches of a plain DataLoader instead of fitting")
     parser.add_argument("--predict-to", type=Path, help="after the fit, predict the test split into this file (PredictionWriter)")
@@ -117,8 +118,25 @@ def check_non_finite_loss(args: argparse.Namespace) -> None:
     Path(f"{args.out}.rank{rank}").write_text(error)
 
 
+def check_one_rank_refuses(args: argparse.Namespace) -> None:
+    """Memory-mapped host storage whose last rank's folder is a symlink, which that rank
+    refuses: every rank stops with that rank's message (none waits in a collective the refusing
+    rank left), each writing the error it raised."""
+    rows = Path("rows").resolve()
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    if rank == args.devices - 1:
+        (rows / "elsewhere").mkdir(parents=True, exist_ok=True)
+        (rows / f"rank{rank}").symlink_to(rows / "elsewhere")
+    try:
+        fit(args, host_storage=str(rows))
+        error = "no error"
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
+    Path(f"{args.out}.rank{rank}").write_text(error)
+
+
 def fit(
-    args: argparse.Namespace, ckpt_path: Path | None = None, callbacks: Sequence[pl.Callback] = ()
+    args: argparse.Namespace, ckpt_path: Path | None = None, callbacks: Sequence[pl.Callback] = (), host_storage: str = "memory"
 ) -> tuple[pl.Trainer, CTRModel]:
     pl.seed_everything(int(os.environ.get("LOCAL_RANK", 0)) if args.seed_per_rank else 0)
     tables = {"scale": 0.01, "num_embeddings_cap": None} if args.big_tables else {}
@@ -139,7 +157,7 @@ def fit(
         strategy = HotCacheStrategy(
             device_budget=args.device_budget, profile_batches=2, checkpoint_shards=args.sharded_checkpoint is not None,
             prefetch_thread=args.prefetch_thread, kernel=args.kernel, cache_policy=args.cache_policy,
-            staging_threads=args.staging_threads,
+            staging_threads=args.staging_threads, host_storage=host_storage,
         )
     trainer = cpu_trainer(
         strategy=strategy,
@@ -214,6 +232,9 @@ def run(args: argparse.Namespace) -> None:
         return
     if args.nan_at_step is not None:
         check_non_finite_loss(args)
+        return
+    if args.link_last_ranks_storage:
+        check_one_rank_refuses(args)
         return
     if args.resume_from:
         check_resume(args)

@@ -95,6 +95,9 @@ def test_strategy_by_class_path_with_init_args(tmp_path: Path, monkeypatch: pyte
         ("profile_batches=0", "profile_batches must be >= 1"),
         ("stats_path=missing.npz", "stats_path missing.npz does not exist"),
         ("plan_path=missing.json", "plan_path missing.json does not exist"),
+        # Issue 69 item 8: these two ended in jsonargparse's union error after a usage dump.
+        ("kernel=fbgem", r"kernel must be one of \('auto', 'fbgemm', 'triton', 'pytorch'\), got 'fbgem'"),
+        ("prefetch_thread=maybe", r"prefetch_thread must be true, false or null .*got 'maybe'"),
     ],
 )
 def test_bad_strategy_settings_on_the_command_line_name_what_is_wrong(

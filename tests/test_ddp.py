@@ -159,6 +159,23 @@ def test_nan_loss_on_one_rank_stops_every_rank(trained, strategy: str) -> None:
         assert "not finite on rank 1 (nan) at global step 2 " in wrote
 
 
+ONE_RANK_REFUSES = planned(
+    "test_a_refusal_on_one_rank_stops_every_rank_with_its_message", 2, 128, "rowwise_adagrad", "hotcache", "--big-tables",
+    "--device-budget=0.05", "--link-last-ranks-storage", ends_in_an_error=True,
+)  # fmt: skip
+
+
+def test_a_refusal_on_one_rank_stops_every_rank_with_its_message(trained) -> None:
+    # Issue 69 item 7: rank 1 refused its host_storage folder (a symlink) and rank 0 ended in
+    # gloo's "Connection closed by peer".
+    run = trained(ONE_RANK_REFUSES)
+    assert not run["raised"], run["raised"][0]  # each rank's error is what it writes
+    assert len(run["wrote"]) == 2
+    for wrote in run["wrote"]:
+        assert "rank1 is a symlink" in wrote, wrote
+    assert "Rank 1 could not plan its tables, so no rank goes on" in run["wrote"][0], run["wrote"][0]
+
+
 UNEVEN_PREDICT = {
     # No stats needed for hotcache: nothing to profile in predict.
     strategy: planned("test_predict_with_uneven_user_batches_fails_on_every_rank_at_once", 2, 64, "rowwise_adagrad", strategy,

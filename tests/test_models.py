@@ -630,3 +630,39 @@ def test_deferred_first_order_tables_are_declared_then_start_at_zero() -> None:
     assert materialize_tables(model, seed=model.table_init_seed)
     assert all(torch.count_nonzero(p) == 0 for p in model.first_order_arch.embedding_bag_collection.parameters())
     assert all(torch.count_nonzero(p) > 0 for p in model.sparse_arch.parameters())
+
+
+@pytest.mark.parametrize("strategy", ["auto", "hotcache"])
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [
+        ("dense", r"dense_features are torch.float64, the model's dense layers torch.float32: give torch.float32"),
+        ("labels", r"labels are torch.int64: give float labels"),
+        ("ids", r"sparse_features ids are torch.float32: give integer ids"),
+    ],
+)
+def test_a_batch_field_of_the_wrong_type_is_named_with_the_type_to_give(strategy, field, message) -> None:
+    # Issue 69 item 9: float64 dense features or int64 labels failed inside torch; float ids
+    # trained in silence under auto (cast by the lookup).
+    from torch.utils.data import DataLoader
+    from torchrec import KeyedJaggedTensor
+    from torchrec.datasets.utils import Batch
+
+    from lightning_hotcache import HotCacheStrategy
+
+    dm = tiny_synthetic(batch_size=64, num_train_samples=256)
+    dm.setup("fit")
+
+    def broken(batch: Batch) -> Batch:
+        kjt = batch.sparse_features
+        if field == "ids":
+            kjt = KeyedJaggedTensor(kjt.keys(), kjt.values().float(), lengths=kjt.lengths())
+        dense = batch.dense_features.double() if field == "dense" else batch.dense_features
+        labels = batch.labels.long() if field == "labels" else batch.labels
+        return Batch(dense, kjt, labels)
+
+    batches = [broken(b) for b in dm.train_dataloader()]
+    model = create_model("dlrm", dm.tables, dm.num_dense_features)
+    chosen = HotCacheStrategy(device_budget=1.0) if strategy == "hotcache" else "auto"
+    with pytest.raises((TypeError, ValueError), match=message if strategy == "auto" or field != "ids" else r"ids|integer"):
+        cpu_trainer(strategy=chosen, max_steps=1).fit(model, train_dataloaders=DataLoader(batches, batch_size=None))

@@ -169,7 +169,9 @@ def test_the_loader_announces_each_batch_ahead_of_staging(policy: str) -> None:
     events: list[tuple[str, int]] = []
 
     class Module:  # records what the loader tells a hot/cold module
-        def reads(self, features: KeyedJaggedTensor) -> bool:
+        input_features = {"f"}
+
+        def reads(self, features: KeyedJaggedTensor, batch_index: int | None = None) -> bool:
             return True
 
         def announce(self, features: KeyedJaggedTensor) -> None:

@@ -83,3 +83,21 @@ def check_not_empty(features: KeyedJaggedTensor) -> None:
             f"Got an empty batch (0 samples; features {features.keys()}). Drop empty batches in the data loader "
             "(e.g. filter them out, or DataLoader(drop_last=True) when the last batch can be empty)."
         )
+
+
+def check_batch_dtypes(dense: Tensor, sparse: KeyedJaggedTensor, dense_dtype: torch.dtype, labels: Tensor | None = None) -> None:
+    """Refuse a batch whose fields have types the model cannot train on, naming the field and
+    the type to give, before torch fails deep in a layer (or, for float ids, casts them
+    silently): dense features of the dense layers' float type, integer ids, float labels."""
+    if dense.dtype != dense_dtype:
+        raise TypeError(
+            f"The batch's dense_features are {dense.dtype}, the model's dense layers {dense_dtype}: give "
+            f"{dense_dtype} dense features (e.g. `.to({dense_dtype})` in the dataset)."
+        )
+    if sparse.values().is_floating_point():
+        raise TypeError(
+            f"The batch's sparse_features ids are {sparse.values().dtype}: give integer ids (int64 or int32); "
+            "a float id would be rounded to a row in silence."
+        )
+    if labels is not None and not labels.is_floating_point():
+        raise TypeError(f"The batch's labels are {labels.dtype}: give float labels in {{0, 1}} (e.g. `.float()`), as the loss takes.")

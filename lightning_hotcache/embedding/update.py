@@ -21,6 +21,7 @@ holder; a row unlocked after its step was queued is copied off or overwritten on
 
 from __future__ import annotations
 
+import abc
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -88,13 +89,10 @@ class FusedUpdate:
         self.staging.finish(staged, changed=False)  # marked at attach
 
 
-class SummingUpdate:
-    """PyTorch, one process: the lookup's backward hands over the output's gradient, and each
-    device table's rows (a width: its stack and its whole tables) get the rule from their
-    summed gradient. Staging found the batch's distinct rows and each value's place among them
-    on the host (`TableReads`), so a width's step is a fixed number of ops (its values' gradient
-    rows summed at their distinct rows, `sum_bag_rows`; gather-step-scatter) with no sort, no sparse tensor and nothing
-    for the host to wait on."""
+class _UpdateInBackward(abc.ABC):
+    """One process, an update applied in the lookup's backward, which hands over the output's
+    gradient (`on_output_gradient`): each device table's rows (a width: its stack and its whole
+    tables) stepped from it, then the batch's rows marked changed and unlocked."""
 
     def __init__(
         self,
@@ -109,68 +107,69 @@ class SummingUpdate:
         self.optimizer = optimizer
         self.is_weighted = is_weighted
         self._features = [_TableFeatures.of(layout, k, table["weight"].device) for k, table in enumerate(tables)]
+
+    def before_lookup(self, staged: StagedBatch) -> None:
+        pass
+
+    def attach(self, staged: StagedBatch, output: Tensor) -> None:
+        self.staging.keep(staged, output)
+
+    def settle(self) -> None:
+        """Every update is applied in backward: nothing waits."""
+
+    def on_output_gradient(self, staged: StagedBatch, grad: Tensor) -> None:
+        for k, table in enumerate(self.tables):
+            self._step(k, table, staged, grad)
+        self.staging.finish(staged)  # changed: written back on eviction
+
+    @abc.abstractmethod
+    def _step(self, k: int, table: dict[str, Tensor], staged: StagedBatch, grad: Tensor) -> None:
+        """Step device table ``k``'s rows that ``staged`` read, from the output's gradient ``grad``."""
+
+
+class SummingUpdate(_UpdateInBackward):
+    """PyTorch: each device table's rows get the rule from their summed gradient. Staging found
+    the batch's distinct rows and each value's place among them on the host (`TableReads`), so
+    a width's step is a fixed number of ops (its values' gradient rows summed at their distinct
+    rows, `sum_bag_rows`; gather-step-scatter) with no sort, no sparse tensor and nothing for
+    the host to wait on."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        tables: list[dict[str, Tensor]],
+        staging: Staging,
+        optimizer: RowWiseOptimizerConfig,
+        is_weighted: bool,
+    ) -> None:
+        super().__init__(layout, tables, staging, optimizer, is_weighted)
         self._states = [{key: array for key, array in table.items() if key != "weight"} for table in tables]
         staging.sums_gradients = True
         # On CUDA the distinct rows are found on the device, off the host's critical path: sorted
         # with repeats kept, as the zoo's row step sorts there (one list of such devices).
         staging.sorts_reads_on_device = tables[0]["weight"].device.type in SORTS_WITH_REPEATS_ON
 
-    def before_lookup(self, staged: StagedBatch) -> None:
-        pass
-
-    def attach(self, staged: StagedBatch, output: Tensor) -> None:
-        self.staging.keep(staged, output)
-
-    def settle(self) -> None:
-        """Every update is applied in backward: nothing waits."""
-
-    def on_output_gradient(self, staged: StagedBatch, grad: Tensor) -> None:
-        for table, state, features, reads in zip(self.tables, self._states, self._features, staged.reads):
-            summed = features.summed_gradients(staged.ours, grad, self.is_weighted, reads.inverse, len(reads.rows))
-            step_read_rows(self.optimizer, table["weight"], state, reads.rows, summed, reads.segment)
-        self.staging.finish(staged)  # changed: written back on eviction
+    def _step(self, k: int, table: dict[str, Tensor], staged: StagedBatch, grad: Tensor) -> None:
+        reads = staged.reads[k]
+        summed = self._features[k].summed_gradients(staged.ours, grad, self.is_weighted, reads.inverse, len(reads.rows))
+        step_read_rows(self.optimizer, table["weight"], self._states[k], reads.rows, summed, reads.segment)
 
 
-class TritonUpdate:
-    """Triton, one process: the lookup's backward hands over the output's gradient, and each
-    device table's rows (a width) are stepped by the Triton TBE's backward (`triton_tbe.backward_step`):
-    the width's values sorted once on the device and each distinct row stepped in the kernel
-    from its summed gradient. Staging finds no distinct rows for it."""
+class TritonUpdate(_UpdateInBackward):
+    """Triton: each device table's rows are stepped by the Triton TBE's backward
+    (`triton_tbe.backward_step`): the width's values sorted once on the device and each
+    distinct row stepped in the kernel from its summed gradient. Staging finds no distinct rows
+    for it."""
 
-    def __init__(
-        self,
-        layout: Layout,
-        tables: list[dict[str, Tensor]],
-        staging: Staging,
-        optimizer: RowWiseOptimizerConfig,
-        is_weighted: bool,
-    ) -> None:
-        self.tables = tables
-        self.staging = staging
-        self.optimizer = optimizer
-        self.is_weighted = is_weighted
-        self._features = [_TableFeatures.of(layout, k, table["weight"].device) for k, table in enumerate(tables)]
-
-    def before_lookup(self, staged: StagedBatch) -> None:
-        pass
-
-    def attach(self, staged: StagedBatch, output: Tensor) -> None:
-        self.staging.keep(staged, output)
-
-    def settle(self) -> None:
-        """Every update is applied in backward: nothing waits."""
-
-    def on_output_gradient(self, staged: StagedBatch, grad: Tensor) -> None:
-        ours, config = staged.ours, self.optimizer
-        for table, features in zip(self.tables, self._features):
-            per_bag, bag_lengths = features.bag_gradients(ours, grad)
-            spans = features.value_spans(ours)
-            weights = concat_spans(ours.weights(), spans).to(grad.device, torch.float32) if self.is_weighted else None
-            triton_tbe.backward_step(
-                table["weight"], per_bag, concat_spans(staged.indices, spans), torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)]),
-                config.name, config.lr, config.eps, table.get("momentum"), features.bag_mean(ours.stride()), weights,
-            )  # fmt: skip
-        self.staging.finish(staged)  # changed: written back on eviction
+    def _step(self, k: int, table: dict[str, Tensor], staged: StagedBatch, grad: Tensor) -> None:
+        ours, config, features = staged.ours, self.optimizer, self._features[k]
+        per_bag, bag_lengths = features.bag_gradients(ours, grad)
+        spans = features.value_spans(ours)
+        weights = concat_spans(ours.weights(), spans).to(grad.device, torch.float32) if self.is_weighted else None
+        triton_tbe.backward_step(
+            table["weight"], per_bag, concat_spans(staged.indices, spans), torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)]),
+            config.name, config.lr, config.eps, table.get("momentum"), features.bag_mean(ours.stride()), weights,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

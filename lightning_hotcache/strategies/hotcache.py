@@ -54,7 +54,7 @@ from lightning_hotcache.strategies.accumulation import refuse_gradient_accumulat
 from lightning_hotcache._ops.background import background_priority_supported, run_at_background_priority
 from lightning_hotcache.cache import check_cache_policy
 from lightning_hotcache.cache.lookahead import default_lookahead_batches
-from lightning_hotcache.cache.fused import KernelChoice, check_kernel_choice
+from lightning_hotcache.cache.fused import check_kernel_choice
 from lightning_hotcache.cache.side_by_side import check_staging_threads
 from lightning_hotcache.cache.upload import batch_to_device
 from lightning_hotcache.checkpoint.files import (
@@ -446,11 +446,11 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         host_storage: str = "memory",
         prefetch_depth: int | None = None,
         lookahead_batches: int | None = None,
-        prefetch_thread: bool | None = None,
+        prefetch_thread: bool | str | None = None,
         staging_threads: int = 1,
         cache_metrics: bool = True,
         checkpoint_shards: bool = False,
-        kernel: KernelChoice = "auto",
+        kernel: str = "auto",
         grow_budget_to_minimum: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -466,6 +466,10 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         if profile_batches < 1:
             raise ValueError(f"profile_batches must be >= 1, got {profile_batches}.")
         check_staging_threads(staging_threads)
+        if prefetch_thread is not None and not isinstance(prefetch_thread, bool):  # str: to name it, not jsonargparse's union
+            raise ValueError(
+                f"prefetch_thread must be true, false or null (null: chosen by the device and the tables' size), got {prefetch_thread!r}."
+            )
         if host_storage != "memory" and Path(host_storage).exists() and not Path(host_storage).is_dir():
             raise NotADirectoryError(
                 f"host_storage {host_storage} is a file; give a directory (created if missing) or 'memory'."
