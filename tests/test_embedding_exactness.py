@@ -449,3 +449,58 @@ def test_row_gradients_formed_from_the_output_gradient_are_the_kernels(weighted,
     for k, (o, table_sums, reads) in enumerate(zip(owned, summed, staged.reads)):
         expected = torch.zeros_like(before[k]).index_add_(0, reads.rows, table_sums)
         torch.testing.assert_close(before[k] - o.storage["weight"], expected, msg=f"device table {k}")
+
+
+def test_a_triton_step_keeps_its_tensor_shapes_over_batches_of_other_ids(monkeypatch) -> None:
+    # What a CUDA graph's capture needs: with one-hot features and a fixed batch size, every
+    # tensor the step's device work (the lookup, and the update in its backward) makes has the
+    # same shape from one batch to the next, whatever ids the batch reads (uniform ids against
+    # Zipf ones, a cache at 10%). The directory's bookkeeping around it is host work.
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_hotcache.embedding.lookup import EmbeddingBagLookup
+    from lightning_hotcache.embedding.update import TritonUpdate
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, tuple]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen.append((str(func), tuple(tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))))
+            return out
+
+    tables = [EmbeddingBagConfig(name=f"t_{f}", num_embeddings=n, embedding_dim=8, feature_names=[f]) for f, n in (("a", 900), ("b", 300))]
+    rng = np.random.default_rng(0)
+
+    def one_hot(ids_a, ids_b) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.from_numpy(np.concatenate([ids_a, ids_b])), torch.ones(2 * BATCH, dtype=torch.int32))
+
+    zipf = [one_hot(np.minimum(rng.zipf(1.2, BATCH) - 1, 899), np.minimum(rng.zipf(1.2, BATCH) - 1, 299)) for _ in range(3)]
+    uniform = [one_hot(rng.integers(0, 900, BATCH), rng.integers(0, 300, BATCH)) for _ in range(3)]
+    plan = make_plan(zipf, 0.1, 1, "lfu", tables)
+    module = HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(tables=tables), plan, RowWiseOptimizerConfig("rowwise_adagrad", lr=0.05), kernel="triton")
+    assert module.kernel_note.startswith("triton")
+    shapes = Shapes()
+
+    def recorded(method):
+        def run(*args, **kwargs):
+            with shapes:
+                return method(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(EmbeddingBagLookup, "pooled", recorded(EmbeddingBagLookup.pooled))
+    monkeypatch.setattr(TritonUpdate, "_step", recorded(TritonUpdate._step))
+    steps = []
+    for batch in [*zipf, *uniform]:
+        module.prefetch(batch)
+        shapes.seen = []
+        module(batch).values().backward(torch.ones(BATCH, 16))
+        steps.append(shapes.seen)
+    assert steps[0] and any("sort" in op for op, _ in steps[0])  # the update's own ops were seen
+    assert sum(c.counters.evicted_rows for c in module.caches.values()) > 0  # the cache turned over
+    for k, step in enumerate(steps[1:], 1):
+        assert step == steps[0], f"step {k} made tensors of other shapes than step 0"
