@@ -501,3 +501,27 @@ def test_consolidate_into_a_missing_folder_says_so(run, tmp_path) -> None:
     out = tmp_path / "missing" / "plain.ckpt"
     with pytest.raises(FileNotFoundError, match=f"cannot save {out}: the output folder {out.parent} does not exist"):
         main(["consolidate", str(saved / "a.ckpt"), "--out", str(out)])
+
+
+def test_a_disk_that_fills_up_mid_save_is_said_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -> None:
+    # Issue 69 item 6: torch's "[enforce fail at inline_container.cc:672] unexpected pos ..." on a full disk.
+    import shutil
+    from collections import namedtuple
+
+    import lightning_hotcache.checkpoint.files as files
+
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"w": torch.ones(10)}, path)
+    before = path.read_bytes()
+
+    def disk_full(obj, f) -> None:
+        f.write(b"PK partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 12")
+
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(files.torch, "save", disk_full)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(10**9, 10**9 - 100, 100))
+    with pytest.raises(OSError, match=rf"no space left on {tmp_path} to save last.ckpt: it needs about 3.9 KiB and 100 B are free"):
+        AtomicCheckpointIO().save_checkpoint({"w": torch.zeros(1000)}, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left

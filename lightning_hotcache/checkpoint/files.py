@@ -17,10 +17,12 @@ flipped bit would otherwise be trained on or consolidated without a word.
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
 import secrets
+import shutil
 import zlib
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Mapping
@@ -36,6 +38,7 @@ from lightning_hotcache.cache.exchange import RoundRobinRows
 from lightning_hotcache.cache.host import CHUNK_BYTES
 from lightning_hotcache._ops.progress import Progress, byte_bar
 from lightning_hotcache.optim.rowwise import ROW_STATE_KEY
+from lightning_hotcache.planner.plan import format_bytes
 
 SHARDS_KEY = "hotcache_shards"
 # What `new_save_id` makes. A main file's id becomes part of its shards' file names, so one
@@ -107,8 +110,26 @@ def shard_path(checkpoint_path: _PATH, save_id: str, rank: int, world: int) -> P
 
 def write_atomically(obj: Any, path: _PATH) -> None:
     """``torch.save(obj, path)`` such that ``path`` holds the previous file or the whole new one,
-    also after a kill or a power loss."""
-    write_file_atomically(path, lambda f: torch.save(obj, f))
+    also after a kill or a power loss. A disk that fills up mid-write is said as such (torch
+    reports it as its zip writer's "unexpected pos"), with the bytes needed and free."""
+    path = Path(path)
+    try:
+        write_file_atomically(path, lambda f: torch.save(obj, f))
+    except (OSError, RuntimeError) as err:
+        needs, free = tensor_bytes(obj), shutil.disk_usage(path.parent).free
+        if not _out_of_space(err) or free >= needs:
+            raise
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on {path.parent} to save {path.name}: it needs about {format_bytes(needs)} and "
+            f"{format_bytes(free)} are free. Free space there or save elsewhere; the previous file at {path} is kept.",
+        ) from err
+
+
+def _out_of_space(err: BaseException) -> bool:
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return any(sign in str(err) for sign in ("unexpected pos", "No space left", "failed writing"))
 
 
 def write_file_atomically(path: _PATH, write: Callable[[BinaryIO], None]) -> None:
