@@ -94,6 +94,8 @@ class _UpdateInBackward(abc.ABC):
     gradient (`on_output_gradient`): each device table's rows (a width: its stack and its whole
     tables) stepped from it, then the batch's rows marked changed and unlocked."""
 
+    sums_gradients = False  # whether staging finds the batch's distinct rows for `_step`
+
     def __init__(
         self,
         layout: Layout,
@@ -107,6 +109,12 @@ class _UpdateInBackward(abc.ABC):
         self.optimizer = optimizer
         self.is_weighted = is_weighted
         self._features = [_TableFeatures.of(layout, k, table["weight"].device) for k, table in enumerate(tables)]
+        self._states = [{key: array for key, array in table.items() if key != "weight"} for table in tables]
+        if self.sums_gradients:  # staging finds the batch's distinct rows for the update
+            staging.sums_gradients = True
+            # On CUDA the distinct rows are found on the device, off the host's critical path:
+            # sorted with repeats kept, as the zoo's row step sorts there (one list of such devices).
+            staging.sorts_reads_on_device = tables[0]["weight"].device.type in SORTS_WITH_REPEATS_ON
 
     def before_lookup(self, staged: StagedBatch) -> None:
         pass
@@ -134,20 +142,7 @@ class SummingUpdate(_UpdateInBackward):
     rows, `sum_bag_rows`; gather-step-scatter) with no sort, no sparse tensor and nothing for
     the host to wait on."""
 
-    def __init__(
-        self,
-        layout: Layout,
-        tables: list[dict[str, Tensor]],
-        staging: Staging,
-        optimizer: RowWiseOptimizerConfig,
-        is_weighted: bool,
-    ) -> None:
-        super().__init__(layout, tables, staging, optimizer, is_weighted)
-        self._states = [{key: array for key, array in table.items() if key != "weight"} for table in tables]
-        staging.sums_gradients = True
-        # On CUDA the distinct rows are found on the device, off the host's critical path: sorted
-        # with repeats kept, as the zoo's row step sorts there (one list of such devices).
-        staging.sorts_reads_on_device = tables[0]["weight"].device.type in SORTS_WITH_REPEATS_ON
+    sums_gradients = True
 
     def _step(self, k: int, table: dict[str, Tensor], staged: StagedBatch, grad: Tensor) -> None:
         reads = staged.reads[k]
