@@ -318,10 +318,14 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
 
     @property
     def _dense_dtype(self) -> torch.dtype:
-        """The float type the dense features meet: the dense layers' (the first-order term's
-        dense weight where the model has no embedding tower)."""
-        layer = self.dense_arch if self.uses_embeddings else self.first_order_arch.dense
-        return next(layer.parameters()).dtype
+        """The float type the dense features meet: the first dense layer's with weights (the
+        dense arch's, or the over arch's where the dense arch is an identity, or the first-order
+        term's dense weight where the model has no embedding tower)."""
+        layers = [self.dense_arch, self.over_arch] if self.uses_embeddings else [self.first_order_arch.dense]
+        for layer in layers:
+            for parameter in layer.parameters():
+                return parameter.dtype
+        return torch.get_default_dtype()
 
     @override
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Self:
