@@ -71,10 +71,10 @@ def rss_bytes() -> int:
         return 0
 
 
-def timed_trainer(strategy: Any, max_steps: int, clock: StepClock, accelerator: str = "cpu") -> pl.Trainer:
+def timed_trainer(strategy: Any, max_steps: int, clock: StepClock, accelerator: str = "cpu", precision: str = "32-true") -> pl.Trainer:
     """A Trainer that only trains on one device: no validation, logger, checkpoints, progress bar or summary."""
     return pl.Trainer(
-        accelerator=accelerator, devices=1, strategy=strategy, max_steps=max_steps, limit_val_batches=0,
+        accelerator=accelerator, devices=1, strategy=strategy, max_steps=max_steps, limit_val_batches=0, precision=precision,
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[clock],
     )  # fmt: skip

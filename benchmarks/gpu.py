@@ -71,6 +71,7 @@ Prints a table and writes benchmarks/results/gpu.json.
     python benchmarks/gpu.py --strategies auto hotcache@0.01+lookahead hotcache@0.01+lookahead+2threads   # staging on 2 threads against 1
     python benchmarks/gpu.py --device cpu --scale 0.001 --steps 5 --rounds 1   # smoke mode, seconds on a CPU
     python benchmarks/gpu.py --device cpu --scale 0.001 --batch-size 64 --dim 16 --kernel pytorch   # host time a step, on a CPU
+    python benchmarks/gpu.py --precision fp32 --strategies auto hotcache@0.1   # without TF32 matmuls (default: tf32, as users run)
 
 ``--kernel`` picks hotcache's device-tier kernel (``auto``: FBGEMM's fused one where it trains
 exactly, else Triton's on CUDA; ``triton``: the Triton TBE against FBGEMM's in another run; each
@@ -257,6 +258,10 @@ def _does_not_fit(error: BaseException, cap: int | None) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# --precision -> (torch's float32 matmul precision, Lightning's precision)
+PRECISIONS = {"tf32": ("high", "32-true"), "fp32": ("highest", "32-true"), "bf16-mixed": ("high", "bf16-mixed")}
+
+
 def train(strategy: Any, args: argparse.Namespace, host_lookup: bool = False) -> dict[str, Any]:
     cap = _cap_device_memory(args)
     try:
@@ -268,6 +273,8 @@ def train(strategy: Any, args: argparse.Namespace, host_lookup: bool = False) ->
 def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[str, Any]:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
+    matmuls, precision = PRECISIONS[args.precision]
+    torch.set_float32_matmul_precision(matmuls)
     began = time.perf_counter()
     pl.seed_everything(0)
     # Under the lookahead policy the loader reads the window's batches ahead of the step: with
@@ -285,7 +292,7 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
     model = model_class(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
     pieces = PieceClock() if args.pieces else None
     clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer) | (pieces.probe() if pieces else {}))
-    trainer = timed_trainer(strategy, args.steps, clock, accelerator=args.device)
+    trainer = timed_trainer(strategy, args.steps, clock, accelerator=args.device, precision=precision)
     if args.profile_steps:
         trainer.callbacks.append(ProfileSteps(args.warmup, args.profile_steps, args.device))
     with pieces or contextlib.nullcontext():
@@ -375,6 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-batches", type=int, default=20, help="batches hotcache profiles to plan")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every strategy; the median is reported")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="tf32",
+                        help="tf32: float32 with TF32 matmuls, as users run (torch.set_float32_matmul_precision('high')); fp32: without; bf16-mixed: Lightning's")
     parser.add_argument("--kernel", choices=("auto", "fbgemm", "triton", "pytorch"), default="auto",
                         help="hotcache's device-tier kernel (each run records which ran); pytorch on a CPU: the path of a GPU without FBGEMM's CUDA build")
     parser.add_argument("--strategies", nargs="+", help="a subset to run, in this order (default: all but the +lookahead ones; auto is the baseline)")
@@ -426,7 +435,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = [
         "--scale", str(args.scale), "--dim", str(args.dim), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--profile-batches", str(args.profile_batches), "--device", args.device,
-        "--num-workers", str(args.num_workers), "--data", args.data, "--kernel", args.kernel, *(["--pieces"] if args.pieces else []),
+        "--num-workers", str(args.num_workers), "--data", args.data, "--kernel", args.kernel, "--precision", args.precision,
+        *(["--pieces"] if args.pieces else []),
         *(["--device-memory", str(args.device_memory)] if args.device_memory is not None else []),
         *(["--switch-interval", str(args.switch_interval)] if args.switch_interval is not None else []),
     ]  # fmt: skip
