@@ -249,13 +249,26 @@ def _cap_device_memory(args: argparse.Namespace) -> int | None:
 
 
 def _does_not_fit(error: BaseException, cap: int | None) -> dict[str, Any]:
-    keys = ("hit_rate", "fetched_rows_per_step", "evicted_rows_per_step", "caches_filling", "h2d_bytes_per_step", "d2h_bytes_per_step", "staging_waits_per_step",
+    keys = ("hit_rate", "fetched_rows_per_step", "evicted_rows_per_step", "caches_filling", "eviction_began_at_step", "h2d_bytes_per_step", "d2h_bytes_per_step", "staging_waits_per_step",
             "staging_wait_ms_per_step", "reading_ms_per_batch", "staging_ms_per_batch", "staging_cpu_ms_per_batch", "announcing_ms_per_batch",
             "device_peak_bytes", "peak_rss_mib")  # fmt: skip
     return {
         "samples_per_s": float("nan"), **dict.fromkeys(keys), "device_memory_cap_bytes": cap,
         "does_not_fit": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}",
     }  # fmt: skip
+
+
+class EvictionStart(pl.Callback):
+    """The first training step after which a cache had evicted a row (None: none did), read
+    from the host directory's counters (no wait for the device): steps timed from there on are
+    the steady state, where every fetched row evicts one."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.step is None and cache_counters(pl_module)["evicted_rows"] > 0:
+            self.step = trainer.global_step
 
 
 # --precision -> (torch's float32 matmul precision, Lightning's precision)
@@ -293,6 +306,8 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
     pieces = PieceClock() if args.pieces else None
     clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer) | (pieces.probe() if pieces else {}))
     trainer = timed_trainer(strategy, args.steps, clock, accelerator=args.device, precision=precision)
+    eviction = EvictionStart()
+    trainer.callbacks.append(eviction)
     if args.profile_steps:
         trainer.callbacks.append(ProfileSteps(args.warmup, args.profile_steps, args.device))
     with pieces or contextlib.nullcontext():
@@ -309,6 +324,7 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
         "fetched_rows_per_step": moved["fetched_rows"] / steps,
         "evicted_rows_per_step": moved["evicted_rows"] / steps,
         "caches_filling": still_filling(moved),
+        "eviction_began_at_step": eviction.step,
         "h2d_bytes_per_step": moved["h2d_bytes"] / steps,
         "d2h_bytes_per_step": moved["d2h_bytes"] / steps,
         # Steps whose batch the prefetch thread had not staged in time, and the wait per step.
@@ -367,6 +383,9 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             f"{r['peak_rss_mib']:>14,.0f}  {' '.join(f'{x:,.0f}' for x in r['rounds'])}"
         )
     print_filling_note(results)
+    for name, r in results.items():
+        if r.get("eviction_began_at_step") is not None:
+            print(f"{name}: eviction began at step {r['eviction_began_at_step']}; the timed steps start after the warm-up")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
