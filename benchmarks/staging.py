@@ -15,8 +15,8 @@ thread, the prefetch thread's time bounds a batch.
 
 While it stages, ``--forked-workers`` idle processes forked after the module is built stay
 alive, as a DataLoader's workers do in training: memory they share with the parent is
-copy-on-write, so they are part of what a write-back costs (``LIGHTNING_HOTCACHE_DONTFORK=0``
-gives the host arrays back to them, for an A/B; see `lightning_hotcache.cache.host_arrays`).
+copy-on-write, so they are part of what a write-back costs (the host arrays are kept out of
+them: `lightning_hotcache.cache.host_arrays`).
 
 ``--lookahead K`` stages under the lookahead cache policy, each batch announced K batches
 ahead of its staging, as the strategy's loader does (otherwise just before).

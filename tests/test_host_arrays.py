@@ -66,11 +66,6 @@ def test_fbgemm_tables_and_host_stores_use_huge_pages() -> None:
     assert huge_kib_at(store.weight) >= 2048 and torch.all(store.weight == 1)
 
 
-def test_switched_off_by_the_environment(monkeypatch) -> None:
-    monkeypatch.setenv("LIGHTNING_HOTCACHE_HUGE_PAGES", "0")  # read at each call
-    assert not move_to_huge_pages(torch.randn(ROWS, 16))
-
-
 needs_smaps = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps (not Linux)")
 
 
@@ -130,7 +125,3 @@ def test_new_arrays_hold_their_fill() -> None:
         assert array.shape == shape and array.dtype == dtype and bool((array == fill).all())
 
 
-@needs_smaps
-def test_fork_exclusion_switched_off_by_the_environment(monkeypatch) -> None:
-    monkeypatch.setenv("LIGHTNING_HOTCACHE_DONTFORK", "0")
-    assert "dc" not in mappings_at(new_host_array((ROWS, 16)))[1]

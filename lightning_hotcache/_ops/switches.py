@@ -1,8 +1,8 @@
 """The one registry of the environment switches that turn a host-side mechanism off or size it.
 
 The mechanisms are on by default (each paid where it was measured: benchmarks/README.md); a
-switch exists so that a measurement can pair a run with and without it, or so that an
-unusual host (no huge pages, a sandbox that refuses madvise) can opt out. Read a switch only
+switch exists where a measurement pairs a run with and without it. Mechanisms that always pay
+(host arrays on huge pages, kept out of forked children) have none: they are hard-wired. Read a switch only
 through `enabled` or `setting`, so that every switch the package knows is listed here, as
 FBGEMM lists its feature gates in ``fbgemm_gpu/config/feature_list.py``.
 """
@@ -16,8 +16,6 @@ import os
 class Switch(enum.Enum):
     """A switch: its environment variable and what it controls."""
 
-    HUGE_PAGES = ("LIGHTNING_HOTCACHE_HUGE_PAGES", "host arrays on 2 MiB pages (0: 4 KiB pages)")
-    DONTFORK = ("LIGHTNING_HOTCACHE_DONTFORK", "host arrays left out of forked DataLoader workers (0: inherited)")
     READ_AHEAD = ("LIGHTNING_HOTCACHE_READ_AHEAD", "memory-mapped misses read ahead off the step's path (0: off)")
     COPY_THREADS = ("LIGHTNING_HOTCACHE_COPY_THREADS", "threads a large row copy is split between (unset: by cores)")
 

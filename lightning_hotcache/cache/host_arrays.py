@@ -30,8 +30,8 @@ lookup's forward down). Here only the long-lived arrays are advised:
   again would crash a child that later reads what the parent put there.
 
 All are hints: where the kernel has THP off, is older or has no free huge pages, arrays stay
-on 4 KiB pages, unchanged, and nothing fails. ``LIGHTNING_HOTCACHE_HUGE_PAGES=0`` turns the
-2 MiB pages off and ``LIGHTNING_HOTCACHE_DONTFORK=0`` the fork exclusion (for A/B measurements).
+on 4 KiB pages, unchanged, and nothing fails; they are always on (each paid where measured:
+benchmarks/README.md).
 A forked process that reads one of these arrays gets SIGSEGV: fork before building the module
 (Lightning's ``ddp_fork`` launches its processes before the strategy builds it), or spawn.
 """
@@ -50,7 +50,6 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from lightning_hotcache._ops.switches import Switch, enabled
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # <asm-generic/mman-common.h>
@@ -73,13 +72,9 @@ def libc_madvise() -> Callable[[int, int, int], int] | None:
     return madvise
 
 
-def _madvise() -> Callable[[int, int, int], int] | None:
-    return libc_madvise() if enabled(Switch.HUGE_PAGES) else None
-
-
 def _advise(tensor: Tensor, advice: int) -> bool:
     """``madvise`` the whole 2 MiB pages inside ``tensor``'s memory; whether the kernel took it."""
-    madvise = _madvise()
+    madvise = libc_madvise()
     if madvise is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
         return False
     start = tensor.data_ptr()
@@ -103,9 +98,9 @@ def new_host_array(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, f
     if nbytes < HUGE_PAGE or not sys.platform.startswith("linux"):
         return torch.full(shape, 0 if fill is None else fill, dtype=dtype)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if enabled(Switch.DONTFORK) and hasattr(mmap, "MADV_DONTFORK"):
+    if hasattr(mmap, "MADV_DONTFORK"):
         memory.madvise(mmap.MADV_DONTFORK)
-    if _madvise() is not None and hasattr(mmap, "MADV_HUGEPAGE"):
+    if libc_madvise() is not None and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # THP built out of the kernel: 4 KiB pages, as any array
             memory.madvise(mmap.MADV_HUGEPAGE)
     array = torch.frombuffer(memory, dtype=dtype).view(shape)
