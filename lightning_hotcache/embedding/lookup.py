@@ -108,14 +108,18 @@ class EmbeddingBagLookup:
         triton: bool = False,
     ) -> None:
         self.triton = triton
-        groups: dict[tuple[int, PoolingType], list[int]] = {}
+        # A group per device table and pooling mode (``embedding_bag`` pools one way a call); the
+        # Triton kernel pools each bag as its feature says, so a group per device table there.
+        groups: dict[tuple[int, PoolingType | None], list[int]] = {}
         for k, (feature, table) in enumerate(zip(layout.features, layout.device_table_of_feature())):
-            groups.setdefault((table, layout.table_of[feature].pooling), []).append(k)
-        # Each group's features as runs of adjacent ones: a run's ids and bags are one view.
-        self.groups = [
-            (weights[table], "sum" if pooling == PoolingType.SUM else "mean", len(ks), runs_of(ks))
-            for (table, pooling), ks in groups.items()
-        ]
+            groups.setdefault((table, None if triton else layout.table_of[feature].pooling), []).append(k)
+        # Each group's features as runs of adjacent ones (a run's ids and bags are one view), and
+        # which of them pool by mean (on the device, made once; None: none does).
+        self.groups = []
+        for (table, pooling), ks in groups.items():
+            means = [layout.table_of[layout.features[k]].pooling == PoolingType.MEAN for k in ks]
+            mean = torch.tensor(means, dtype=torch.int32, device=device) if any(means) else None
+            self.groups.append((weights[table], "mean" if pooling == PoolingType.MEAN else "sum", mean, len(ks), runs_of(ks)))
         # The output (table order) as pieces ``(group, first, end)``: features adjacent in the
         # output and of one group (so adjacent in its output too) come out in one copy.
         place = {k: (g, j) for g, ks in enumerate(groups.values()) for j, k in enumerate(ks)}
@@ -142,14 +146,14 @@ class EmbeddingBagLookup:
         lengths = offsets.diff()
         weights = ours.weights() if self.is_weighted else None
         pooled: list[Tensor] = []  # per group (features, batch, dim)
-        for weight, mode, count, runs in self.groups:
+        for weight, mode, mean, count, runs in self.groups:
             spans = [(bounds[a], bounds[b]) for a, b in runs]
             bag_lengths = concat_spans(lengths, [(a * batch, b * batch) for a, b in runs])
             indices, bags = concat_spans(staged.indices, spans), torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)])
             per_sample = None if weights is None else concat_spans(weights, spans)
             if self.triton:
-                mean = torch.ones_like(bag_lengths) if mode == "mean" else None
-                rows = triton_tbe.pooled(weight, indices, bags, mean, None if per_sample is None else per_sample.to(self.device))
+                bag_mean = None if mean is None else mean.repeat_interleave(batch, output_size=count * batch)
+                rows = triton_tbe.pooled(weight, indices, bags, bag_mean, None if per_sample is None else per_sample.to(self.device))
             else:
                 rows = nn.functional.embedding_bag(
                     indices, weight, bags, mode=mode, per_sample_weights=per_sample, include_last_offset=True
