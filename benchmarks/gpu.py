@@ -211,7 +211,8 @@ def _all_threads() -> dict[str, Any]:
 
 class ProfileSteps(pl.Callback):
     """torch.profiler over ``steps`` training steps from batch ``start``, every thread's ops
-    (where torch can); prints the key averages."""
+    (where torch can); prints the key averages and, on CUDA, the device's busy time a step (its
+    kernels' own time, summed) beside the steps' wall time: how much of a step the GPU works."""
 
     def __init__(self, start: int, steps: int, device: str) -> None:
         self.start, self.steps, self.device = start, steps, device
@@ -224,14 +225,19 @@ class ProfileSteps(pl.Callback):
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities, **_all_threads())
             self.profiler.__enter__()
+            self.began = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx != self.start + self.steps - 1 or self.profiler is None:
             return
         if self.device == "cuda":
             torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - self.began) * 1e3 / self.steps
         self.profiler.__exit__(None, None, None)
         averages = self.profiler.key_averages()
+        if self.device == "cuda":
+            busy_ms = sum(event.self_device_time_total for event in averages) / 1e3 / self.steps
+            print(f"# GPU busy {busy_ms:.2f} ms of {wall_ms:.2f} ms a step ({100 * busy_ms / wall_ms:.0f}%), under the profiler", flush=True)
         sort_keys = ("self_device_time_total", "self_cpu_time_total") if self.device == "cuda" else ("self_cpu_time_total",)
         for key in sort_keys:
             print(f"# {self.steps} steps from batch {self.start}, by {key}")
