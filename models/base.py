@@ -41,7 +41,8 @@ from lightning_hotcache.embedding.torchrec_lookup import GradientRowsSink, poole
 from lightning_hotcache.distributed.global_batch import real_samples, share_mean
 from lightning_hotcache._ops.guards import (
     NonFiniteLossAction,
-    check_batch_dtypes,
+    check_feature_dtypes,
+    check_label_dtype,
     check_non_finite_loss_action,
     check_not_empty,
     finite_loss_or_skip,
@@ -302,7 +303,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         strategy. For a single-id feature it is the row's squared norm; for a multi-id one
         (SUM pooling) that of the bag the model reads, the sum of its rows.
         """
-        check_batch_dtypes(dense_features, sparse_features, self._dense_dtype)
+        check_feature_dtypes(dense_features, sparse_features, self._dense_dtype)
         if self.uses_embeddings:
             pooled = self.embed(sparse_features)
             logits = self.over_arch(self.inter_arch(self.dense_arch(dense_features), pooled)).squeeze(-1)
@@ -338,7 +339,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     # ----------------------------------------------------------------- training
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor | None:
-        check_batch_dtypes(batch.dense_features, batch.sparse_features, self._dense_dtype, batch.labels)
+        check_label_dtype(batch.labels)
         logits, squared_norms = self.logits_and_squared_norms(batch.dense_features, batch.sparse_features)
         per_sample = self.loss_fn(logits, batch.labels)
         if self.hparams.embedding_l2:
@@ -360,7 +361,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         # Every sample's forward, padding too (it is a collective step under hotcache); the
         # metrics see the data only, so they do not depend on the number of processes.
         real = real_samples(batch)
-        check_batch_dtypes(batch.dense_features, batch.sparse_features, self._dense_dtype, batch.labels)
+        check_label_dtype(batch.labels)
         logits = self(batch.dense_features, batch.sparse_features)[:real]
         labels = batch.labels[:real]
         per_sample = self.loss_fn(logits, labels)

@@ -85,10 +85,10 @@ def check_not_empty(features: KeyedJaggedTensor) -> None:
         )
 
 
-def check_batch_dtypes(dense: Tensor, sparse: KeyedJaggedTensor, dense_dtype: torch.dtype, labels: Tensor | None = None) -> None:
-    """Refuse a batch whose fields have types the model cannot train on, naming the field and
-    the type to give, before torch fails deep in a layer (or, for float ids, casts them
-    silently): dense features of the dense layers' float type, integer ids, float labels."""
+def check_feature_dtypes(dense: Tensor, sparse: KeyedJaggedTensor, dense_dtype: torch.dtype) -> None:
+    """Refuse a batch's features of types the model cannot take, naming the field and the type
+    to give, before torch fails deep in a layer (or, for float ids, casts them silently): dense
+    features of the dense layers' float type, integer ids."""
     if dense.dtype != dense_dtype:
         raise TypeError(
             f"The batch's dense_features are {dense.dtype}, the model's dense layers {dense_dtype}: give "
@@ -99,5 +99,9 @@ def check_batch_dtypes(dense: Tensor, sparse: KeyedJaggedTensor, dense_dtype: to
             f"The batch's sparse_features ids are {sparse.values().dtype}: give integer ids (int64 or int32); "
             "a float id would be rounded to a row in silence."
         )
-    if labels is not None and not labels.is_floating_point():
+
+
+def check_label_dtype(labels: Tensor) -> None:
+    """Refuse integer labels, naming the type to give: the loss takes float labels."""
+    if not labels.is_floating_point():
         raise TypeError(f"The batch's labels are {labels.dtype}: give float labels in {{0, 1}} (e.g. `.float()`), as the loss takes.")

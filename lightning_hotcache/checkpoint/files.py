@@ -116,8 +116,10 @@ def write_atomically(obj: Any, path: _PATH) -> None:
     try:
         write_file_atomically(path, lambda f: torch.save(obj, f))
     except (OSError, RuntimeError) as err:
+        if not _out_of_space(err):
+            raise
         needs, free = tensor_bytes(obj), shutil.disk_usage(path.parent).free
-        if not _out_of_space(err) or free >= needs:
+        if free >= needs:
             raise
         raise OSError(
             errno.ENOSPC,

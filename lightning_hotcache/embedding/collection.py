@@ -421,7 +421,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         """Whether ``features`` is this module's input: it has every feature the module looks up
         (False where it has none: another module's). Raises KeyError, naming what is missing
         (and the batch, with ``batch_index``), where it has some but not all."""
-        wanted, given = set(self.layout.input_of.values()), set(features.keys())
+        wanted, given = self.input_features, set(features.keys())
         missing = sorted(wanted - given)
         if missing and len(missing) < len(wanted):
             where = "" if batch_index is None else f"training batch {batch_index} of this epoch "

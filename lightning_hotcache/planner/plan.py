@@ -484,7 +484,7 @@ class HotColdPlanner:
         tables = list(tables)
         if stats is not None:
             stats.check_run(tables, batch_size)
-        whole = {t.name: t.num_embeddings * row_bytes(t, self.optimizer) for t in tables}
+        whole = {t.name: self._whole_bytes(t) for t in tables}
         budget = resolve_budget(self.device_budget, sum(whole.values()), self.device)
 
         if sum(whole.values()) <= budget:  # everything fits whole: no stats needed
@@ -604,7 +604,7 @@ class HotColdPlanner:
         plan.check_tables(tables)
         problems = self._impossible_slots(plan)
         plan = self.with_this_runs_bytes(plan, tables)
-        whole = sum(t.num_embeddings * row_bytes(t, self.optimizer) for t in tables)
+        whole = sum(map(self._whole_bytes, tables))
         budget = resolve_budget(self.device_budget, whole, self.device)
         if self.grow_budget_to_minimum and plan.minimum_bytes > budget:  # as `plan` would have grown it
             self._check_growable(budget, plan.minimum_bytes)
@@ -717,7 +717,7 @@ class HotColdPlanner:
         required: dict[str, int] = {}
         fixed = 0
         for t in tables:
-            whole = t.num_embeddings * row_bytes(t, self.optimizer)
+            whole = self._whole_bytes(t)
             slots = self._min_slots(t, stats)
             if whole <= self._split_bytes(t, 0, slots):
                 on_device.add(t.name)
@@ -751,7 +751,7 @@ class HotColdPlanner:
         def counted(table: TablePlan) -> int:
             config = by_name[table.name]
             if table.on_device:
-                return config.num_embeddings * row_bytes(config, self.optimizer)
+                return self._whole_bytes(config)
             return self._split_bytes(config, len(table.static_ids), table.cache_slots)
 
         return dataclasses.replace(plan, tables=[dataclasses.replace(t, device_bytes=counted(t)) for t in plan.tables])
@@ -759,6 +759,10 @@ class HotColdPlanner:
     def minimum_bytes(self, tables: Sequence[EmbeddingBagConfig], stats: "AccessStats") -> int:
         """The smallest device budget `plan` accepts for these tables and stats."""
         return self._smallest_layout(list(tables), stats)[3]
+
+    def _whole_bytes(self, table: EmbeddingBagConfig) -> int:
+        """What ``table`` costs wholly on the device: its rows and their optimizer state."""
+        return table.num_embeddings * row_bytes(table, self.optimizer)
 
     def _split_bytes(self, table: EmbeddingBagConfig, static_rows: int, cache_slots: int) -> int:
         return (static_rows + cache_slots) * (row_bytes(table, self.optimizer) + self._directory_bytes_per_slot(table))

@@ -218,9 +218,10 @@ class _PrefetchingLoader:
 
     def _staged_inline(self, modules: list[HotColdEmbeddingBagCollection]) -> Iterator[Any]:
         ahead: deque[Any] = deque()
+        depth = self.strategy.prefetch_depth  # chosen once (`staging_choice`), not per batch
         for batch, moved in self._moved(self._read_ahead(modules)):
             ahead.append(self._stage(batch, moved, modules))
-            if len(ahead) > self.strategy.prefetch_depth:
+            if len(ahead) > depth:
                 yield ahead.popleft()
         yield from ahead
 
@@ -417,8 +418,9 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         cache_metrics: add a `CacheMetrics` callback (hit rates, traffic) unless one is there.
         kernel: the device tier's kernel: ``"auto"`` (FBGEMM's fused table-batched kernel
             where it trains exactly, except row-wise Adagrad on a CPU, where PyTorch's measured
-            faster; else PyTorch's; the log says which and why), ``"fbgemm"`` (fail if it cannot
-            run) or ``"pytorch"``.
+            faster; else, on CUDA, the Triton TBE (`lightning_hotcache.kernels.triton_tbe`);
+            else PyTorch's; the log says which and why), ``"fbgemm"`` or ``"triton"`` (fail if
+            it cannot run) or ``"pytorch"``.
         checkpoint_shards: save split tables as one file per rank (``<ckpt>.<id>.rank<r>-of-<n>``,
             the id tying them to their main file) instead of gathering them into the
             checkpoint. Loading one copies each rank's rows from the memory-mapped shard files
@@ -516,10 +518,6 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         return staging_choice(self.prefetch_thread, self.prefetch_depth_setting, self.root_device, self._table_bytes)
 
     @property
-    def staging_threads_used(self) -> int:
-        return self.staging_threads
-
-    @property
     def stages_in_background(self) -> bool:
         """Whether the staging threads run at background priority (`lightning_hotcache._ops.background`):
         on a CPU, where the step's ops take every core and a thread at the step's priority
@@ -532,10 +530,9 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         if self.prefetch_depth == 0:
             return "by each batch's own forward (prefetch_depth=0: nothing staged ahead)"
         ahead = f"{self.prefetch_depth} batch{'es' if self.prefetch_depth != 1 else ''} ahead"
-        ahead += f", {self.staging_threads_used} caches side by side" if self.staging_threads_used > 1 else ""
+        ahead += f", {self.staging_threads} caches side by side" if self.staging_threads > 1 else ""
         if not self.uses_prefetch_thread:
-            note = f"inline on the training loop, {ahead}"
-            return note
+            return f"inline on the training loop, {ahead}"
         threads = "a prefetch thread" + (" and a reader thread" if self.uses_reader_thread else "")
         priority = "at background priority" if self.stages_in_background else "at the step's priority"
         return f"on {threads} {priority}, {ahead}"
@@ -622,7 +619,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             try:  # a rank's host storage may refuse (a lock, the disk): every rank stops, naming it
                 hot = HotColdEmbeddingBagCollection.from_ebc(
                     collection, self.plan, optimizer, self.root_device, self.cache_policy,  # type: ignore[arg-type]
-                    storage, group, seed, self.kernel, self.staging_threads_used,
+                    storage, group, seed, self.kernel, self.staging_threads,
                 )  # fmt: skip
             except Exception as err:
                 failure = err
@@ -833,7 +830,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             )  # fmt: skip
         except Exception as err:  # raised after the ranks agree: one rank leaving alone would hang the others
             failure = err
-        self._stop_every_rank_if_one_failed(failure, f"load {checkpoint_path}, so no rank resumes from it")
+        self._stop_every_rank_if_one_failed(failure, f"load {checkpoint_path}")
         return checkpoint
 
     @property
