@@ -24,6 +24,8 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric, MetricCollection
@@ -39,8 +41,11 @@ from lightning_hotcache.checkpoint.files import check_not_sharded
 from lightning_hotcache.distributed.collectives import broadcast_from_rank_zero
 from lightning_hotcache.embedding.torchrec_lookup import GradientRowsSink, pooled_in_one_node
 from lightning_hotcache.distributed.global_batch import real_samples, share_mean
+from lightning_hotcache._ops import step_graph
+from lightning_hotcache._ops.graph_batches import TorchRecBatches
 from lightning_hotcache._ops.guards import (
     NonFiniteLossAction,
+    NonFiniteLossError,
     check_feature_dtypes,
     check_label_dtype,
     check_non_finite_loss_action,
@@ -133,6 +138,18 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             from it: ``"raise"`` stops with an error naming the step and batch; ``"skip"``
             skips the batch (no backward, no optimizer step) with a warning, in one process
             only (refused at fit start with more: Lightning cannot skip a step on every rank).
+        cuda_graph: on a CUDA device, record the training step (forward, backward, the row-wise
+            update) in one CUDA graph once batches of one shape have come in a row, and replay
+            it for every batch of those shapes (`lightning_hotcache._ops.step_graph`); other
+            batches (an epoch's short last one, multi-hot batches of changing lengths) step
+            eagerly. It applies under one process's own strategy (``auto`` on one GPU), in
+            float32 (TF32 matmuls too), without gradient accumulation, with
+            ``non_finite_loss="raise"``, and to this class's ``training_step`` (a subclass that
+            overrides it steps eagerly); the log line at fit start says which. The dense
+            optimizer still steps after it, through Lightning's hooks (clipping, schedulers). Under
+            the graph a non-finite loss is read a step late (or at the step's logging): the
+            error then comes after that step's update and the next step have run, and before
+            any checkpoint is written. ``False`` always steps eagerly.
 
     ``train/loss`` (the global batch's mean) is logged on each epoch's first step and on the
     steps whose logs Lightning writes to the loggers (every ``trainer.log_every_n_steps``;
@@ -163,6 +180,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         embedding_l2: float = 0.0,
         defer_table_init: bool = False,
         non_finite_loss: NonFiniteLossAction = "raise",
+        cuda_graph: bool = True,
     ) -> None:
         super().__init__()
         check_non_finite_loss_action(non_finite_loss)
@@ -215,6 +233,15 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         # `on_fit_start`; None outside a fit): the walk over the modules was ~2% of a step's host time.
         self._fit_tables: list[Tensor] | None = None
         self._fit_tables_outside_ddp = False
+        # This fit's graph of the training step (None: every step eager) and what its steps
+        # share: each dense parameter's gradient tensor (the graph writes into the same ones
+        # every step), whether the current step ran in it, and the last graphed step's
+        # not-finite flag with its step and batch, read from the device a step late.
+        self._step_graph: step_graph.StepGraph[Batch] | None = None
+        self._graph_grads: list[tuple[Tensor, Tensor]] = []
+        self._graph_stepped = False
+        self._graph_pending: tuple[Tensor, int, int] | None = None
+        self._said_eager: set[str] = set()  # the reasons a step ran eagerly, said once a fit
 
         # Per sample: training averages it over the global batch (`share_mean`).
         self.loss_fn = nn.BCEWithLogitsLoss(reduction="none")
@@ -337,16 +364,26 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         return super()._apply(fn, recurse)
 
     # ----------------------------------------------------------------- training
-    @override
-    def training_step(self, batch: Batch, batch_idx: int) -> Tensor | None:
+    def training_loss(self, batch: Batch) -> Tensor:
+        """The loss a training step backpropagates: the click loss (plus the ``embedding_l2``
+        penalty) as the mean over the global batch once the processes' gradients are averaged,
+        also at an uneven epoch end (see `share_mean`)."""
         check_label_dtype(batch.labels)
         logits, squared_norms = self.logits_and_squared_norms(batch.dense_features, batch.sparse_features)
         per_sample = self.loss_fn(logits, batch.labels)
         if self.hparams.embedding_l2:
             per_sample = per_sample + self.hparams.embedding_l2 * squared_norms
-        # The mean over the global batch once the processes' gradients are averaged, also at
-        # an uneven epoch end (see `share_mean`).
-        loss = share_mean(per_sample, batch)
+        return share_mean(per_sample, batch)
+
+    @override
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor | None:
+        self._graph_stepped = False
+        if self._step_graph is not None:
+            graphed = self._step_graph.run(batch)
+            if graphed is not None:
+                return self._after_graphed_step(batch, batch_idx, *graphed)
+            self._say_why_this_step_is_eager()
+        loss = self.training_loss(batch)
         logged = finite_loss_or_skip(loss, self.trainer, batch_idx, self.hparams.non_finite_loss)
         if logged is None:
             return None
@@ -356,6 +393,124 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         if batch_idx == 0 or writes_step_logs(self.trainer):
             self.log("train/loss", logged, prog_bar=True, batch_size=batch.labels.shape[0])
         return loss
+
+    # ------------------------------------------------------ the step's CUDA graph
+    def _why_the_step_is_not_graphed(self) -> str | None:
+        """Why this fit's training step cannot be recorded in a graph (None where it can)."""
+        trainer = self.trainer
+        if not self.hparams.cuda_graph:
+            return "cuda_graph=False"
+        if not isinstance(trainer.strategy, SingleDeviceStrategy) or trainer.world_size > 1:
+            return (
+                f"the {type(trainer.strategy).__name__} strategy places it (a graph is recorded under one process's "
+                "own strategy: `auto` on one GPU)"
+            )
+        if not self.automatic_optimization:
+            return "manual optimization"
+        if self.hparams.non_finite_loss == "skip":
+            return "non_finite_loss='skip' needs each step's loss on the host before its backward"
+        if trainer.accumulate_grad_batches != 1:
+            return f"accumulate_grad_batches={trainer.accumulate_grad_batches}"
+        if trainer.precision != "32-true":
+            return f"precision={trainer.precision!r} (the graph records float32 steps)"
+        for hook in ("training_step", "training_loss", "backward"):
+            if getattr(type(self), hook) is not getattr(CTRModel, hook):
+                return f"{type(self).__name__}.{hook} overrides CTRModel's, which the graph records"
+        return None
+
+    def _new_step_graph(self) -> step_graph.StepGraph[Batch] | None:
+        """This fit's graph of the training step, or None (said in a log line where the device
+        runs graphs)."""
+        graphs = step_graph.graphs_for(self.device)
+        if graphs is None:
+            return None
+        name, reason = type(self).__name__, self._why_the_step_is_not_graphed()
+        if reason is not None:
+            rank_zero_info(f"{name}: training steps run eagerly on {self.device}: {reason}.")
+            return None
+        self._graph_grads = [(p, torch.zeros_like(p)) for p in self.dense_parameters()]
+        rank_zero_info(
+            f"{name}: the training step (forward, backward, row-wise update) is recorded in one CUDA graph once "
+            f"{step_graph.WARMUP_STEPS} batches of one shape come in a row, and replayed for each batch of those "
+            "shapes; other batches step eagerly (cuda_graph=False: always)."
+        )
+        return step_graph.StepGraph(self._graphed_step, TorchRecBatches(), graphs, touched=self._graphed_step_writes)
+
+    def _graphed_step(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        """What the graph records: the forward and loss, the backward into the dense parameters'
+        gradient tensors (the same ones every step, zeroed first: a graph writes where it was
+        recorded writing), and the row-wise update. Returns the loss and whether it is not finite."""
+        for parameter, grad in self._graph_grads:
+            parameter.grad = grad
+        torch._foreach_zero_([grad for _, grad in self._graph_grads])
+        try:
+            loss = self.training_loss(batch)
+            loss.backward()
+            self._step_rows()
+        except BaseException:
+            self.embedding_optimizer.zero_grad()  # the gradient rows a refused capture handed over
+            raise
+        return loss.detach(), torch.isfinite(loss).logical_not()
+
+    def _graphed_step_writes(self) -> list[Tensor]:
+        return [*self.parameters(), *(grad for _, grad in self._graph_grads), *self.embedding_optimizer.state_tensors()]
+
+    def _after_graphed_step(self, batch: Batch, batch_idx: int, loss: Tensor, not_finite: Tensor) -> Tensor:
+        """Lightning's part of a step the graph ran: the previous graphed step's loss checked,
+        the loss logged where Lightning writes logs (its only read of the device then)."""
+        self._graph_stepped = True
+        previous, self._graph_pending = self._graph_pending, (not_finite.clone(), self.global_step, batch_idx)
+        self._raise_if_not_finite(previous)
+        if batch_idx == 0 or writes_step_logs(self.trainer):
+            value = float(loss)
+            self._check_graphed_losses()
+            self.log("train/loss", value, prog_bar=True, batch_size=batch.labels.shape[0])
+        return loss
+
+    def _say_why_this_step_is_eager(self) -> None:
+        """One log line a fit per reason a step ran eagerly after the warm-up."""
+        graph, name = self._step_graph, type(self).__name__
+        if graph.eager_reason is not None and "refused" not in self._said_eager:
+            rank_zero_warn(f"{name}: the training step could not be recorded in a CUDA graph ({graph.eager_reason}); it steps eagerly from now on.")
+            self._said_eager.add("refused")
+        elif graph.eager_reason is None and graph.captures and "shapes" not in self._said_eager:
+            rank_zero_info(
+                f"{name}: a batch of other shapes than the CUDA graph's (an epoch's short last batch, or ids of other "
+                f"lengths) steps eagerly; {graph.warmup} batches of a new shape in a row are recorded in a new graph."
+            )
+            self._said_eager.add("shapes")
+
+    @staticmethod
+    def _raise_if_not_finite(pending: tuple[Tensor, int, int] | None) -> None:
+        if pending is None or not bool(pending[0]):
+            return
+        _, step, batch_idx = pending
+        raise NonFiniteLossError(
+            f"The training loss was NaN or infinite at step {step} (batch {batch_idx} of its epoch). The step's CUDA "
+            "graph reads its loss a step late (or at the step's logging), so that step's update and the next step "
+            "have run: the weights in memory learned from it, and no checkpoint was written after it. Look for "
+            "NaN/inf in that batch's dense features and resume from the last checkpoint (cuda_graph=False checks "
+            "each loss before its backward)."
+        )
+
+    def _check_graphed_losses(self) -> None:
+        """Raise where the last graphed step's loss was not finite (a read of the device)."""
+        pending, self._graph_pending = self._graph_pending, None
+        self._raise_if_not_finite(pending)
+
+    @override
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        if self._graph_stepped:
+            # The graph ran this step's backward; the dense optimizer reads its gradients.
+            for parameter, grad in self._graph_grads:
+                parameter.grad = grad
+            return
+        super().backward(loss, *args, **kwargs)
+
+    @override
+    def on_train_epoch_end(self) -> None:
+        # Subclasses overriding this hook must call super().
+        self._check_graphed_losses()
 
     def _evaluate(self, batch: Batch, metrics: MetricCollection) -> None:
         # Every sample's forward, padding too (it is a collective step under hotcache); the
@@ -469,12 +624,14 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         if self._embedding_optimizer is not None:
             # A fit stopped between a backward and its step left that batch's gradients: not this fit's.
             self._embedding_optimizer.zero_grad()
+        self._step_graph, self._graph_pending, self._said_eager = self._new_step_graph(), None, set()
 
     @override
     def on_fit_end(self) -> None:
         # A later fit may place the tables otherwise (another strategy). Subclasses overriding
         # this hook must call super().
         self._fit_tables = None
+        self._step_graph, self._graph_grads = None, []  # the graph's memory goes with it
         release_helpers()  # the row-wise step's copy threads (many-core hosts): none outlives the fit
 
     @override
@@ -487,6 +644,11 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
                 f"{type(self).__name__}.on_fit_start did not reach CTRModel.on_fit_start, which finds the tables the "
                 "row-wise optimizer steps: a subclass overriding on_fit_start must call super().on_fit_start()."
             )
+        if not self._graph_stepped:  # else the graph stepped the rows
+            self._step_rows()
+
+    def _step_rows(self) -> None:
+        """The row-wise update of the plain tables from this step's gradient rows."""
         if not self._fit_tables:
             return
         # DDP left the tables out (keep_out_of_ddp): their gradient rows are averaged in the step.
@@ -503,6 +665,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._check_graphed_losses()  # no checkpoint after a graphed step whose loss was not finite
         weights = self._plain_table_weights()
         if weights:
             state = self.embedding_optimizer.state

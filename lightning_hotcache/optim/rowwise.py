@@ -258,6 +258,10 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         """
         self._handed_over.append((tuple(tables), rows, grads))
 
+    def state_tensors(self) -> list[Tensor]:
+        """Every per-row state array this optimizer steps (those of the tables stepped so far)."""
+        return [array for stack in self._stacks.values() for array in stack.arrays.values()]
+
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._handed_over = []  # gradients too, only not in ``.grad``
