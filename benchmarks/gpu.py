@@ -192,12 +192,25 @@ def strategies(args: argparse.Namespace) -> dict[str, Any]:
     two threads, where the strategy stages on one by default) run only when named."""
     return {
         "auto": lambda: "auto",
+        "auto+eager": lambda: "auto",  # the zoo model with cuda_graph=False (see `train`)
         "cpu-lookup": lambda: "auto",  # with HostLookupDLRM (see `train`)
         **{f"hotcache@{b:g}": (lambda b=b: _hotcache(args, b)) for b in BUDGETS},
         **{f"hotcache@{b:g}+lookahead": (lambda b=b: _hotcache(args, b, "lookahead")) for b in BUDGETS[1:]},
         **{f"hotcache@{b:g}+2threads": (lambda b=b: _hotcache(args, b, staging_threads=2)) for b in BUDGETS[1:]},
         **{f"hotcache@{b:g}+lookahead+2threads": (lambda b=b: _hotcache(args, b, "lookahead", 2)) for b in BUDGETS[1:]},
     }
+
+
+class GraphCounts(pl.Callback):
+    """The model's step graph's counts at the end of training (the graph goes with the fit)."""
+
+    counts: dict[str, Any] | None = None
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        graph = pl_module.step_graph
+        if graph is not None:
+            self.counts = {"captures": graph.captures, "replays": graph.replays, "eager_steps": graph.eager_steps, "refused": graph.eager_reason}
 
 
 def _all_threads() -> dict[str, Any]:
@@ -281,15 +294,15 @@ class EvictionStart(pl.Callback):
 PRECISIONS = {"tf32": ("high", "32-true"), "fp32": ("highest", "32-true"), "bf16-mixed": ("high", "bf16-mixed")}
 
 
-def train(strategy: Any, args: argparse.Namespace, host_lookup: bool = False) -> dict[str, Any]:
+def train(strategy: Any, args: argparse.Namespace, host_lookup: bool = False, graphed: bool = True) -> dict[str, Any]:
     cap = _cap_device_memory(args)
     try:
-        return _train(strategy, args, host_lookup) | {"device_memory_cap_bytes": cap}
+        return _train(strategy, args, host_lookup, graphed) | {"device_memory_cap_bytes": cap}
     except torch.OutOfMemoryError as error:
         return _does_not_fit(error, cap)
 
 
-def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[str, Any]:
+def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool, graphed: bool) -> dict[str, Any]:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     matmuls, precision = PRECISIONS[args.precision]
@@ -308,12 +321,14 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
     # Deferred tables: hotcache writes the rows straight into their tiers (the full tables are
     # never a second copy in host memory); auto materializes them, with the same rows.
     model_class = HostLookupDLRM if host_lookup else DLRM
-    model = model_class(dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
+    model = model_class(
+        dm.tables, dm.num_dense_features, defer_table_init=True, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05}, cuda_graph=graphed
+    )
     pieces = PieceClock() if args.pieces else None
     clock = StepClock(args.warmup, probe=lambda: cache_counters(model) | staging_totals(trainer) | (pieces.probe() if pieces else {}))
     trainer = timed_trainer(strategy, args.steps, clock, accelerator=args.device, precision=precision)
-    eviction = EvictionStart()
-    trainer.callbacks.append(eviction)
+    eviction, graph_counts = EvictionStart(), GraphCounts()
+    trainer.callbacks += [eviction, graph_counts]
     if args.profile_steps:
         trainer.callbacks.append(ProfileSteps(args.warmup, args.profile_steps, args.device))
     with pieces or contextlib.nullcontext():
@@ -331,6 +346,9 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool) -> dict[s
         "evicted_rows_per_step": moved["evicted_rows"] / steps,
         "caches_filling": still_filling(moved),
         "eviction_began_at_step": eviction.step,
+        # The training step's CUDA graph: recorded (captures), replayed and eager steps; None
+        # where the fit stepped eagerly throughout (cuda_graph=False, a strategy it does not run under).
+        "step_graph": graph_counts.counts,
         "h2d_bytes_per_step": moved["h2d_bytes"] / steps,
         "d2h_bytes_per_step": moved["d2h_bytes"] / steps,
         # Steps whose batch the prefetch thread had not staged in time, and the wait per step.
@@ -447,7 +465,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     runs = strategies(args)
     if args.job:
-        result = train(runs[args.job](), args, host_lookup=args.job == "cpu-lookup")
+        result = train(runs[args.job](), args, host_lookup=args.job == "cpu-lookup", graphed=not args.job.endswith("+eager"))
         print(json.dumps(result))
         return result
     # In the order named: a run cut off by a time limit (the GPU check's stages) loses the last ones.
@@ -455,7 +473,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.profile_steps:  # in this process, so that the tables reach the output
         for name in chosen:
             print(f"## {name}", flush=True)
-            train(runs[name](), args, host_lookup=name == "cpu-lookup")
+            train(runs[name](), args, host_lookup=name == "cpu-lookup", graphed=not name.endswith("+eager"))
         return {}
     settings = [
         "--scale", str(args.scale), "--dim", str(args.dim), "--batch-size", str(args.batch_size), "--steps", str(args.steps),

@@ -12,10 +12,9 @@
 #      wandb; 21 s on an H100; share 40 s);
 #   2. a chosen subset of the CUDA tests (58-76 s on an H200; share 80 s);
 #   3. benchmarks/gpu.py at the Criteo Kaggle tables (scale 1.0; steps 80-120 timed, once a 10%
-#      cache is full): hotcache at 10%, at 1% under
-#      the lookahead policy (the lookahead issue's GPU target; staged on the default 2 threads,
-#      and on 1 for the pair) and at 1% under LFU against all
-#      tables in GPU memory (auto), one process, the batches drawn before fit and served from
+#      cache is full): hotcache at 10%, at 1% under the lookahead policy and at 1% under LFU
+#      against all tables in GPU memory (auto: its step in one CUDA graph, and eagerly as
+#      auto+eager), one process, the batches drawn before fit and served from
 #      memory (gpu.py's --data; share 240 s: four runs took 160 s on an H200 at 861bd68), with the
 #      prefetch thread's pieces timed (benchmarks/pieces.py);
 #   4. tables larger than the GPU: the same tables with each run's GPU memory capped at 8 GiB,
@@ -65,9 +64,9 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   PYTHON=.venv/bin/python
   ACCELERATOR=cpu
   SMALL="--device cpu --scale 0.001 --batch-size 64"
-  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --pieces --strategies auto hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01+lookahead+2threads hotcache@0.01"  # stage 3's
+  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01"  # stage 3's
   BEYOND_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1"  # no cap on a CPU
-  PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto hotcache@0.1 hotcache@0.01"
+  PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto auto+eager hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 0.02 --rows 2000 --copies 3 --threads 1 2"
   TBE_ARGS="--tables 3 --rows-per-table 100 --dim 8 --batch-size 16 --calls 2"  # Triton's interpreter: a check, not a speed
   export TRITON_INTERPRET=1
@@ -80,9 +79,9 @@ else
   # its caches); with 20 the timed steps were all filling (no row evicted in any 10% run before
   # 2026-11-29), measuring neither victims nor write-backs. --pieces: where the prefetch
   # thread's time goes (compiled loops and row copies, which torch.profiler does not see).
-  BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 120 --warmup 80 --rounds 1 --pieces --strategies auto hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01+lookahead+2threads hotcache@0.01"}
+  BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 120 --warmup 80 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01"}
   BEYOND_ARGS="--scale 1.0 --steps 120 --warmup 80 --rounds 1 --device-memory 8 --strategies auto hotcache@0.1"
-  PROFILE_ARGS="--scale 0.1 --steps 30 --warmup 20 --profile-steps 5 --strategies auto hotcache@0.1 hotcache@0.01"
+  PROFILE_ARGS="--scale 0.1 --steps 30 --warmup 20 --profile-steps 5 --strategies auto auto+eager hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 8 --copies 40 --threads 1 2 4 8"
   TBE_ARGS="--tables 26 --rows-per-table 1000000 --dim 128 --batch-size 8192 --calls 50"  # 27 GB of rows and state in GPU memory
   rm -rf .gpu_site
@@ -133,7 +132,7 @@ first=$?
 # CPU-lookup baseline, `auto`'s one-node lookup over stacked tables and a zoo model moved to
 # the GPU whole (skipped on a CPU: the dry run checks that they are found).
 # The Triton kernels' tests run there on the GPU's own kernels (here in Triton's interpreter).
-stage 2 cuda-tests "$PYTHON" -m pytest -q -rP -m "cuda or kernels" tests/test_cuda.py tests/test_triton_tbe.py -k "gpu_path or dlrm- or checkpoint_written_on_cuda or cpu_lookup or whole_training_step or in_one_node or moved_to_the_gpu or hands_its_gradient_rows or test_triton_tbe"
+stage 2 cuda-tests "$PYTHON" -m pytest -q -rP -m "cuda or kernels" tests/test_cuda.py tests/test_triton_tbe.py -k "gpu_path or graphed_step_on_cuda or dlrm- or checkpoint_written_on_cuda or cpu_lookup or whole_training_step or in_one_node or moved_to_the_gpu or hands_its_gradient_rows or test_triton_tbe"
 second=$?
 # shellcheck disable=SC2086  # the benchmarks' settings, split as on a command line
 stage 3 gpu-benchmark "$PYTHON" benchmarks/gpu.py $BENCH_ARGS --out "$OUT/gpu.json"

@@ -41,7 +41,7 @@ from lightning_hotcache.checkpoint.files import check_not_sharded
 from lightning_hotcache.distributed.collectives import broadcast_from_rank_zero
 from lightning_hotcache.embedding.torchrec_lookup import GradientRowsSink, pooled_in_one_node
 from lightning_hotcache.distributed.global_batch import real_samples, share_mean
-from lightning_hotcache._ops import step_graph
+from lightning_hotcache._ops import step_graph as graph_ops
 from lightning_hotcache._ops.graph_batches import TorchRecBatches
 from lightning_hotcache._ops.guards import (
     NonFiniteLossAction,
@@ -236,11 +236,12 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         # This fit's graph of the training step (None: every step eager) and what its steps
         # share: each dense parameter's gradient tensor (the graph writes into the same ones
         # every step), whether the current step ran in it, and the last graphed step's
-        # not-finite flag with its step and batch, read from the device a step late.
-        self._step_graph: step_graph.StepGraph[Batch] | None = None
+        # not-finite flag (read a step late) with its step and batch.
+        self._step_graph: graph_ops.StepGraph[Batch] | None = None
         self._graph_grads: list[tuple[Tensor, Tensor]] = []
         self._graph_stepped = False
-        self._graph_pending: tuple[Tensor, int, int] | None = None
+        self._graph_flag: graph_ops.FlagReadLater | None = None
+        self._graph_flag_step: tuple[int, int] = (0, 0)
         self._said_eager: set[str] = set()  # the reasons a step ran eagerly, said once a fit
 
         # Per sample: training averages it over the global batch (`share_mean`).
@@ -418,10 +419,16 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
                 return f"{type(self).__name__}.{hook} overrides CTRModel's, which the graph records"
         return None
 
-    def _new_step_graph(self) -> step_graph.StepGraph[Batch] | None:
+    @property
+    def step_graph(self) -> graph_ops.StepGraph[Batch] | None:
+        """This fit's graph of the training step (its counts: captures, replays, eager steps);
+        None outside a fit or where every step runs eagerly."""
+        return self._step_graph
+
+    def _new_step_graph(self) -> graph_ops.StepGraph[Batch] | None:
         """This fit's graph of the training step, or None (said in a log line where the device
         runs graphs)."""
-        graphs = step_graph.graphs_for(self.device)
+        graphs = graph_ops.graphs_for(self.device)
         if graphs is None:
             return None
         name, reason = type(self).__name__, self._why_the_step_is_not_graphed()
@@ -429,12 +436,13 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             rank_zero_info(f"{name}: training steps run eagerly on {self.device}: {reason}.")
             return None
         self._graph_grads = [(p, torch.zeros_like(p)) for p in self.dense_parameters()]
+        self._graph_flag = graph_ops.FlagReadLater(self.device)
         rank_zero_info(
             f"{name}: the training step (forward, backward, row-wise update) is recorded in one CUDA graph once "
-            f"{step_graph.WARMUP_STEPS} batches of one shape come in a row, and replayed for each batch of those "
+            f"{graph_ops.WARMUP_STEPS} batches of one shape come in a row, and replayed for each batch of those "
             "shapes; other batches step eagerly (cuda_graph=False: always)."
         )
-        return step_graph.StepGraph(self._graphed_step, TorchRecBatches(), graphs, touched=self._graphed_step_writes)
+        return graph_ops.StepGraph(self._graphed_step, TorchRecBatches(), graphs, touched=self._graphed_step_writes)
 
     def _graphed_step(self, batch: Batch) -> tuple[Tensor, Tensor]:
         """What the graph records: the forward and loss, the backward into the dense parameters'
@@ -459,8 +467,9 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         """Lightning's part of a step the graph ran: the previous graphed step's loss checked,
         the loss logged where Lightning writes logs (its only read of the device then)."""
         self._graph_stepped = True
-        previous, self._graph_pending = self._graph_pending, (not_finite.clone(), self.global_step, batch_idx)
-        self._raise_if_not_finite(previous)
+        self._check_graphed_losses()  # the previous graphed step's
+        self._graph_flag.record(not_finite)
+        self._graph_flag_step = (self.global_step, batch_idx)
         if batch_idx == 0 or writes_step_logs(self.trainer):
             value = float(loss)
             self._check_graphed_losses()
@@ -480,11 +489,11 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             )
             self._said_eager.add("shapes")
 
-    @staticmethod
-    def _raise_if_not_finite(pending: tuple[Tensor, int, int] | None) -> None:
-        if pending is None or not bool(pending[0]):
+    def _check_graphed_losses(self) -> None:
+        """Raise where the last graphed step's loss was not finite (waits for that step)."""
+        if self._graph_flag is None or not self._graph_flag.read():
             return
-        _, step, batch_idx = pending
+        step, batch_idx = self._graph_flag_step
         raise NonFiniteLossError(
             f"The training loss was NaN or infinite at step {step} (batch {batch_idx} of its epoch). The step's CUDA "
             "graph reads its loss a step late (or at the step's logging), so that step's update and the next step "
@@ -492,11 +501,6 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             "NaN/inf in that batch's dense features and resume from the last checkpoint (cuda_graph=False checks "
             "each loss before its backward)."
         )
-
-    def _check_graphed_losses(self) -> None:
-        """Raise where the last graphed step's loss was not finite (a read of the device)."""
-        pending, self._graph_pending = self._graph_pending, None
-        self._raise_if_not_finite(pending)
 
     @override
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -624,14 +628,15 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         if self._embedding_optimizer is not None:
             # A fit stopped between a backward and its step left that batch's gradients: not this fit's.
             self._embedding_optimizer.zero_grad()
-        self._step_graph, self._graph_pending, self._said_eager = self._new_step_graph(), None, set()
+        self._graph_flag, self._said_eager = None, set()
+        self._step_graph = self._new_step_graph()
 
     @override
     def on_fit_end(self) -> None:
         # A later fit may place the tables otherwise (another strategy). Subclasses overriding
         # this hook must call super().
         self._fit_tables = None
-        self._step_graph, self._graph_grads = None, []  # the graph's memory goes with it
+        self._step_graph, self._graph_grads, self._graph_flag = None, [], None  # the graph's memory goes with it
         release_helpers()  # the row-wise step's copy threads (many-core hosts): none outlives the fit
 
     @override

@@ -31,9 +31,10 @@ from torchrec import KeyedJaggedTensor
 from test_strategy import OPTIMIZER, assert_hotcache_matches_auto, data, fit, stats_paths  # noqa: F401 (stats_paths: a fixture)
 
 from launch import train
-from test_step_ops import _batches, _module, _ops_per_step, device_reads_per_step
+from test_step_ops import CountsPerStep, _batches, _module, _ops_per_step, device_reads_per_step
 
 from lightning_hotcache import HotCacheStrategy
+from lightning_hotcache._ops.step_graph import WARMUP_STEPS
 from lightning_hotcache.cache.host import HostStore
 from lightning_hotcache.cache.slot_map import DenseSlotMap
 from lightning_hotcache.cache.upload import RowUpload, batch_to_device
@@ -352,3 +353,37 @@ def test_auto_on_cuda_hands_its_gradient_rows_over_and_learns_what_the_cpu_learn
     assert seen.grads and all(grad is None for grads in seen.grads for grad in grads)
     got = {key: value.cpu() for key, value in on_gpu.state_dict().items()}
     torch.testing.assert_close(got, on_cpu.state_dict(), rtol=1e-4, atol=1e-5)
+
+
+def _graphed_fit(graphed: bool, counter: pl.Callback | None = None) -> tuple[pl.LightningModule, dict]:
+    pl.seed_everything(0)
+    dm = tiny_synthetic(num_train_samples=64 * 60 + 40, batch_size=64)  # 60 full batches and a short one
+    model = DLRM(dm.tables, dm.num_dense_features, cuda_graph=graphed)
+    counts: dict = {}
+
+    class Counts(pl.Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            graph = pl_module.step_graph
+            counts.update({} if graph is None else {"captures": graph.captures, "replays": graph.replays, "refused": graph.eager_reason})
+
+    callbacks = [Counts()] + ([counter] if counter is not None else [])
+    cpu_trainer(max_epochs=1, log_every_n_steps=1000, callbacks=callbacks, **CUDA).fit(model, dm)
+    return model, counts
+
+
+def test_the_graphed_step_on_cuda_trains_what_the_eager_step_trains() -> None:
+    eager, _ = _graphed_fit(False)
+    graphed, counts = _graphed_fit(True)
+    print(f"the step's CUDA graph over 61 steps: {counts}")
+    assert counts == {"captures": 1, "replays": 60 - WARMUP_STEPS, "refused": None}  # the short batch steps eagerly
+    torch.testing.assert_close(graphed.state_dict(), eager.state_dict(), rtol=1e-6, atol=1e-6)
+
+
+def test_the_graphed_step_on_cuda_waits_for_no_later_step() -> None:
+    # Between logging steps a replayed step's host reads are the previous step's loss flag
+    # only (an event behind that step): the host runs a step ahead of the GPU.
+    counting = CountsPerStep(_CountCudaSyncs)
+    _graphed_fit(True, counting)
+    steady = counting.counts[5:-2]
+    print(f"host syncs per replayed step on CUDA: {steady}")
+    assert steady and max(steady) <= 1, steady

@@ -151,8 +151,9 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
     assert "skipped" in (tmp_path / "stage2.log").read_text()  # found, and skipped without CUDA
     results = json.loads((tmp_path / "gpu.json").read_text())["results"]
     assert list(results) == [
-        "auto", "hotcache@0.1", "hotcache@0.01+lookahead", "hotcache@0.01+lookahead+2threads", "hotcache@0.01"
+        "auto", "auto+eager", "hotcache@0.1", "hotcache@0.01+lookahead", "hotcache@0.01"
     ]  # what stage 3 runs on the GPU  # fmt: skip
+    assert results["auto"]["step_graph"] is None  # a CPU records no graph
     assert results["hotcache@0.01"]["pieces_ms_per_batch"]["stage"] > 0  # where the prefetch thread's time goes
     assert list(json.loads((tmp_path / "beyond_gpu.json").read_text())["results"]) == ["auto", "hotcache@0.1"]
     profiles = (tmp_path / "stage5.log").read_text()

@@ -242,3 +242,31 @@ class StepGraph(Generic[Batch]):
 def graphs_for(device: torch.device) -> Graphs | None:
     """Where a step on ``device`` is recorded: CUDA's graphs on a CUDA device; none elsewhere."""
     return CudaGraphs() if device.type == "cuda" else None
+
+
+class FlagReadLater:
+    """A device flag the host reads at a later step without waiting for the steps queued after
+    it: copied into pinned host memory behind the step that set it, with an event after the
+    copy, so that reading waits for that step alone (a read of the device tensor itself would
+    wait for every step queued since). One flag in flight: read it before recording the next."""
+
+    def __init__(self, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self._host = torch.zeros((), dtype=torch.bool, pin_memory=cuda)
+        self._copied = torch.cuda.Event() if cuda else None
+        self.recorded = False
+
+    def record(self, flag: Tensor) -> None:
+        self._host.copy_(flag, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self.recorded = True
+
+    def read(self) -> bool:
+        """The flag last recorded (False where none is); the flag is then spent."""
+        if not self.recorded:
+            return False
+        if self._copied is not None:
+            self._copied.synchronize()
+        self.recorded = False
+        return bool(self._host)
