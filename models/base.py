@@ -39,7 +39,7 @@ from typing_extensions import Self, override
 from lightning_hotcache._compat import writes_step_logs
 from lightning_hotcache.checkpoint.files import check_not_sharded
 from lightning_hotcache.distributed.collectives import broadcast_from_rank_zero
-from lightning_hotcache.embedding.torchrec_lookup import GradientRowsSink, pooled_in_one_node
+from lightning_hotcache.embedding.torchrec_lookup import GradientRowsSink, PooledGradientsSink, pooled_in_one_node
 from lightning_hotcache.distributed.global_batch import real_samples, share_mean
 from lightning_hotcache._ops import step_graph as graph_ops
 from lightning_hotcache._ops.graph_batches import TorchRecBatches
@@ -295,7 +295,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         """Pooled embeddings, (B, F, D) in table/feature order."""
         check_not_empty(sparse_features)
         tables = self.sparse_arch.embedding_bag_collection
-        pooled = pooled_in_one_node(tables, sparse_features, self._gradient_rows_to())
+        pooled = pooled_in_one_node(tables, sparse_features, self._gradient_rows_to(), self._pooled_gradients_to())
         if pooled is None:  # a strategy's tables (hotcache, torchrec), or a batch of other keys
             keyed = tables(sparse_features)
             names = self.sparse_arch.sparse_feature_names
@@ -313,6 +313,11 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         if self._fit_tables and torch.is_grad_enabled():
             return self.embedding_optimizer.add_row_gradients
         return None
+
+    def _pooled_gradients_to(self) -> PooledGradientsSink | None:
+        """Where a lookup the Triton TBE pools hands its pooled gradient over, for the row-wise
+        optimizer to step in Triton's kernel (`RowWiseOptimizer.add_pooled_gradients`)."""
+        return self.embedding_optimizer.add_pooled_gradients if self._gradient_rows_to() is not None else None
 
     @override
     def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
@@ -338,7 +343,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             squared_norms = pooled.square().sum(dim=(1, 2))
             if not self.uses_first_order:
                 return logits, squared_norms
-        weights = self.first_order_arch.lookup(sparse_features, self._gradient_rows_to())
+        weights = self.first_order_arch.lookup(sparse_features, self._gradient_rows_to(), self._pooled_gradients_to())
         first_order = self.first_order_arch.logits(dense_features, weights)
         first_order_norms = self.first_order_arch.squared_norms(weights)
         if not self.uses_embeddings:

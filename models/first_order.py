@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
-from lightning_hotcache.embedding.torchrec_lookup import GradientRowsSink, pooled_in_one_node
+from lightning_hotcache.embedding.torchrec_lookup import GradientRowsSink, PooledGradientsSink, pooled_in_one_node
 from lightning_hotcache._ops.guards import check_not_empty
 from lightning_hotcache.optim.rowwise import use_sparse_gradients
 
@@ -60,11 +60,16 @@ class FirstOrderArch(nn.Module):
     def forward(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
         return self.logits(dense_features, self.lookup(sparse_features))
 
-    def lookup(self, sparse_features: KeyedJaggedTensor, gradient_rows_to: GradientRowsSink | None = None) -> Tensor:
+    def lookup(
+        self,
+        sparse_features: KeyedJaggedTensor,
+        gradient_rows_to: GradientRowsSink | None = None,
+        pooled_gradients_to: PooledGradientsSink | None = None,
+    ) -> Tensor:
         """The batch's pooled per-id weights: (B, F * FIRST_ORDER_DIM), each feature's columns
-        equal. ``gradient_rows_to``: see `pooled_in_one_node`."""
+        equal. ``gradient_rows_to``, ``pooled_gradients_to``: see `pooled_in_one_node`."""
         check_not_empty(sparse_features)
-        pooled = pooled_in_one_node(self.embedding_bag_collection, sparse_features, gradient_rows_to)
+        pooled = pooled_in_one_node(self.embedding_bag_collection, sparse_features, gradient_rows_to, pooled_gradients_to)
         return self.embedding_bag_collection(sparse_features).values() if pooled is None else pooled
 
     def logits(self, dense_features: Tensor, pooled: Tensor) -> Tensor:

@@ -170,9 +170,9 @@ def test_the_zoo_trains_what_torchrecs_forward_trains(model_class: type, accumul
         calls, sinks = [], []
         original = torchrec_lookup.pooled_in_one_node
 
-        def counted(ebc, features, gradient_rows_to=None):
+        def counted(ebc, features, gradient_rows_to=None, pooled_gradients_to=None):
             sinks.append(gradient_rows_to is not None)
-            found = original(ebc, features, gradient_rows_to if hand_over else None) if one_node else None
+            found = original(ebc, features, gradient_rows_to if hand_over else None, pooled_gradients_to) if one_node else None
             calls.append(found is not None)
             return found
 

@@ -173,3 +173,71 @@ def test_backward_reads_no_count_from_the_device(monkeypatch) -> None:
     momentum = torch.zeros(25, device=DEVICE)
     triton_tbe.backward_step(weight, grad, indices.to(DEVICE), offsets.to(DEVICE), "rowwise_adagrad", 0.1, 1e-10, momentum)
     assert launched == [(indices.numel(),)]  # a grid the host knew: the batch's values
+
+
+# ------------------------------------------------- the zoo's plain tables on the Triton TBE
+
+BACKWARD_STEP = triton_tbe.backward_step  # before any test wraps it
+
+
+def _zoo_fit(name: str, optimizer: dict, triton: bool, monkeypatch, accumulate: int = 1, graphs=None) -> tuple[torch.nn.Module, list]:
+    import lightning.pytorch as pl
+    from conftest import cpu_trainer, tiny_synthetic
+
+    from lightning_hotcache._ops import step_graph
+    from lightning_hotcache.embedding import torchrec_lookup
+    from models import create_model
+
+    steps: list[str] = []
+
+    def counted(*args, **kwargs):
+        steps.append(args[4])
+        return BACKWARD_STEP(*args, **kwargs)
+
+    monkeypatch.setattr(torchrec_lookup, "triton_pools_on", lambda device: triton)  # as on CUDA, in the interpreter
+    monkeypatch.setattr(triton_tbe, "backward_step", counted)
+    if graphs is not None:
+        monkeypatch.setattr(step_graph, "graphs_for", lambda device: graphs)
+    pl.seed_everything(0)
+    dm = tiny_synthetic(batch_size=16, num_train_samples=88, num_val_samples=16)  # 5 batches and a short one
+    model = create_model(name, dm.tables, dm.num_dense_features, embedding_optimizer=optimizer)
+    cpu_trainer(max_epochs=1, accumulate_grad_batches=accumulate).fit(model, dm)
+    return model, steps
+
+
+@pytest.mark.parametrize(
+    ("name", "optimizer", "accumulate", "triton_steps"),
+    [
+        ("dlrm", {"name": "rowwise_adagrad", "lr": 0.05}, 1, 6),
+        pytest.param("deepfm", {"name": "sgd", "lr": 0.1}, 1, 12, marks=pytest.mark.full),  # two collections: dim 8, first-order weights
+        pytest.param("dlrm", {"name": "adam", "lr": 0.01}, 1, 0, marks=pytest.mark.full),  # pooled by Triton, stepped as gradient rows
+        # Two batches' gradients in a step: stepped as gradient rows, summed.
+        pytest.param("dlrm", {"name": "rowwise_adagrad", "lr": 0.05}, 2, 0, marks=pytest.mark.full),
+    ],
+)
+def test_the_zoos_tables_on_the_triton_tbe_train_what_the_pytorch_path_trains(name, optimizer, accumulate, triton_steps, monkeypatch) -> None:
+    if DEVICE.type == "cuda":
+        pytest.skip("on CUDA the zoo's tables run the Triton TBE by default: test_cuda.py compares them with the CPU")
+    expected, none = _zoo_fit(name, optimizer, False, monkeypatch, accumulate)
+    model, steps = _zoo_fit(name, optimizer, True, monkeypatch, accumulate)
+    assert none == [] and len(steps) == triton_steps and set(steps) <= {optimizer["name"]}
+    torch.testing.assert_close(model.state_dict(), expected.state_dict(), rtol=1e-5, atol=1e-6)
+    state, expected_state = model.embedding_optimizer.state_tensors(), expected.embedding_optimizer.state_tensors()
+    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.full
+def test_the_zoos_triton_step_in_a_graph_trains_what_it_trains_eagerly(monkeypatch) -> None:
+    from lightning_hotcache._ops.step_graph import StandInGraphs
+    from lightning_hotcache.optim import rowwise
+
+    if DEVICE.type == "cuda":
+        pytest.skip("test_cuda.py records the graph on CUDA")
+    monkeypatch.setattr(rowwise, "SORTS_WITH_REPEATS_ON", frozenset({"cuda", "cpu"}))
+    optimizer = {"name": "rowwise_adagrad", "lr": 0.05}
+    expected, _ = _zoo_fit("dlrm", optimizer, True, monkeypatch)
+    graphs = StandInGraphs()
+    model, steps = _zoo_fit("dlrm", optimizer, True, monkeypatch, graphs=graphs)
+    assert graphs.captures == 1 and graphs.replays == 5 - 3 and len(steps) == 6
+    for key, value in expected.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key

@@ -18,6 +18,10 @@ class Switch(enum.Enum):
 
     READ_AHEAD = ("LIGHTNING_HOTCACHE_READ_AHEAD", "memory-mapped misses read ahead off the step's path (0: off)")
     COPY_THREADS = ("LIGHTNING_HOTCACHE_COPY_THREADS", "threads a large row copy is split between (unset: by cores)")
+    PLAIN_TABLES_TRITON = (
+        "LIGHTNING_HOTCACHE_PLAIN_TABLES_TRITON",
+        "on CUDA, the zoo's plain tables pooled and stepped by the Triton TBE (0: embedding_bag and the PyTorch row step)",
+    )
 
     def __init__(self, variable: str, controls: str) -> None:
         self.variable = variable

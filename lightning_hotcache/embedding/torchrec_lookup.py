@@ -34,12 +34,27 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
 
+from lightning_hotcache._ops.switches import Switch, enabled
+from lightning_hotcache.kernels import triton_tbe
 from lightning_hotcache.optim.stacked_tables import stacked_rows
 
 
 # Takes a collection's gradient rows as one piece: (its tables, each id's row in the tables laid
 # end to end, each id's gradient row); `RowWiseOptimizer.add_row_gradients`.
 GradientRowsSink = Callable[[Sequence[Tensor], Tensor, Tensor], None]
+# Takes a collection's pooled gradient as one piece: (its tables, each id's row in the tables
+# laid end to end, the bags' offsets, each bag's gradient row, feature-major, mean flags or None,
+# per-id weights or None); `RowWiseOptimizer.add_pooled_gradients`.
+PooledGradientsSink = Callable[[Sequence[Tensor], Tensor, Tensor, Tensor, "Tensor | None", "Tensor | None"], None]
+
+
+def triton_pools_on(device: torch.device) -> bool:
+    """Whether a stack of plain tables on ``device`` is pooled by the Triton TBE (and, where the
+    row-wise optimizer takes the pooled gradient, stepped by it): on CUDA where Triton runs,
+    unless ``LIGHTNING_HOTCACHE_PLAIN_TABLES_TRITON=0``. FBGEMM's table-batched module would
+    need its CUDA build and its own optimizer; ``embedding_bag`` and the PyTorch row step read
+    the batch's gradient rows several times over."""
+    return device.type == "cuda" and enabled(Switch.PLAIN_TABLES_TRITON) and triton_tbe.why_unavailable(device) is None
 
 
 @dataclass(frozen=True)
@@ -90,7 +105,10 @@ def _plan(ebc: EmbeddingBagCollection) -> _Plan | None:
 
 
 def pooled_in_one_node(
-    ebc: nn.Module, features: KeyedJaggedTensor, gradient_rows_to: GradientRowsSink | None = None
+    ebc: nn.Module,
+    features: KeyedJaggedTensor,
+    gradient_rows_to: GradientRowsSink | None = None,
+    pooled_gradients_to: PooledGradientsSink | None = None,
 ) -> Tensor | None:
     """``ebc(features).values()``, (B, F * D), in one autograd node, where ``ebc`` is TorchRec's
     plain `EmbeddingBagCollection` with sparse gradients and the batch's keys are its features in
@@ -100,7 +118,10 @@ def pooled_in_one_node(
     With ``gradient_rows_to`` (a `RowWiseOptimizer.add_row_gradients` over the tables), the
     backward hands it every table's gradient rows as one piece, where all the tables take
     gradients, and the tables get no ``.grad`` from this lookup; otherwise each table's
-    sparse gradient goes to its ``.grad``."""
+    sparse gradient goes to its ``.grad``. Where the tables are one stack on a device the Triton
+    TBE pools on (`triton_pools_on`) it pools them, and with ``pooled_gradients_to`` (a
+    `RowWiseOptimizer.add_pooled_gradients`) the backward hands over the pooled gradient itself,
+    which the optimizer steps in Triton's kernel (or takes apart into gradient rows)."""
     plan = _plan(ebc) if isinstance(ebc, EmbeddingBagCollection) else None
     if (
         plan is None
@@ -112,7 +133,7 @@ def pooled_in_one_node(
     ):
         return None
     weights = [bag.weight for bag in plan.bags]
-    return _PooledLookup.apply(plan, features, gradient_rows_to, *weights)
+    return _PooledLookup.apply(plan, features, (gradient_rows_to, pooled_gradients_to), *weights)
 
 
 class _PooledLookup(torch.autograd.Function):
@@ -123,17 +144,30 @@ class _PooledLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, plan: _Plan, features: KeyedJaggedTensor, gradient_rows_to: GradientRowsSink | None, *weights: Tensor
+        ctx: Any,
+        plan: _Plan,
+        features: KeyedJaggedTensor,
+        sinks: tuple[GradientRowsSink | None, PooledGradientsSink | None],
+        *weights: Tensor,
     ) -> Tensor:
         batch_size, num_features = features.stride(), len(plan.feature_names)
         ids, lengths, per_id = features.values(), features.lengths(), features.weights_or_none()
         starts = features.offset_per_key()  # on the host: the datamodules compute it with the batch
         ctx.plan, ctx.starts, ctx.batch_size = plan, starts, batch_size
         ctx.ids, ctx.lengths, ctx.per_id = ids, lengths, per_id
+        gradient_rows_to, pooled_gradients_to = sinks
         stack = stacked_rows(weights)
         rows = _rows_end_to_end(plan, features) if stack is not None or gradient_rows_to is not None else None
         ctx.gradient_rows_to, ctx.weights = gradient_rows_to, weights
         ctx.rows = None if gradient_rows_to is None else rows
+        triton = stack is not None and triton_pools_on(stack.device)
+        ctx.pooled_gradients_to = pooled_gradients_to if triton and gradient_rows_to is not None else None
+        if triton:
+            # Every bag of every feature in one launch; bag f * B + b is the lengths' order.
+            ctx.offsets = features.offsets()
+            ctx.bag_mean = torch.ones(len(lengths), dtype=torch.int32, device=ids.device) if plan.mode == "mean" else None
+            pooled = triton_tbe.pooled(stack, rows, ctx.offsets, ctx.bag_mean, per_id)
+            return pooled.view(num_features, batch_size, -1).transpose(0, 1).reshape(batch_size, -1)
         if stack is not None:
             # Every bag of every feature in one `embedding_bag` over the stack, each id moved to
             # its table's rows there; the bags come feature by feature, (F * B, D).
@@ -167,6 +201,11 @@ class _PooledLookup(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         plan, starts, batch_size = ctx.plan, ctx.starts, ctx.batch_size
         num_features, dim = len(plan.feature_names), grad.shape[1] // len(plan.feature_names)
+        if ctx.pooled_gradients_to is not None and all(ctx.needs_input_grad[3:]):
+            # Bag f * B + b's gradient row, feature-major as the offsets cut the ids.
+            per_bag = grad.view(batch_size, num_features, dim).transpose(0, 1).reshape(num_features * batch_size, dim)
+            ctx.pooled_gradients_to(ctx.weights, ctx.rows, ctx.offsets, per_bag, ctx.bag_mean, ctx.per_id)
+            return (None, None, None, *[None] * len(plan.bags))
         # Bag (feature f, sample b) is row b * F + f of the pooled gradient viewed as (B * F, D);
         # the ids come feature by feature, sample by sample, as the lengths do.
         bag_rows = _bag_rows(batch_size, num_features, grad.device)

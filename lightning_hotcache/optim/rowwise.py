@@ -15,6 +15,7 @@ inside the table-batched module (and have no CPU Adam).
 
 from __future__ import annotations
 
+import collections
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal, Sequence
@@ -26,6 +27,7 @@ from typing_extensions import override
 from lightning_hotcache._compat import add_to_each
 from lightning_hotcache._ops.host_rows import put_rows
 from lightning_hotcache._ops.sorting import sort_with_repeats, split_stack_rows, sum_by_index
+from lightning_hotcache.kernels import triton_tbe
 from lightning_hotcache.optim.stacked_tables import stacked_rows
 
 RowWiseOptimizerName = Literal["sgd", "rowwise_adagrad", "adam"]
@@ -42,6 +44,23 @@ ROWWISE_OPTIMIZERS: tuple[str, ...] = ("sgd", "rowwise_adagrad", "adam")
 SORTS_WITH_REPEATS_ON = frozenset({"cuda"})
 # Gradient rows of tables of one width: each one's row (repeats allowed), and the rows themselves.
 GradientRows = tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class PooledGradients:
+    """A lookup's gradient as its bags' (`RowWiseOptimizer.add_pooled_gradients`)."""
+
+    tables: tuple[Tensor, ...]
+    rows: Tensor  # each id's row in the tables laid end to end
+    offsets: Tensor  # the bags' cuts of ``rows``
+    grad: Tensor  # each bag's gradient row
+    bag_mean: Tensor | None  # per bag: averaged (1) or summed (0); None: all summed
+    per_sample_weights: Tensor | None
+
+    def as_rows(self) -> tuple[tuple[Tensor, ...], Tensor, Tensor]:
+        """The same gradient as each id's gradient row (`RowWiseOptimizer.add_row_gradients`)."""
+        bag_of_value, scale = triton_tbe.value_scales(self.offsets, self.rows.numel(), self.bag_mean, self.per_sample_weights)
+        return self.tables, self.rows, self.grad.index_select(0, bag_of_value).mul_(scale.unsqueeze(1))
 
 
 @dataclass(frozen=True)
@@ -242,6 +261,7 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults={})
         self._stacks: dict[tuple[int, torch.device], _StateStack] = {}  # by width and device
         self._handed_over: list[tuple[tuple[Tensor, ...], Tensor, Tensor]] = []  # see add_row_gradients
+        self._pooled: list[PooledGradients] = []  # see add_pooled_gradients
 
     def add_row_gradients(self, tables: Sequence[Tensor], rows: Tensor, grads: Tensor) -> None:
         """Take the sparse gradient of ``tables`` (of one width and device, all this optimizer's)
@@ -258,13 +278,44 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         """
         self._handed_over.append((tuple(tables), rows, grads))
 
+    def add_pooled_gradients(
+        self,
+        tables: Sequence[Tensor],
+        rows: Tensor,
+        offsets: Tensor,
+        grad: Tensor,
+        bag_mean: Tensor | None,
+        per_sample_weights: Tensor | None,
+    ) -> None:
+        """Take the gradient of ``tables`` as their bags' (``grad[k]`` for the ids
+        ``rows[offsets[k]:offsets[k + 1]]``, rows of the tables laid end to end as in
+        `add_row_gradients`). Where it is a step's only gradient of those tables, the tables
+        are one stack in the state's order, the rule is one the Triton TBE applies and no
+        process reduces the rows, `step` applies it in Triton's kernel, one pass over the bags
+        (`triton_tbe.backward_step`); otherwise it steps it as gradient rows."""
+        self._pooled.append(PooledGradients(tuple(tables), rows, offsets, grad, bag_mean, per_sample_weights))
+
+    def _step_in_triton(self, piece: PooledGradients, others: int) -> bool:
+        """Step ``piece`` in Triton's kernel where it can (see `add_pooled_gradients`)."""
+        if others or self.config.name not in triton_tbe.TRITON_RULES:
+            return False
+        stack = self._stacks[_width(piece.tables[0])]
+        weights = stacked_rows(stack.tables)
+        if weights is None or stack.first_row[piece.tables[0]] != 0 or len(piece.tables) != len(stack.tables):
+            return False
+        triton_tbe.backward_step(
+            weights, piece.grad, piece.rows, piece.offsets, self.config.name, self.config.lr, self.config.eps,
+            stack.arrays.get("momentum"), piece.bag_mean, piece.per_sample_weights,
+        )  # fmt: skip
+        return True
+
     def state_tensors(self) -> list[Tensor]:
         """Every per-row state array this optimizer steps (those of the tables stepped so far)."""
         return [array for stack in self._stacks.values() for array in stack.arrays.values()]
 
     @override
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._handed_over = []  # gradients too, only not in ``.grad``
+        self._handed_over, self._pooled = [], []  # gradients too, only not in ``.grad``
         super().zero_grad(set_to_none)
 
     def _state_stacks(self, params: Iterable[Tensor]) -> None:
@@ -346,8 +397,15 @@ class RowWiseOptimizer(torch.optim.Optimizer):
                 loss = closure()
         taken = self._take_sparse_gradients()
         handed_over, self._handed_over = self._handed_over, []
+        pooled, self._pooled = self._pooled, []
         if reduce_rows is None:
-            self._state_stacks(itertools.chain((param for param, _ in taken), (t for tables, _, _ in handed_over for t in tables)))
+            self._state_stacks(
+                itertools.chain((param for param, _ in taken), (t for tables, _, _ in handed_over for t in tables), (t for p in pooled for t in p.tables))
+            )
+            pieces = collections.Counter(
+                (t.shape[1], t.device) for t in itertools.chain((p for p, _ in taken), (ts[0] for ts, _, _ in handed_over), (p.tables[0] for p in pooled))
+            )
+            handed_over += [piece.as_rows() for piece in pooled if not self._step_in_triton(piece, pieces[_width(piece.tables[0])] - 1)]
             summed = [grad.is_coalesced() for _, grad in taken]  # sparse_ddp's: each table's summed already
             for (param, grad), done in zip(taken, summed):
                 if done:
@@ -355,6 +413,7 @@ class RowWiseOptimizer(torch.optim.Optimizer):
             taken = [pair for pair, done in zip(taken, summed) if not done]
         else:  # every width, so that every process reduces the same ones
             self._state_stacks(p for group in self.param_groups for p in group["params"])
+            handed_over += [piece.as_rows() for piece in pooled]
         by_width = self._rows_by_width(taken, handed_over)
         if reduce_rows is not None:
             widths = list(dict.fromkeys((p.shape[1], p.device) for group in self.param_groups for p in group["params"]))
@@ -402,6 +461,10 @@ class RowWiseOptimizer(torch.optim.Optimizer):
             stack_rows.append(self._stacks[key].rows_of_tables(tables, rows))
             values.append(grads)
         return by_width
+
+
+def _width(table: Tensor) -> tuple[int, torch.device]:
+    return table.shape[1], table.device
 
 
 def _joined(rows: list[Tensor], grads: list[Tensor], width: int, device: torch.device) -> GradientRows:
