@@ -126,7 +126,7 @@ def assert_hotcache_matches_auto(
     assert_same_val_metrics(metrics, expected_metrics)
 
 
-TRITON_FIT = dict(batch_size=16, num_train_samples=320, num_val_samples=32)  # Triton's interpreter runs a program at a time
+TRITON_FIT = dict(batch_size=16, num_train_samples=168, num_val_samples=16)  # Triton's interpreter runs a program at a time
 
 
 @pytest.mark.parametrize(
