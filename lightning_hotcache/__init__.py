@@ -1,31 +1,30 @@
 """lightning-hotcache: train CTR models whose embedding tables outgrow the accelerator.
 
-Importing this package registers the strategies with Lightning (their classes, as Lightning's
-own are registered, so code that inspects ``StrategyRegistry`` sees strategy classes); the
-other parts (profiler, planner, cache, embedding module, CLI) load on first attribute access.
+Importing this package registers the strategies' names with Lightning; every part (the
+strategies, profiler, planner, cache, embedding module) loads on first use, so that a command
+that needs none of them (``hotcache --help``) imports neither TorchRec nor numba.
 """
 
 from importlib import import_module
 from typing import Any
 
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_hotcache._compat import alias_moved_modules
-
-from lightning_hotcache.callbacks.metrics import CacheMetrics, SamplesPerSecond
-from lightning_hotcache.optim.rowwise import (
-    ROWWISE_OPTIMIZERS,
-    RowWiseOptimizer,
-    RowWiseOptimizerConfig,
-    use_sparse_gradients,
-)
-from lightning_hotcache.distributed.sparse_ddp import average_sparse_gradients, keep_out_of_ddp
-from lightning_hotcache.strategies.hotcache import HotCacheStrategy
-from lightning_hotcache.strategies.torchrec import TorchRecStrategy
 
 alias_moved_modules()  # old flat module paths still import, with a DeprecationWarning
 
 _LAZY = {
+    "HotCacheStrategy": "lightning_hotcache.strategies.hotcache",
+    "TorchRecStrategy": "lightning_hotcache.strategies.torchrec",
+    "CacheMetrics": "lightning_hotcache.callbacks.metrics",
+    "SamplesPerSecond": "lightning_hotcache.callbacks.metrics",
+    "ROWWISE_OPTIMIZERS": "lightning_hotcache.optim.rowwise",
+    "RowWiseOptimizer": "lightning_hotcache.optim.rowwise",
+    "RowWiseOptimizerConfig": "lightning_hotcache.optim.rowwise",
+    "use_sparse_gradients": "lightning_hotcache.optim.rowwise",
+    "average_sparse_gradients": "lightning_hotcache.distributed.sparse_ddp",
+    "keep_out_of_ddp": "lightning_hotcache.distributed.sparse_ddp",
     "AccessProfiler": "lightning_hotcache.planner.profiling",
     "AccessStats": "lightning_hotcache.planner.profiling",
     "profile_batches": "lightning_hotcache.planner.profiling",
@@ -63,12 +62,26 @@ STRATEGY_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def _hotcache_strategy(**init_args: Any) -> Strategy:
+    """A `HotCacheStrategy` for a registered name (imported when a Trainer asks for one)."""
+    from lightning_hotcache.strategies.hotcache import HotCacheStrategy
+
+    return HotCacheStrategy(**init_args)
+
+
+def _torchrec_strategy(**init_args: Any) -> Strategy:
+    """A `TorchRecStrategy` for the registered name ``torchrec``."""
+    from lightning_hotcache.strategies.torchrec import TorchRecStrategy
+
+    return TorchRecStrategy(**init_args)
+
+
 for _name, (_description, _init_args) in STRATEGY_PRESETS.items():
     if _name not in StrategyRegistry:
-        StrategyRegistry.register(_name, HotCacheStrategy, description=_description, **_init_args)
+        StrategyRegistry.register(_name, _hotcache_strategy, description=_description, **_init_args)
 if "torchrec" not in StrategyRegistry:
     StrategyRegistry.register(
-        "torchrec", TorchRecStrategy, description="TorchRec's DistributedModelParallel sharding (baseline)"
+        "torchrec", _torchrec_strategy, description="TorchRec's DistributedModelParallel sharding (baseline)"
     )
 
 
@@ -78,18 +91,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'lightning_hotcache' has no attribute {name!r}")
 
 
-__all__ = [
-    "ROWWISE_OPTIMIZERS",
-    "RowWiseOptimizer",
-    "RowWiseOptimizerConfig",
-    "CacheMetrics",
-    "SamplesPerSecond",
-    "STRATEGY_PRESETS",
-    "use_sparse_gradients",
-    "keep_out_of_ddp",
-    "average_sparse_gradients",
-    "HotCacheStrategy",
-    "TorchRecStrategy",
-    *_LAZY,
-]
+__all__ = ["STRATEGY_PRESETS", *_LAZY]
 __version__ = "0.1.0"

@@ -37,9 +37,6 @@ from rich.table import Table
 from typing_extensions import override
 
 from lightning_hotcache._compat import has_last_checkpoint
-from lightning_hotcache.cache import CACHE_POLICIES
-from lightning_hotcache.cache.lookahead import default_lookahead_batches
-from lightning_hotcache.callbacks.predictions import DEFAULT_PATH, PredictionWriter
 
 
 class HotCacheCLI(LightningCLI):
@@ -123,6 +120,8 @@ class HotCacheCLI(LightningCLI):
         # LightningCLI returns `predict`'s predictions to nobody: without a writer of the user's,
         # the scores go to a file in the run's folder.
         if not any(isinstance(c, BasePredictionWriter) for c in self.trainer.callbacks):
+            from lightning_hotcache.callbacks.predictions import DEFAULT_PATH, PredictionWriter
+
             path = Path(self.trainer.default_root_dir) / DEFAULT_PATH
             self.trainer.callbacks.append(PredictionWriter(path))
 
@@ -175,18 +174,25 @@ def model_tables(model: torch.nn.Module) -> list:
     return [t for m in model.modules() if isinstance(m, EmbeddingBagCollection) for t in m.embedding_bag_configs()]
 
 
+# What `hotcache profile` and `hotcache plan` do (their parsers' descriptions, and `hotcache --help`'s).
+_TOOLS = {
+    "profile": "Count row accesses of the training data; save them as .npz.",
+    "plan": "Print (and save) the hot/cold plan for a device budget.",
+}
+
+
 def _tool_parser(command: str) -> argparse.ArgumentParser:
+    from lightning_hotcache.cache import CACHE_POLICIES  # here: `hotcache --help` imports no cache
+
     parser = argparse.ArgumentParser(
         prog=f"hotcache {command}",
-        description="Model and data come from a LightningCLI config (-c) plus any --model/--data/--trainer overrides.",
+        description=f"{_TOOLS[command]} Model and data come from a LightningCLI config (-c) plus any --model/--data/--trainer overrides.",
     )
     parser.add_argument("--batches", type=int, default=200, help="training batches to profile (default 200)")
     if command == "profile":
-        parser.description = "Count row accesses of the training data; save them as .npz. " + parser.description
         parser.add_argument("--out", required=True, help="where to write the stats (.npz)")
         parser.add_argument("--plot", help="also save the coverage curves as an image (e.g. coverage.png)")
     else:
-        parser.description = "Print (and save) the hot/cold plan for a device budget. " + parser.description
         parser.epilog = (
             "Options left out are the run's: the config's hotcache strategy settings (else the strategy's "
             "defaults), and the trainer's world size and device."
@@ -232,6 +238,7 @@ def _given(option: Any, default: Any) -> Any:
 
 def run_tool(command: str, argv: Sequence[str]) -> Any:
     """``hotcache profile`` / ``hotcache plan``: model and data from the config, no training."""
+    from lightning_hotcache.cache.lookahead import default_lookahead_batches
     from lightning_hotcache.planner.plan import HotColdPlanner, StatsNeededError, staging_choice, tables_bytes
     from lightning_hotcache.checkpoint.files import check_output_file
     from lightning_hotcache.planner.profiling import AccessStats, plot_coverage
@@ -340,7 +347,7 @@ def _first_sentence(text: str) -> str:
 def _help() -> str:
     """``hotcache --help``: every command with one line (LightningCLI's own help knows only its subcommands)."""
     summaries = {name: inspect.getdoc(getattr(Trainer, name)) or "" for name in HotCacheCLI.subcommands()}
-    summaries |= {name: _tool_parser(name).description or "" for name in ("profile", "plan")}
+    summaries |= _TOOLS
     summaries["consolidate"] = _consolidate_parser().description or ""
     width = max(map(len, summaries))
     return "\n".join([

@@ -269,6 +269,21 @@ def test_module_entry_point_prints_help() -> None:
     assert "fit" in result.stdout and "validate" in result.stdout
 
 
+def test_help_imports_neither_torchrec_nor_numba() -> None:
+    # Issue 69 item 14: `hotcache --help` imported TorchRec, FBGEMM and numba (about a second and
+    # a half on top of Lightning's import); the strategies and the cache load when a command needs them.
+    script = (
+        "import sys, runpy\n"
+        "sys.argv = ['hotcache', '--help']\n"
+        "try:\n    runpy.run_module('lightning_hotcache', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torchrec', 'fbgemm_gpu', 'numba', 'wandb') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "plan" in result.stdout and result.stdout.strip().endswith("[]"), result.stdout
+
+
 @pytest.mark.parametrize("class_path", ["lightning_hotcache.HotCacheStrategy", "lightning_hotcache.strategies.hotcache.HotCacheStrategy"])
 def test_strategy_by_class_path_alone(class_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_hotcache import HotCacheStrategy
