@@ -75,8 +75,9 @@ class CudaGraphs:
 
     def capture(self, step: Callable[[], Any], touched: Callable[[], Sequence[Tensor]]) -> tuple[Any, Any]:
         graph = torch.cuda.CUDAGraph()
-        # Recording launches nothing, so a capture that fails has written nothing.
-        with torch.cuda.graph(graph):
+        # Recording launches nothing, so a capture that fails has written nothing. Thread-local:
+        # the loader's pinning thread (and hotcache's staging threads) may call CUDA meanwhile.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             outputs = step()
         graph.replay()
         return graph, outputs
