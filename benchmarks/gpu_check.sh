@@ -66,7 +66,7 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   SMALL="--device cpu --scale 0.001 --batch-size 64"
   BENCH_ARGS="$SMALL --steps 5 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01"  # stage 3's
   BEYOND_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1"  # no cap on a CPU
-  PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto auto+eager hotcache@0.1 hotcache@0.01"
+  PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 0.02 --rows 2000 --copies 3 --threads 1 2"
   TBE_ARGS="--tables 3 --rows-per-table 100 --dim 8 --batch-size 16 --calls 2"  # Triton's interpreter: a check, not a speed
   export TRITON_INTERPRET=1
@@ -81,7 +81,7 @@ else
   # thread's time goes (compiled loops and row copies, which torch.profiler does not see).
   BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 120 --warmup 80 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01"}
   BEYOND_ARGS="--scale 1.0 --steps 120 --warmup 80 --rounds 1 --device-memory 8 --strategies auto hotcache@0.1"
-  PROFILE_ARGS="--scale 0.1 --steps 30 --warmup 20 --profile-steps 5 --strategies auto auto+eager hotcache@0.1 hotcache@0.01"
+  PROFILE_ARGS="--scale 0.1 --steps 30 --warmup 20 --profile-steps 5 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 8 --copies 40 --threads 1 2 4 8"
   TBE_ARGS="--tables 26 --rows-per-table 1000000 --dim 128 --batch-size 8192 --calls 50"  # 27 GB of rows and state in GPU memory
   rm -rf .gpu_site
