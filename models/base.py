@@ -155,8 +155,8 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     steps whose logs Lightning writes to the loggers (every ``trainer.log_every_n_steps``;
     set it to 1 for every step): the loggers get what they got when it was logged every
     step, and the progress bar and ``trainer.callback_metrics`` hold the latest written
-    step's loss. A ``self.log`` call made Lightning's step 1.2-2.3 ms longer (of 5-7 ms,
-    a tiny DLRM on a 2-core CPU), host time a GPU step bound by its host cannot spare.
+    step's loss. Each ``self.log`` call is host time in Lightning's step, which a GPU step
+    bound by its host cannot spare.
     """
 
     # training_step checks its loss itself (see `non_finite_loss`): the hotcache strategy
