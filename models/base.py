@@ -67,8 +67,8 @@ TableSpec = EmbeddingBagConfig | Mapping[str, Any]
 def fused_adam_fits(parameters: Sequence[Tensor]) -> bool | None:
     """Whether torch's fused Adam can step ``parameters``: its step is one kernel for all of them
     (on a GPU, where a step's launches are host time, the multi-tensor default launches one per
-    op of the rule), and on the CPU torch's default is a loop over the parameters (the dense
-    step of ``benchmarks/cpu_throughput.py``'s DLRM 0.35 -> 0.10 ms). ``None`` leaves torch's
+    op of the rule), and on the CPU torch's default is a loop over the parameters, several
+    times slower for the zoo's dense layers. ``None`` leaves torch's
     default where it cannot (another device, or parameters not floating point)."""
     fits = bool(parameters) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in parameters)
     return True if fits else None
@@ -308,7 +308,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     def _gradient_rows_to(self) -> GradientRowsSink | None:
         """Where a lookup hands its tables' gradient rows over as one piece: the row-wise
         optimizer, in a fit that steps the plain tables (see `RowWiseOptimizer.add_row_gradients`:
-        no ``.grad`` per table, ~45 us of host time each a step on a GPU's host). Outside a fit
+        no ``.grad`` per table, each host time a step on a GPU's host). Outside a fit
         each table's sparse gradient goes to its ``.grad``, as TorchRec's forward gives it."""
         if self._fit_tables and torch.is_grad_enabled():
             return self.embedding_optimizer.add_row_gradients

@@ -29,11 +29,10 @@ class GatheredInteractionArch(InteractionArch):
     ``gather`` from the flattened products.
 
     TorchRec indexes the (B, F+1, F+1) products with two index tensors, whose backward is
-    ``index_put_`` with accumulation: slow on a CPU (below), a sort of all B x F(F+1)/2 positions on
-    CUDA (0.65 ms of a 3.3 ms DLRM step's GPU time on an H200, `benchmarks/results/h200-6ced9e8`).
+    ``index_put_`` with accumulation: slow on a CPU, a sort of all B x F(F+1)/2 positions on
+    CUDA (a fifth of a DLRM step's GPU time in the profile of `benchmarks/results/h200-6ced9e8`).
     ``gather``'s backward is a ``scatter_add`` onto distinct positions: the same values, bit
-    for bit. Forward and backward at batch 2,048, 26 features of dim 16, on a 2-core CPU:
-    7.7 -> 3.4 ms. Its one more buffer is not persistent, as TorchRec's is not: checkpoints do
+    for bit, in about half the time on a CPU. Its one more buffer is not persistent, as TorchRec's is not: checkpoints do
     not change.
     """
 
@@ -146,8 +145,8 @@ class CompressedInteractionNetwork(nn.Module):
 
     def forward(self, fields: Tensor) -> Tensor:
         # The sum is taken over i first (a matmul of X^{k-1} with W^k), then over j against
-        # X^0: the (B, H_{k-1} * m, D) tensor of every pair's product is never built. Same
-        # result, 1.2-1.4x faster forward and backward on CPU for 27 fields x 64 maps x dim 16.
+        # X^0: the (B, H_{k-1} * m, D) tensor of every pair's product is never built: the same
+        # result, with less memory traffic forward and backward.
         x, pooled = fields, []
         batch, num_fields, dim = fields.shape
         for layer in self.layers:

@@ -57,10 +57,16 @@ def test_no_import_runs_from_a_lower_folder_up(path: Path) -> None:
     assert not upward, f"{relative} ({LAYERS[own]}) imports from a higher folder: {sorted(upward)}"
 
 
-FIGURES = re.compile(r"EPYC|Xeon|2-core|\d\.\d+x\b")
+# A machine, a ratio or a timing: "EPYC", "2-core", "1.15x", "3.2 ms", "~70 us", "H200".
+FIGURES = re.compile(r"EPYC|Xeon|2-core|\d\.\d+x\b|\d ?(ms|us)\b|\b[HA]100\b|\bH200\b")
 
 
-@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+ZOO = [PACKAGE.parent / "models", PACKAGE.parent / "datamodules"]
+
+
+@pytest.mark.parametrize(
+    "path", [*modules(), *(p for folder in ZOO for p in sorted(folder.rglob("*.py")))], ids=lambda p: str(p.relative_to(PACKAGE.parent))
+)
 def test_the_package_quotes_no_machine_and_no_ratio(path: Path) -> None:
     # Figures belong in benchmarks/README.md; the code says what it does and why.
     hits = [f"{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1) if FIGURES.search(line)]

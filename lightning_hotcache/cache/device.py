@@ -499,8 +499,7 @@ class DeviceCache:
         ahead, of those read next by one batch the least used first. The scan is one compiled
         pass (`directory.window_victims`): at 1% of the rows the window's rows often fill the
         cache, so it runs nearly every batch, and as torch ops (masks, a top-k over every
-        awaited slot) it took 3.2 ms of a batch's ~20 of staging, 1.6 ms compiled (batches of
-        8,192, 190k dynamic slots, 2 cores; alone, 200k slots: 8.3 -> 1.2 ms)."""
+        awaited slot) it took twice the compiled pass's time of a batch's staging."""
         assert self.window is not None
         spare, short, free = directory.window_victims(
             self.holders, self.window.next_read, self.frequency, self.num_static, count, _USES_CAP, NEVER

@@ -88,7 +88,7 @@ def read_ahead(array: Tensor, ids: Tensor) -> int:
 class _Requests:
     """The rows still to be read ahead, and the thread that makes their system calls, so that
     the announcing thread (on the CPU, the training loop itself) does not wait for them
-    (asking for a page the kernel must read costs it ~6 us: 2,400 rows a batch, ~15 ms). The
+    (each page the kernel must read is a system call that waits for it, thousands a batch). The
     thread runs while there are requests and ends when there are none: no thread outlives the
     work, and `settle` leaves none behind at the end of a fit."""
 

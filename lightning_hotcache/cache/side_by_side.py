@@ -2,9 +2,8 @@
 apart (the parts of a width's split tables, `lightning_hotcache.embedding.layout`) spread over
 a few threads.
 
-On a GPU host staging is the 1% cache's bound: the prefetch thread took 13.9 ms a batch at
-scale 1.0, batch 8,192, against `auto`'s 11.1 ms step (H200, 16 cores, most of them idle),
-and its work (the directory's compiled passes, the row gathers and writes) is one thread's,
+On a GPU host staging bounds a small cache's step: the prefetch thread took longer a batch than
+`auto`'s whole step, on a host whose other cores were mostly idle (benchmarks/README.md), and its work (the directory's compiled passes, the row gathers and writes) is one thread's,
 pass after pass. The directory's passes hold no GIL and torch's copies release it, so caches
 of their own staged on threads of their own run side by side.
 

@@ -51,8 +51,8 @@ def batch_to_device(batch: Any, device: torch.device) -> Any:
     Lightning's own move (``move_data_to_device``) copies a torchrec ``Batch`` with
     ``non_blocking=False``, and CUDA makes such a copy, like any from pageable memory, wait
     for the work already queued on the stream: on the prefetch thread, for the training step
-    in flight (a batch's 5-6 tensors: most of the ~7 stream syncs a step of the H100's
-    profile). A batch the data loader pinned is not copied again. Other types with a ``.to``
+    in flight (a batch's 5-6 tensors: most of the stream syncs a step a GPU profile showed).
+    A batch the data loader pinned is not copied again. Other types with a ``.to``
     move as Lightning moves them."""
     if device.type != "cuda":
         return move_data_to_device(batch, device)

@@ -80,7 +80,7 @@ class CacheMetrics(Callback):
 
     ``cache/hit_rate`` (all tables, on the progress bar), ``cache/<table>/hit_rate`` of each
     table split between the device and the host (a table wholly on the device hits every
-    time: its 1.0 would be one more ~1 ms ``self.log`` for nothing), rows fetched into and
+    time: its 1.0 would be one more ``self.log``, host time a step, for nothing), rows fetched into and
     evicted from the device per step, and host->device / device->host bytes
     per sample; with a prefetch thread, the share of steps whose batch was not staged in time
     (``cache/staging_waits``) and the milliseconds a step waited for it on average
