@@ -144,8 +144,8 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             batches (an epoch's short last one, multi-hot batches of changing lengths) step
             eagerly. It applies under one process's own strategy (``auto`` on one GPU), in
             float32 (TF32 matmuls too), without gradient accumulation, with
-            ``non_finite_loss="raise"``, and to this class's ``training_step`` (a subclass that
-            overrides it steps eagerly); the log line at fit start says which. The dense
+            ``non_finite_loss="raise"``, and to this class's step (a subclass that overrides
+            ``training_step``, ``training_loss`` or ``backward`` steps eagerly); the log line at fit start says which. The dense
             optimizer still steps after it, through Lightning's hooks (clipping, schedulers). Under
             the graph a non-finite loss is read a step late (or at the step's logging): the
             error then comes after that step's update and the next step have run, and before
@@ -230,7 +230,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         stack_tables(self)  # one tensor of rows per collection: one op a step for all its tables
         self._embedding_optimizer: RowWiseOptimizer | None = None
         # This fit's plain tables and whether DDP left them out, found once at its start (see
-        # `on_fit_start`; None outside a fit): the walk over the modules was ~2% of a step's host time.
+        # `on_fit_start`; None outside a fit): a walk over the modules each step is host time the step need not spend.
         self._fit_tables: list[Tensor] | None = None
         self._fit_tables_outside_ddp = False
         # This fit's graph of the training step (None: every step eager) and what its steps

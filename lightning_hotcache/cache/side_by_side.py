@@ -3,8 +3,9 @@ apart (the parts of a width's split tables, `lightning_hotcache.embedding.layout
 a few threads.
 
 On a GPU host staging bounds a small cache's step: the prefetch thread took longer a batch than
-`auto`'s whole step, on a host whose other cores were mostly idle (benchmarks/README.md), and its work (the directory's compiled passes, the row gathers and writes) is one thread's,
-pass after pass. The directory's passes hold no GIL and torch's copies release it, so caches
+`auto`'s whole step, on a host whose other cores were mostly idle (benchmarks/README.md), and
+its work (the directory's compiled passes, the row gathers and writes) is one thread's, pass
+after pass. The directory's passes hold no GIL and torch's copies release it, so caches
 of their own staged on threads of their own run side by side.
 
 Written by hand around `concurrent.futures`: its pool's threads do not see the caller's

@@ -402,10 +402,11 @@ class RowWiseOptimizer(torch.optim.Optimizer):
             self._state_stacks(
                 itertools.chain((param for param, _ in taken), (t for tables, _, _ in handed_over for t in tables), (t for p in pooled for t in p.tables))
             )
-            pieces = collections.Counter(
-                (t.shape[1], t.device) for t in itertools.chain((p for p, _ in taken), (ts[0] for ts, _, _ in handed_over), (p.tables[0] for p in pooled))
-            )
-            handed_over += [piece.as_rows() for piece in pooled if not self._step_in_triton(piece, pieces[_width(piece.tables[0])] - 1)]
+            if pooled:  # each width's pieces: Triton steps a width's only one
+                pieces = collections.Counter(
+                    map(_width, itertools.chain((p for p, _ in taken), (ts[0] for ts, _, _ in handed_over), (p.tables[0] for p in pooled)))
+                )
+                handed_over += [piece.as_rows() for piece in pooled if not self._step_in_triton(piece, pieces[_width(piece.tables[0])] - 1)]
             summed = [grad.is_coalesced() for _, grad in taken]  # sparse_ddp's: each table's summed already
             for (param, grad), done in zip(taken, summed):
                 if done:

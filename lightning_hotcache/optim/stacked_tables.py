@@ -4,8 +4,8 @@ them all with one op each.
 TorchRec's unsharded `EmbeddingBagCollection` gives every table a weight of its own, so the
 forward looks each table up with an `embedding_bag` of its own and the row-wise step gathers and
 writes each table apart: on a GPU, where ``auto``'s step is bound by the host's launches, that is
-host time per table per op, a large share of the step with tens of tables (benchmarks/README.md). FBGEMM's table-batched module
-stores all tables in one weight for that reason, but it keeps its own optimizer and needs its
+host time per table per op, a large share of the step with tens of tables (benchmarks/README.md).
+FBGEMM's table-batched module stores all tables in one weight for that reason, but it keeps its own optimizer and needs its
 CUDA build. Here each table's ``nn.Parameter`` stays where TorchRec put it, with its name, shape,
 state dict and sharders, but its data is a view of one stack of rows: the forward
 (`lightning_hotcache.embedding.torchrec_lookup`) and the row-wise step
