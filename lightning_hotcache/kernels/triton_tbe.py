@@ -64,9 +64,32 @@ def _block(dim: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _row_at(weight, host, at, cols, mask, weight_stride, host_stride, TWO_TIERS: tl.constexpr):
+        """Row ``at`` of ``weight``, or with ``TWO_TIERS`` where ``at < 0`` row ``-at - 1`` of ``host``."""
+        if TWO_TIERS:
+            if at >= 0:
+                values = tl.load(weight + at * weight_stride + cols, mask=mask, other=0.0)
+            else:
+                values = tl.load(host + (-at - 1) * host_stride + cols, mask=mask, other=0.0)
+        else:
+            values = tl.load(weight + at * weight_stride + cols, mask=mask, other=0.0)
+        return values
+
+    @triton.jit
+    def _put_row_at(weight, host, at, cols, values, mask, weight_stride, host_stride, TWO_TIERS: tl.constexpr):
+        """`_row_at`'s store: ``values`` written where the row lives."""
+        if TWO_TIERS:
+            if at >= 0:
+                tl.store(weight + at * weight_stride + cols, values, mask=mask)
+            else:
+                tl.store(host + (-at - 1) * host_stride + cols, values, mask=mask)
+        else:
+            tl.store(weight + at * weight_stride + cols, values, mask=mask)
+
+    @triton.jit
     def _pooled_kernel(
-        weight, indices, offsets, per_sample, bag_mean, out, dim, weight_stride, out_stride,
-        HAS_WEIGHTS: tl.constexpr, HAS_MEAN: tl.constexpr, BLOCK: tl.constexpr,
+        weight, host, indices, offsets, per_sample, bag_mean, out, dim, weight_stride, host_stride, out_stride,
+        HAS_WEIGHTS: tl.constexpr, HAS_MEAN: tl.constexpr, TWO_TIERS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         bag = tl.program_id(0)
         start = tl.load(offsets + bag)
@@ -75,8 +98,8 @@ if triton is not None:
         mask = cols < dim
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in range(start, end):
-            row = tl.load(indices + j).to(tl.int64)
-            values = tl.load(weight + row * weight_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            at = tl.load(indices + j).to(tl.int64)
+            values = _row_at(weight, host, at, cols, mask, weight_stride, host_stride, TWO_TIERS).to(tl.float32)
             if HAS_WEIGHTS:
                 values = values * tl.load(per_sample + j).to(tl.float32)
             acc += values
@@ -87,8 +110,9 @@ if triton is not None:
 
     @triton.jit
     def _backward_step_kernel(
-        weight, momentum, sorted_rows, order, bag_of_value, scale, grad, num_values, dim, weight_stride, grad_stride,
-        lr, eps, ADAGRAD: tl.constexpr, BLOCK: tl.constexpr,
+        weight, momentum, host, host_momentum, sorted_rows, order, bag_of_value, scale, grad, num_values, dim,
+        weight_stride, host_stride, grad_stride, lr, eps,
+        ADAGRAD: tl.constexpr, TWO_TIERS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         p = tl.program_id(0)
         row = tl.load(sorted_rows + p)
@@ -109,34 +133,63 @@ if triton is not None:
                 same = False
                 if q < num_values:
                     same = tl.load(sorted_rows + q) == row
-            at = weight + row.to(tl.int64) * weight_stride + cols
-            w = tl.load(at, mask=mask, other=0.0)
+            at = row.to(tl.int64)
+            w = _row_at(weight, host, at, cols, mask, weight_stride, host_stride, TWO_TIERS)
             if ADAGRAD:
-                acc = tl.load(momentum + row) + tl.sum(g * g, axis=0) / dim
-                tl.store(momentum + row, acc)
+                one = cols < 1  # the momentum: one value a row
+                acc = tl.sum(_row_at(momentum, host_momentum, at, cols, one, 1, 1, TWO_TIERS), axis=0) + tl.sum(g * g, axis=0) / dim
+                _put_row_at(momentum, host_momentum, at, cols, tl.zeros([BLOCK], dtype=tl.float32) + acc, one, 1, 1, TWO_TIERS)
                 w = w - lr * g / (tl.sqrt(acc) + eps)
             else:
                 w = w - lr * g
-            tl.store(at, w, mask=mask)
+            _put_row_at(weight, host, at, cols, w, mask, weight_stride, host_stride, TWO_TIERS)
+
+    @triton.jit
+    def _move_rows_kernel(slots_array, host_array, slots, write_rows, fill_rows, width, slot_stride, host_stride, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        slot = tl.load(slots + i).to(tl.int64)
+        written = tl.load(write_rows + i).to(tl.int64)
+        filled = tl.load(fill_rows + i).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < width
+        at_slot = slots_array + slot * slot_stride + cols
+        if written >= 0:
+            tl.store(host_array + written * host_stride + cols, tl.load(at_slot, mask=mask), mask=mask)
+        if filled >= 0:
+            tl.store(at_slot, tl.load(host_array + filled * host_stride + cols, mask=mask), mask=mask)
 
 
 def pooled(
-    weight: Tensor, indices: Tensor, offsets: Tensor, bag_mean: Tensor | None = None, per_sample_weights: Tensor | None = None
+    weight: Tensor,
+    indices: Tensor,
+    offsets: Tensor,
+    bag_mean: Tensor | None = None,
+    per_sample_weights: Tensor | None = None,
+    host_weight: Tensor | None = None,
 ) -> Tensor:
     """One pooled row per bag, ``(len(offsets) - 1, dim)`` float32: each bag's rows of
     ``weight`` summed (times ``per_sample_weights``), averaged where ``bag_mean`` (one flag a
-    bag) is set. One launch for every bag of the stack."""
+    bag) is set. One launch for every bag of the stack. With ``host_weight`` the indices are
+    locations (`location_of_host_row`): a negative one reads its row of ``host_weight`` in place
+    (host memory mapped into the device's address space, see `lightning_hotcache.cache.mapped`)."""
     num_bags, dim = offsets.numel() - 1, weight.shape[1]
     out = torch.empty(num_bags, dim, dtype=torch.float32, device=weight.device)
     if num_bags == 0:
         return out
     bag_mean = None if bag_mean is None else bag_mean.to(torch.int32)
+    host = weight if host_weight is None else host_weight
     _pooled_kernel[(num_bags,)](
-        weight, indices, offsets, per_sample_weights if per_sample_weights is not None else out,
-        bag_mean if bag_mean is not None else offsets, out, dim, weight.stride(0), out.stride(0),
-        HAS_WEIGHTS=per_sample_weights is not None, HAS_MEAN=bag_mean is not None, BLOCK=_block(dim),
+        weight, host, indices, offsets, per_sample_weights if per_sample_weights is not None else out,
+        bag_mean if bag_mean is not None else offsets, out, dim, weight.stride(0), host.stride(0), out.stride(0),
+        HAS_WEIGHTS=per_sample_weights is not None, HAS_MEAN=bag_mean is not None, TWO_TIERS=host_weight is not None,
+        BLOCK=_block(dim),
     )  # fmt: skip
     return out
+
+
+def location_of_host_row(rows: Tensor) -> Tensor:
+    """The location a kernel reads host row ``r`` at: ``-r - 1`` (slots are ``>= 0``)."""
+    return -rows - 1
 
 
 def value_scales(offsets: Tensor, num_values: int, bag_mean: Tensor | None, per_sample_weights: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -165,25 +218,48 @@ def backward_step(
     momentum: Tensor | None = None,
     bag_mean: Tensor | None = None,
     per_sample_weights: Tensor | None = None,
+    host_weight: Tensor | None = None,
+    host_momentum: Tensor | None = None,
 ) -> None:
     """Step the rows of ``weight`` the bags read, in place, from ``grad`` (the pooled output's
     gradient, one row per bag): each distinct row once, from its summed gradient, by ``rule``
     (``sgd``, or ``rowwise_adagrad`` with its per-row ``momentum``, shape ``(rows,)`` or
-    ``(rows, 1)``). One sort and one launch for the whole stack."""
+    ``(rows, 1)``). One sort and one launch for the whole stack. With ``host_weight`` (and
+    ``host_momentum``) the indices are locations, as for `pooled`: a row read from the host is
+    stepped there, in place. A row must have one location in a batch."""
     if rule not in TRITON_RULES:
         raise ValueError(f"the Triton kernels apply {' and '.join(TRITON_RULES)}, not {rule!r}: use kernel='pytorch' for it.")
     if rule == "rowwise_adagrad" and momentum is None:
         raise ValueError("rowwise_adagrad needs the rows' momentum.")
+    if rule == "rowwise_adagrad" and host_weight is not None and host_momentum is None:
+        raise ValueError("rowwise_adagrad on rows read from the host needs the host rows' momentum.")
     num_values = indices.numel()
     if num_values == 0:
         return
     bag_of_value, scale = value_scales(offsets, num_values, bag_mean, per_sample_weights)
     sorted_rows, order = torch.sort(indices.to(torch.int64), stable=True)
     grad = grad.contiguous()
+    host = weight if host_weight is None else host_weight
     _backward_step_kernel[(num_values,)](
-        weight, momentum if momentum is not None else weight, sorted_rows, order, bag_of_value, scale, grad,
-        num_values, weight.shape[1], weight.stride(0), grad.stride(0), float(lr), float(eps),
-        ADAGRAD=rule == "rowwise_adagrad", BLOCK=_block(weight.shape[1]),
+        weight, momentum if momentum is not None else weight, host, host_momentum if host_momentum is not None else host,
+        sorted_rows, order, bag_of_value, scale, grad, num_values, weight.shape[1],
+        weight.stride(0), host.stride(0), grad.stride(0), float(lr), float(eps),
+        ADAGRAD=rule == "rowwise_adagrad", TWO_TIERS=host_weight is not None, BLOCK=_block(weight.shape[1]),
+    )  # fmt: skip
+
+
+def move_rows(slots_array: Tensor, host_array: Tensor, slots: Tensor, write_rows: Tensor, fill_rows: Tensor) -> None:
+    """For each ``i``: where ``write_rows[i] >= 0``, slot ``slots[i]`` of ``slots_array`` is
+    written to that row of ``host_array``; then, where ``fill_rows[i] >= 0``, that host row is
+    copied into the slot. One launch, one program a slot; ``-1`` skips (a fixed-size input
+    with its counts on the device). The slots must be distinct, and no row both written and
+    filled."""
+    if slots.numel() == 0:
+        return
+    width = slots_array.shape[1] if slots_array.dim() > 1 else 1
+    _move_rows_kernel[(slots.numel(),)](
+        slots_array, host_array, slots, write_rows, fill_rows, width,
+        slots_array.stride(0), host_array.stride(0), BLOCK=_block(width),
     )  # fmt: skip
 
 

@@ -1,0 +1,253 @@
+"""A cache's directory in device memory, for CUDA: which rows of a table its dynamic slots hold,
+found and changed by fixed-size device ops, so that a step reads nothing back and can be
+captured in a CUDA graph.
+
+The host directory (`DeviceCache`) decides on the host, ahead of the step, and moves rows
+through pinned buffers; on a GPU that bookkeeping costs more host time than the step's kernels.
+Here the GPU does it, as FBGEMM's UVM cache does (``lxu_cache_state``, ``lru_cache_populate``,
+``lxu_cache_lookup``), with the host rows mapped into the device's address space
+(`lightning_hotcache.cache.mapped`) so that kernels read and write them in place.
+
+**Set-associative.** A row may sit only in the ``ways`` slots of its set (a hash of its id), so
+finding it is one gather and one compare of ``ways`` ids (FBGEMM's layout is 32 ways). The plan's
+static hot rows keep slots ``[0, S)`` of their own (FAE), found by a binary search of their
+sorted ids; dynamic slots are ``S + set * ways + way``.
+
+**A batch** (`admit`): its distinct ids (one sort; their count stays on the device), then per
+id: a static slot, a hit, or a miss. Misses of one set take, in order, the set's empty ways and
+then its unheld ways of lowest score (LRU: last use; LFU: reads, ties by last use), never a way
+a batch in flight holds (this batch's hits included); a miss whose set has no way left is
+served from its host row in place for that batch: read there by the forward, stepped there by
+the backward, neither dropped nor wrong. One kernel per array (`triton_tbe.move_rows`) writes
+each dirty victim to its host row and reads its successor into the slot. The batch's slots stay
+held until `release`. Each id's location (a slot, or `location_of_host_row`) is what the
+kernels take. ``static`` policy (FAE): a batch's misses are evicted when it is released.
+
+Rows read in training are marked dirty when admitted (their update follows in the step), so
+an eviction or `flush` writes them back; a row read only in evaluation stays clean.
+
+Written by hand because FBGEMM's cache kernels are CUDA code of its own build (which must match
+torch and CUDA exactly, and has no build for a new GPU on the day it ships), and TorchRec's
+Triton cache is forward-only; this needs only torch and Triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from lightning_hotcache.kernels.triton_tbe import location_of_host_row, move_rows
+
+DevicePolicy = Literal["lfu", "lru", "static"]
+DEVICE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static")
+
+# Slots a set holds: FBGEMM's choice for its UVM cache.
+WAYS = 32
+# An LFU score is (reads << _READS_SHIFT) + last use, so that ties go to the older row.
+_READS_SHIFT = 40
+_HELD = torch.iinfo(torch.int64).max  # a held way's score: never a victim
+# Knuth's multiplicative hash: a set is the high bits of id * _HASH, so that ids at a stride
+# (a table's rows every ``world`` ids, tables at offsets) spread over the sets.
+_HASH = 2654435761
+
+_LOOKUPS, _HITS, _FETCHED, _WRITTEN_BACK, _FROM_HOST = range(5)
+
+
+@dataclass
+class Admission:
+    """A batch admitted into the cache: each id's location and the directory cells it holds."""
+
+    locations: Tensor  # (N,) int64: a slot of the cache's arrays, or `location_of_host_row`
+    held: Tensor  # (N,) int64: directory cells this batch holds (the trash cell where none)
+
+
+class DeviceDirectory:
+    """The dynamic slots of one cache, addressed by a set-associative directory in device memory.
+
+    Args:
+        num_rows: the table's rows (ids are ``[0, num_rows)``; the host arrays hold them all).
+        static_ids: the rows held in slots ``[0, S)``, in that order (sorted, distinct).
+        num_dynamic: the dynamic slots after them (the cache uses the largest multiple of the
+            ways within them, or fewer ways where they are fewer than `WAYS`).
+        policy: ``lfu``, ``lru`` or ``static`` (see the module's docstring).
+        slots: the cache's arrays on the device (``weight`` and each optimizer state), rows
+            ``[0, S + num_dynamic)``, read and written in place.
+        host: the same arrays, ``num_rows`` rows each, where the kernels can reach them (mapped
+            host memory on CUDA; under ``TRITON_INTERPRET=1``, CPU tensors).
+        ways: slots a set holds.
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        static_ids: Tensor,
+        num_dynamic: int,
+        policy: DevicePolicy,
+        slots: dict[str, Tensor],
+        host: dict[str, Tensor],
+        ways: int = WAYS,
+    ) -> None:
+        if policy not in DEVICE_POLICIES:
+            raise ValueError(f"The device directory keeps the {', '.join(DEVICE_POLICIES)} policies, not {policy!r}.")
+        if set(slots) != set(host):
+            raise ValueError(f"The slots hold {sorted(slots)} and the host rows {sorted(host)}: they must hold the same arrays.")
+        device = slots["weight"].device
+        self.device = device
+        self.num_rows = num_rows
+        self.policy = policy
+        self.static_ids = static_ids.to(device, torch.int64)
+        self.num_static = int(self.static_ids.numel())
+        self.ways = max(1, min(ways, num_dynamic))
+        self.num_sets = num_dynamic // self.ways
+        cells = self.num_sets * self.ways
+        if slots["weight"].shape[0] < self.num_static + cells:
+            raise ValueError(f"{self.num_static} static and {cells} dynamic slots do not fit the {slots['weight'].shape[0]} rows of the slots.")
+        self.slots, self.host = slots, host
+        self.trash = cells  # the cell writes for ids that take none go to
+        self.ids = torch.full((cells + 1,), -1, dtype=torch.int64, device=device)
+        self.score = torch.zeros(cells + 1, dtype=torch.int64, device=device)
+        self.holders = torch.zeros(cells + 1, dtype=torch.int32, device=device)
+        self.dirty = torch.zeros(cells + 1, dtype=torch.bool, device=device)
+        self.tick = torch.zeros((), dtype=torch.int64, device=device)
+        # Running totals (lookups, hits, rows fetched, rows written back, rows served from the
+        # host in place), on the device: read them only where a reader waits anyway.
+        self.counts = torch.zeros(5, dtype=torch.int64, device=device)
+        self._way = torch.arange(self.ways, device=device)
+
+    @property
+    def num_cells(self) -> int:
+        """Dynamic slots the directory uses."""
+        return self.trash
+
+    def set_of(self, ids: Tensor) -> Tensor:
+        """Each id's set."""
+        return ((ids * _HASH) >> 32).remainder(max(self.num_sets, 1))
+
+    def admit(self, ids: Tensor, training: bool) -> Admission:
+        """The locations of ``ids`` (any shape flattened, on the device, in range): each
+        distinct id found, or admitted with its row read in, or left on the host, its cells
+        held until `release`. ``training``: the rows will be stepped (mark them dirty)."""
+        ids = ids.reshape(-1).to(torch.int64)
+        n = ids.numel()
+        positions = torch.arange(n, device=self.device)
+        sorted_ids, order = ids.sort()
+        new_run = torch.ones(n, dtype=torch.bool, device=self.device)
+        new_run[1:] = sorted_ids[1:] != sorted_ids[:-1]
+        run = new_run.cumsum(0) - 1
+        distinct = torch.full((n,), -1, dtype=torch.int64, device=self.device).scatter_(0, run, sorted_ids)
+        valid = distinct >= 0
+        if self.num_static:
+            place = torch.searchsorted(self.static_ids, distinct).clamp_(max=self.num_static - 1)
+            is_static = self.static_ids.index_select(0, place) == distinct
+        else:
+            place, is_static = torch.zeros_like(distinct), torch.zeros_like(valid)
+        dynamic = valid & ~is_static
+        if self.num_cells == 0:
+            hit = admitted = torch.zeros_like(valid)
+            hit_cell = new_cell = torch.full_like(distinct, self.trash)
+        else:
+            hit, hit_cell, admitted, new_cell = self._hits_and_victims(distinct, dynamic, positions, training)
+        slot = torch.where(hit, hit_cell, new_cell) + self.num_static
+        location = torch.where(is_static, place, torch.where(hit | admitted, slot, location_of_host_row(distinct)))
+        locations = torch.empty_like(ids).scatter_(0, order, location.index_select(0, run))
+        from_host = dynamic & ~hit & ~admitted
+        self.counts[_LOOKUPS] += n
+        self.counts[_HITS] += (is_static | hit).index_select(0, run).sum()
+        self.counts[_FETCHED] += admitted.sum()
+        self.counts[_FROM_HOST] += from_host.sum()
+        return Admission(locations, torch.where(hit, hit_cell, new_cell))
+
+    def _hits_and_victims(self, distinct: Tensor, dynamic: Tensor, positions: Tensor, training: bool) -> tuple[Tensor, ...]:
+        """The directory's part of `admit` for the dynamic ids among ``distinct``: which hit
+        (and their cells), which are admitted (and the cells they take, their victims written
+        back and their rows read in), all others left on the host."""
+        ways, trash = self.ways, self.trash
+        sets = self.set_of(distinct.clamp(min=0))
+        cells = sets[:, None] * ways + self._way  # (n, ways): each id's set's cells
+        in_cells = self.ids[cells]
+        match = (in_cells == distinct[:, None]) & dynamic[:, None]
+        hit = match.any(1)
+        hit_cell = torch.where(hit, (cells * match).sum(1), trash)
+        self.holders.index_add_(0, hit_cell, torch.ones_like(hit_cell, dtype=torch.int32))
+        self.tick += 1
+        # Victims: per set, its misses in turn take its empty ways, then its unheld ways by
+        # score, lowest first; held ways (this batch's hits too) are never taken.
+        miss = dynamic & ~hit
+        score = torch.where(in_cells < 0, -1, self.score[cells])
+        score = torch.where(self.holders[cells] > 0, _HELD, score)
+        by_score = score.argsort(dim=1, stable=True)
+        free = (score < _HELD).sum(1)
+        key = torch.where(miss, sets, self.num_sets)
+        sorted_key, key_order = key.sort(stable=True)
+        starts = torch.ones_like(miss)
+        starts[1:] = sorted_key[1:] != sorted_key[:-1]
+        first_of_set = torch.where(starts, positions, 0).cummax(0).values
+        rank = torch.empty_like(positions).scatter_(0, key_order, positions - first_of_set)
+        admitted = miss & (rank < free)
+        way = by_score.gather(1, rank.clamp(max=ways - 1)[:, None]).squeeze(1)
+        new_cell = torch.where(admitted, sets * ways + way, trash)
+        leaving = self.ids.index_select(0, new_cell)
+        write_rows = torch.where(admitted & (leaving >= 0) & self.dirty.index_select(0, new_cell), leaving, -1)
+        fill_rows = torch.where(admitted, distinct, -1)
+        slots = new_cell + self.num_static
+        for key_name, array in self.slots.items():
+            move_rows(array, self.host[key_name], slots, write_rows, fill_rows)
+        self.counts[_WRITTEN_BACK] += (write_rows >= 0).sum()
+        self.ids[new_cell] = distinct
+        self.holders.index_add_(0, new_cell, torch.ones_like(new_cell, dtype=torch.int32))
+        if training:
+            self.dirty[hit_cell] = True
+        self.dirty[new_cell] = training
+        if self.policy == "lfu":
+            reads = (self.score.index_select(0, hit_cell) >> _READS_SHIFT) + 1
+            self.score[hit_cell] = (reads << _READS_SHIFT) + self.tick
+            self.score[new_cell] = (1 << _READS_SHIFT) + self.tick
+        else:
+            self.score[hit_cell] = self.tick
+            self.score[new_cell] = self.tick
+        return hit, hit_cell, admitted, new_cell
+
+    def release(self, admission: Admission) -> None:
+        """The batch's cells are no longer held (its step is done, or it was only looked up).
+        Under the ``static`` policy its misses leave the cache."""
+        self.holders.index_add_(0, admission.held, torch.full_like(admission.held, -1, dtype=torch.int32))
+        if self.policy == "static":
+            self.write_back(evict=True)
+
+    def write_back(self, evict: bool = False) -> None:
+        """Write every dirty cached row to its host row (`flush`'s dynamic part); ``evict``:
+        and empty the unheld cells."""
+        cells = torch.arange(self.num_cells, device=self.device)
+        in_cells = self.ids[:-1]
+        write_rows = torch.where((in_cells >= 0) & self.dirty[:-1], in_cells, -1)
+        none = torch.full_like(write_rows, -1)
+        for key, array in self.slots.items():
+            move_rows(array, self.host[key], cells + self.num_static, write_rows, none)
+        self.counts[_WRITTEN_BACK] += (write_rows >= 0).sum()
+        self.dirty &= self.holders > 0  # a held row's step is still to come
+        if evict:
+            self.ids[:-1] = torch.where(self.holders[:-1] > 0, in_cells, -1)
+
+    def flush(self) -> None:
+        """Every row's current value in the host arrays: the dirty cached rows and the static
+        rows written back."""
+        self.write_back()
+        if self.num_static:
+            for key, array in self.slots.items():
+                host = self.host[key]
+                host.index_copy_(0, self.static_ids.to(host.device), array[: self.num_static].to(host.device))
+
+    def clear(self) -> None:
+        """Forget every cached row, writing nothing back (the host rows were just loaded):
+        only while no batch is held."""
+        self.ids.fill_(-1)
+        self.dirty.zero_()
+        self.score.zero_()
+
+    def counters(self) -> dict[str, int]:
+        """The running totals, read from the device (a host wait: for logs and tests)."""
+        values = self.counts.tolist()
+        return dict(zip(("lookups", "hits", "fetched_rows", "written_back_rows", "from_host_rows"), values))

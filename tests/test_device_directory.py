@@ -1,0 +1,228 @@
+"""The cache's directory in device memory (`DeviceDirectory`) with the Triton kernels reading and
+stepping rows where they live: against a reference set-associative cache written plainly,
+against training the whole table, and as a step a CUDA graph can record (no host read, the
+same ops and shapes for any ids). On a CPU the kernels run under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton_tbe = pytest.importorskip("lightning_hotcache.kernels.triton_tbe")
+if triton_tbe.why_unavailable(torch.device("cuda" if torch.cuda.is_available() else "cpu")) is not None:
+    pytest.skip("Triton cannot run here (not installed, or a CPU without TRITON_INTERPRET=1)", allow_module_level=True)
+
+from lightning_hotcache._ops.step_graph import HostReadInGraph, _OpTrace  # noqa: E402
+from lightning_hotcache.cache.device_directory import DeviceDirectory  # noqa: E402
+from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig, step_rows  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.kernels
+
+ROWS, DIM = 90, 6
+
+
+def zipf_ids(n: int, generator: torch.Generator, rows: int = ROWS) -> torch.Tensor:
+    """Skewed ids with repeats, the last row among them."""
+    weights = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64)
+    ids = torch.multinomial(weights, n, replacement=True, generator=generator)
+    ids[0] = rows - 1
+    return ids
+
+
+def arrays(rows: int, rule: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    out = {"weight": torch.randn(rows, DIM, generator=generator)}
+    if rule == "rowwise_adagrad":
+        out["momentum"] = torch.rand(rows, 1, generator=generator)
+    return out
+
+
+def directory_over(host: dict[str, torch.Tensor], static_ids: torch.Tensor, dynamic: int, policy: str, ways: int):
+    slots = {key: torch.full((len(static_ids) + dynamic, a.shape[1]), float("nan"), device=DEVICE) for key, a in host.items()}
+    for key in slots:
+        slots[key][: len(static_ids)] = host[key][static_ids].to(DEVICE)
+    return DeviceDirectory(ROWS, static_ids, dynamic, policy, slots, host, ways=ways)
+
+
+class ReferenceCache:
+    """The same set-associative rules, one id at a time in Python."""
+
+    def __init__(self, static_ids, num_sets, ways, policy, set_of):
+        self.static = {int(i): k for k, i in enumerate(static_ids)}
+        self.sets = [[None] * ways for _ in range(num_sets)]  # each way: [id, reads, last use, holders]
+        self.ways, self.policy, self.set_of, self.tick = ways, policy, set_of, 0
+
+    def admit(self, ids):
+        """Each distinct id's place: ("static", slot), ("cell", cell) or ("host", None)."""
+        self.tick += 1
+        distinct = sorted(set(ids.tolist()))
+        places, held = {}, []
+        misses = []
+        for i in distinct:
+            if i in self.static:
+                places[i] = ("static", self.static[i])
+                continue
+            s = int(self.set_of(torch.tensor([i]))[0])
+            way = next((w for w, e in enumerate(self.sets[s]) if e is not None and e[0] == i), None)
+            if way is None:
+                misses.append((i, s))
+                continue
+            entry = self.sets[s][way]
+            entry[1], entry[2], entry[3] = entry[1] + 1, self.tick, entry[3] + 1
+            places[i] = ("cell", s * self.ways + way)
+            held.append(entry)
+        scores = {}
+        for i, s in misses:  # the set's ways by score as the batch found them, hits held
+            if s not in scores:
+                def score(w):
+                    e = self.sets[s][w]
+                    if e is None:
+                        return -1
+                    if e[3] > 0:
+                        return None
+                    return (e[1] << 40) + e[2] if self.policy == "lfu" else e[2]
+                free = [w for w in range(self.ways) if score(w) is not None]
+                scores[s] = sorted(free, key=lambda w: (score(w), w))
+            if scores[s]:
+                way = scores[s].pop(0)
+                entry = [i, 1, self.tick, 1]
+                self.sets[s][way] = entry
+                places[i] = ("cell", s * self.ways + way)
+                held.append(entry)
+            else:
+                places[i] = ("host", None)
+        return places, held
+
+    def release(self, held):
+        for entry in held:
+            entry[3] -= 1
+        if self.policy == "static":
+            for ways in self.sets:
+                for w, e in enumerate(ways):
+                    if e is not None and e[3] == 0:
+                        ways[w] = None
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "static"])
+def test_the_directory_places_rows_as_a_plain_set_associative_cache_does(policy):
+    generator = torch.Generator().manual_seed(3)
+    host = arrays(ROWS, "sgd", generator)
+    static_ids = torch.tensor([0, 1, 5])
+    directory = directory_over(host, static_ids, dynamic=12, policy=policy, ways=4)
+    reference = ReferenceCache(static_ids, directory.num_sets, directory.ways, policy, directory.set_of)
+    in_flight = []
+    saw_host = saw_hit = False
+    for step in range(30):
+        ids = zipf_ids(24, generator)
+        admission = directory.admit(ids.to(DEVICE), training=True)
+        places, held = reference.admit(ids)
+        locations = admission.locations.cpu()
+        for k, i in enumerate(ids.tolist()):
+            kind, where = places[i]
+            if kind == "static":
+                assert locations[k] == where
+            elif kind == "cell":
+                assert locations[k] == where + len(static_ids), (step, i)
+                assert directory.ids[where] == i
+            else:
+                assert locations[k] == -i - 1
+                saw_host = True
+        saw_hit |= any(kind == "cell" for kind, _ in places.values()) and step > 0
+        in_flight.append((admission, held))
+        if len(in_flight) == 2:  # two batches in flight: the older one's cells stay held meanwhile
+            old, old_held = in_flight.pop(0)
+            directory.release(old)
+            reference.release(old_held)
+    assert saw_host and saw_hit
+
+
+def _reference_step(rule, table, grad, indices, offsets, bag_mean, per_sample, config):
+    lengths = offsets.diff()
+    bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    scale = per_sample.clone()
+    scale *= torch.where(bag_mean.bool(), 1.0 / lengths.clamp(min=1), torch.ones_like(lengths, dtype=torch.float32))[bag_of_value]
+    rows, inverse = torch.unique(indices, return_inverse=True)
+    summed = torch.zeros(rows.numel(), DIM).index_add_(0, inverse, grad[bag_of_value] * scale[:, None])
+    step_rows(config, table["weight"], {k: v for k, v in table.items() if k != "weight"}, rows, summed)
+
+
+@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "static"])
+def test_training_through_the_device_directory_equals_training_the_whole_table(rule, policy):
+    """A cache of 8 dynamic slots in sets of 4 over a batch of about 20 distinct rows: rows
+    hit, get evicted dirty and come back, and lose conflicts to the host; every pooled row and,
+    after `flush`, every row and its state equal the whole table's."""
+    generator = torch.Generator().manual_seed(11)
+    config = RowWiseOptimizerConfig(name=rule, lr=0.05)
+    whole = arrays(ROWS, rule, generator)
+    host = {k: v.clone() for k, v in whole.items()}
+    directory = directory_over(host, torch.tensor([0, 2]), dynamic=8, policy=policy, ways=4)
+    batch = 10
+    for step in range(12):
+        lengths = torch.randint(0, 4, (2 * batch,), generator=generator)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        indices = zipf_ids(int(lengths.sum()), generator)
+        bag_mean = (torch.arange(2 * batch) >= batch).to(torch.int32)  # the second feature pools by mean
+        per_sample = torch.rand(indices.numel(), generator=generator) + 0.5
+        grad = torch.randn(2 * batch, DIM, generator=generator)
+        training = step % 4 != 3  # an evaluation batch now and then: looked up, not stepped
+        admission = directory.admit(indices.to(DEVICE), training=training)
+        got = triton_tbe.pooled(
+            directory.slots["weight"], admission.locations, offsets.to(DEVICE), bag_mean.to(DEVICE), per_sample.to(DEVICE),
+            host_weight=host["weight"],
+        )  # fmt: skip
+        want = triton_tbe.pooled(whole["weight"], indices, offsets, bag_mean, per_sample)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+        if training:
+            triton_tbe.backward_step(
+                directory.slots["weight"], grad.to(DEVICE), admission.locations, offsets.to(DEVICE), rule, config.lr, config.eps,
+                directory.slots.get("momentum"), bag_mean.to(DEVICE), per_sample.to(DEVICE), host["weight"], host.get("momentum"),
+            )  # fmt: skip
+            _reference_step(rule, whole, grad, indices, offsets, bag_mean, per_sample, config)
+        directory.release(admission)
+    counters = directory.counters()
+    assert counters["fetched_rows"] > directory.num_cells and counters["written_back_rows"] > 0 and counters["from_host_rows"] > 0
+    directory.flush()
+    for key in whole:
+        torch.testing.assert_close(host[key], whole[key], rtol=1e-6, atol=1e-6)
+
+
+def test_rows_read_only_in_evaluation_are_not_written_back():
+    generator = torch.Generator().manual_seed(5)
+    host = arrays(ROWS, "sgd", generator)
+    directory = directory_over(host, torch.tensor([], dtype=torch.int64), dynamic=4, policy="lru", ways=4)
+    for _ in range(6):
+        directory.release(directory.admit(torch.randint(0, ROWS, (8,), generator=generator).to(DEVICE), training=False))
+    counters = directory.counters()
+    assert counters["fetched_rows"] > 4 and counters["written_back_rows"] == 0
+
+
+def test_a_step_through_the_directory_reads_nothing_back_and_keeps_its_ops_and_shapes():
+    """What a CUDA graph needs of the admission: no op that makes the host wait, and the same
+    ops with the same shapes whatever the ids (all one row, or all distinct)."""
+    generator = torch.Generator().manual_seed(1)
+    host = arrays(ROWS, "rowwise_adagrad", generator)
+    directory = directory_over(host, torch.tensor([3, 4]), dynamic=16, policy="lfu", ways=8)
+    offsets = torch.arange(0, 33, 4, device=DEVICE)
+    traces = []
+    for ids in (torch.full((32,), 7), torch.arange(32) * 2, zipf_ids(32, generator)):
+        trace = _OpTrace()
+        with trace:
+            admission = directory.admit(ids.to(DEVICE), training=True)
+            triton_tbe.pooled(directory.slots["weight"], admission.locations, offsets, host_weight=host["weight"])
+            directory.release(admission)
+        traces.append(trace.ops)
+    assert traces[0] == traces[1] == traces[2]
+    with pytest.raises(HostReadInGraph):  # the trace does refuse a host read
+        with _OpTrace():
+            admission.locations.max().item()
+
+
+def test_bad_directories_are_refused_with_the_reason():
+    slots = {"weight": torch.zeros(4, DIM)}
+    with pytest.raises(ValueError, match="lookahead"):
+        DeviceDirectory(ROWS, torch.tensor([], dtype=torch.int64), 4, "lookahead", slots, {"weight": torch.zeros(ROWS, DIM)})
+    with pytest.raises(ValueError, match="same arrays"):
+        DeviceDirectory(ROWS, torch.tensor([], dtype=torch.int64), 4, "lru", slots, {"momentum": torch.zeros(ROWS, 1)})
+    with pytest.raises(ValueError, match="do not fit"):
+        DeviceDirectory(ROWS, torch.tensor([0, 1]), 4, "lru", slots, {"weight": torch.zeros(ROWS, DIM)})
