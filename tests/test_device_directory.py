@@ -14,7 +14,8 @@ if triton_tbe.why_unavailable(torch.device("cuda" if torch.cuda.is_available() e
 
 from lightning_hotcache._ops.step_graph import HostReadInGraph, _OpTrace  # noqa: E402
 from lightning_hotcache.cache.device_directory import DeviceDirectory  # noqa: E402
-from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig, step_rows  # noqa: E402
+from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig  # noqa: E402
+from test_triton_tbe import reference_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.kernels
@@ -41,7 +42,7 @@ def directory_over(host: dict[str, torch.Tensor], static_ids: torch.Tensor, dyna
     slots = {key: torch.full((len(static_ids) + dynamic, a.shape[1]), float("nan"), device=DEVICE) for key, a in host.items()}
     for key in slots:
         slots[key][: len(static_ids)] = host[key][static_ids].to(DEVICE)
-    return DeviceDirectory(ROWS, static_ids, dynamic, policy, slots, host, ways=ways)
+    return DeviceDirectory(static_ids, dynamic, policy, slots, host, ways=ways)
 
 
 class ReferenceCache:
@@ -136,16 +137,6 @@ def test_the_directory_places_rows_as_a_plain_set_associative_cache_does(policy)
     assert saw_host and saw_hit
 
 
-def _reference_step(rule, table, grad, indices, offsets, bag_mean, per_sample, config):
-    lengths = offsets.diff()
-    bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    scale = per_sample.clone()
-    scale *= torch.where(bag_mean.bool(), 1.0 / lengths.clamp(min=1), torch.ones_like(lengths, dtype=torch.float32))[bag_of_value]
-    rows, inverse = torch.unique(indices, return_inverse=True)
-    summed = torch.zeros(rows.numel(), DIM).index_add_(0, inverse, grad[bag_of_value] * scale[:, None])
-    step_rows(config, table["weight"], {k: v for k, v in table.items() if k != "weight"}, rows, summed)
-
-
 @pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "static"])
 def test_training_through_the_device_directory_equals_training_the_whole_table(rule, policy):
@@ -178,7 +169,7 @@ def test_training_through_the_device_directory_equals_training_the_whole_table(r
                 directory.slots["weight"], grad.to(DEVICE), admission.locations, offsets.to(DEVICE), rule, config.lr, config.eps,
                 directory.slots.get("momentum"), bag_mean.to(DEVICE), per_sample.to(DEVICE), host["weight"], host.get("momentum"),
             )  # fmt: skip
-            _reference_step(rule, whole, grad, indices, offsets, bag_mean, per_sample, config)
+            reference_step(rule, whole["weight"], whole.get("momentum"), grad, indices, offsets, bag_mean, per_sample, config.lr)
         directory.release(admission)
     counters = directory.counters()
     assert counters["fetched_rows"] > directory.num_cells and counters["written_back_rows"] > 0 and counters["from_host_rows"] > 0
@@ -221,8 +212,8 @@ def test_a_step_through_the_directory_reads_nothing_back_and_keeps_its_ops_and_s
 def test_bad_directories_are_refused_with_the_reason():
     slots = {"weight": torch.zeros(4, DIM)}
     with pytest.raises(ValueError, match="lookahead"):
-        DeviceDirectory(ROWS, torch.tensor([], dtype=torch.int64), 4, "lookahead", slots, {"weight": torch.zeros(ROWS, DIM)})
+        DeviceDirectory(torch.tensor([], dtype=torch.int64), 4, "lookahead", slots, {"weight": torch.zeros(ROWS, DIM)})
     with pytest.raises(ValueError, match="same arrays"):
-        DeviceDirectory(ROWS, torch.tensor([], dtype=torch.int64), 4, "lru", slots, {"momentum": torch.zeros(ROWS, 1)})
+        DeviceDirectory(torch.tensor([], dtype=torch.int64), 4, "lru", slots, {"momentum": torch.zeros(ROWS, 1)})
     with pytest.raises(ValueError, match="do not fit"):
-        DeviceDirectory(ROWS, torch.tensor([0, 1]), 4, "lru", slots, {"weight": torch.zeros(ROWS, DIM)})
+        DeviceDirectory(torch.tensor([0, 1]), 4, "lru", slots, {"weight": torch.zeros(ROWS, DIM)})

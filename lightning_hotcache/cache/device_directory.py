@@ -5,8 +5,8 @@ captured in a CUDA graph.
 The host directory (`DeviceCache`) decides on the host, ahead of the step, and moves rows
 through pinned buffers; on a GPU that bookkeeping costs more host time than the step's kernels.
 Here the GPU does it, as FBGEMM's UVM cache does (``lxu_cache_state``, ``lru_cache_populate``,
-``lxu_cache_lookup``), with the host rows mapped into the device's address space
-(`lightning_hotcache.cache.mapped`) so that kernels read and write them in place.
+``lxu_cache_lookup``), with the host rows where the kernels can reach them (on CUDA, host memory
+mapped into the device's address space) so that they read and write them in place.
 
 **Set-associative.** A row may sit only in the ``ways`` slots of its set (a hash of its id), so
 finding it is one gather and one compare of ``ways`` ids (FBGEMM's layout is 32 ways). The plan's
@@ -68,21 +68,19 @@ class DeviceDirectory:
     """The dynamic slots of one cache, addressed by a set-associative directory in device memory.
 
     Args:
-        num_rows: the table's rows (ids are ``[0, num_rows)``; the host arrays hold them all).
         static_ids: the rows held in slots ``[0, S)``, in that order (sorted, distinct).
         num_dynamic: the dynamic slots after them (the cache uses the largest multiple of the
             ways within them, or fewer ways where they are fewer than `WAYS`).
         policy: ``lfu``, ``lru`` or ``static`` (see the module's docstring).
         slots: the cache's arrays on the device (``weight`` and each optimizer state), rows
             ``[0, S + num_dynamic)``, read and written in place.
-        host: the same arrays, ``num_rows`` rows each, where the kernels can reach them (mapped
+        host: the same arrays, a row per id of the table, where the kernels can reach them (mapped
             host memory on CUDA; under ``TRITON_INTERPRET=1``, CPU tensors).
         ways: slots a set holds.
     """
 
     def __init__(
         self,
-        num_rows: int,
         static_ids: Tensor,
         num_dynamic: int,
         policy: DevicePolicy,
@@ -96,7 +94,6 @@ class DeviceDirectory:
             raise ValueError(f"The slots hold {sorted(slots)} and the host rows {sorted(host)}: they must hold the same arrays.")
         device = slots["weight"].device
         self.device = device
-        self.num_rows = num_rows
         self.policy = policy
         self.static_ids = static_ids.to(device, torch.int64)
         self.num_static = int(self.static_ids.numel())
@@ -150,15 +147,15 @@ class DeviceDirectory:
             hit_cell = new_cell = torch.full_like(distinct, self.trash)
         else:
             hit, hit_cell, admitted, new_cell = self._hits_and_victims(distinct, dynamic, positions, training)
-        slot = torch.where(hit, hit_cell, new_cell) + self.num_static
-        location = torch.where(is_static, place, torch.where(hit | admitted, slot, location_of_host_row(distinct)))
+        held = torch.where(hit, hit_cell, new_cell)
+        location = torch.where(is_static, place, torch.where(hit | admitted, held + self.num_static, location_of_host_row(distinct)))
         locations = torch.empty_like(ids).scatter_(0, order, location.index_select(0, run))
         from_host = dynamic & ~hit & ~admitted
         self.counts[_LOOKUPS] += n
         self.counts[_HITS] += (is_static | hit).index_select(0, run).sum()
         self.counts[_FETCHED] += admitted.sum()
         self.counts[_FROM_HOST] += from_host.sum()
-        return Admission(locations, torch.where(hit, hit_cell, new_cell))
+        return Admission(locations, held)
 
     def _hits_and_victims(self, distinct: Tensor, dynamic: Tensor, positions: Tensor, training: bool) -> tuple[Tensor, ...]:
         """The directory's part of `admit` for the dynamic ids among ``distinct``: which hit

@@ -64,27 +64,22 @@ def _block(dim: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _row_at(weight, host, at, cols, mask, weight_stride, host_stride, TWO_TIERS: tl.constexpr):
-        """Row ``at`` of ``weight``, or with ``TWO_TIERS`` where ``at < 0`` row ``-at - 1`` of ``host``."""
+    def _row_address(weight, host, at, weight_stride, host_stride, TWO_TIERS: tl.constexpr):
+        """Where row ``at`` starts: in ``weight``, or with ``TWO_TIERS`` where ``at < 0`` row
+        ``-at - 1`` of ``host``."""
+        address = weight + at * weight_stride
         if TWO_TIERS:
-            if at >= 0:
-                values = tl.load(weight + at * weight_stride + cols, mask=mask, other=0.0)
-            else:
-                values = tl.load(host + (-at - 1) * host_stride + cols, mask=mask, other=0.0)
-        else:
-            values = tl.load(weight + at * weight_stride + cols, mask=mask, other=0.0)
-        return values
+            if at < 0:
+                address = host + (-at - 1) * host_stride
+        return address
+
+    @triton.jit
+    def _row_at(weight, host, at, cols, mask, weight_stride, host_stride, TWO_TIERS: tl.constexpr):
+        return tl.load(_row_address(weight, host, at, weight_stride, host_stride, TWO_TIERS) + cols, mask=mask, other=0.0)
 
     @triton.jit
     def _put_row_at(weight, host, at, cols, values, mask, weight_stride, host_stride, TWO_TIERS: tl.constexpr):
-        """`_row_at`'s store: ``values`` written where the row lives."""
-        if TWO_TIERS:
-            if at >= 0:
-                tl.store(weight + at * weight_stride + cols, values, mask=mask)
-            else:
-                tl.store(host + (-at - 1) * host_stride + cols, values, mask=mask)
-        else:
-            tl.store(weight + at * weight_stride + cols, values, mask=mask)
+        tl.store(_row_address(weight, host, at, weight_stride, host_stride, TWO_TIERS) + cols, values, mask=mask)
 
     @triton.jit
     def _pooled_kernel(
@@ -171,7 +166,7 @@ def pooled(
     ``weight`` summed (times ``per_sample_weights``), averaged where ``bag_mean`` (one flag a
     bag) is set. One launch for every bag of the stack. With ``host_weight`` the indices are
     locations (`location_of_host_row`): a negative one reads its row of ``host_weight`` in place
-    (host memory mapped into the device's address space, see `lightning_hotcache.cache.mapped`)."""
+    (memory the kernel can reach: on CUDA, host memory mapped into the device's address space)."""
     num_bags, dim = offsets.numel() - 1, weight.shape[1]
     out = torch.empty(num_bags, dim, dtype=torch.float32, device=weight.device)
     if num_bags == 0:
