@@ -22,6 +22,11 @@ class Switch(enum.Enum):
         "LIGHTNING_HOTCACHE_PLAIN_TABLES_TRITON",
         "on CUDA, the zoo's plain tables pooled and stepped by the Triton TBE (0: embedding_bag and the PyTorch row step)",
     )
+    DEVICE_DIRECTORY = (
+        "LIGHTNING_HOTCACHE_DEVICE_DIRECTORY",
+        "the Triton path's cache directory in device memory, host rows read and stepped in place (0: the host "
+        "directory and staged copies; 1: also on a CPU under TRITON_INTERPRET=1, for tests; unset: on CUDA)",
+    )
 
     def __init__(self, variable: str, controls: str) -> None:
         self.variable = variable

@@ -55,9 +55,11 @@ import torch
 from torch import Tensor
 
 from lightning_hotcache.cache import directory, read_ahead
+from lightning_hotcache.cache.device_directory import DeviceDirectory
 from lightning_hotcache.cache.exchange import RoundRobinRows, RowSharding, gather_table
 from lightning_hotcache.cache.host import HostStore, RowsAt
 from lightning_hotcache.cache.host_arrays import new_array, new_host_array
+from lightning_hotcache.cache.host_mapping import map_for_devices
 from lightning_hotcache.cache.lookahead import NEVER, LookaheadWindow
 from lightning_hotcache.cache.side_by_side import SideBySide
 from lightning_hotcache.cache.slot_map import DenseSlotMap, make_slot_map
@@ -154,6 +156,7 @@ class DeviceCache:
         sharding: RowSharding = RowSharding(),
         storage: dict[str, Tensor] | None = None,
         segment_starts: Sequence[int] | None = None,
+        directory_on_device: bool = False,
     ) -> None:
         check_cache_policy(policy)
         static_ids = torch.as_tensor(static_ids, dtype=torch.int64).unique()  # sorted, for memory locality
@@ -204,6 +207,8 @@ class DeviceCache:
             raise ValueError(f"Table {name!r}: storage of shapes {shapes} does not hold {num_slots} slots of {widths}.")
         self.slots: dict[str, Tensor] = storage
         self.window: LookaheadWindow | None = None
+        # The dynamic slots' directory in device memory, where one was asked for (see `_on_device_directory`).
+        self.on_device: DeviceDirectory | None = None
         if self.identity:
             return
         # The books are written at random every batch: kept from forked workers (`host_arrays`).
@@ -218,6 +223,24 @@ class DeviceCache:
         self.id_of_slot[: self.num_static] = static_ids
         if policy == "lookahead":
             self.window = LookaheadWindow(num_embeddings, num_slots)
+        if directory_on_device:
+            self.on_device = self._on_device_directory(policy, segment_starts)
+
+    def _on_device_directory(self, policy: CachePolicy, segment_starts: Sequence[int] | None) -> DeviceDirectory:
+        """The dynamic slots' directory in device memory (`DeviceDirectory`), over this cache's
+        slots and host rows, which on CUDA are mapped into the device's address space first.
+        A batch's rows are then admitted on the device (`DeviceDirectory.admit`), never through
+        `acquire`; this cache keeps the host store, the static rows and whole-table work."""
+        assert self.host is not None
+        if policy == "lookahead":
+            raise ValueError(f"Table {self.name!r}: the device directory keeps the lfu, lru and static policies, not lookahead.")
+        if self.sharding.world != 1 or self.host.memory_mapped:
+            raise ValueError(f"Table {self.name!r}: the device directory serves one process with its host rows in memory.")
+        if self.device.type == "cuda":
+            for array in self.host.arrays.values():
+                map_for_devices(array)
+        ends = None if segment_starts is None else torch.tensor(list(segment_starts)[1:])
+        return DeviceDirectory(self.id_of_slot[: self.num_static].clone(), self.num_dynamic, policy, self.slots, self.host.arrays, segment_ends=ends)
 
     @staticmethod
     def num_slots(num_embeddings: int, static_ids: Tensor, num_dynamic: int) -> int:
@@ -241,7 +264,11 @@ class DeviceCache:
         return None if self._segment_ends is None else (self._segment_tally[field], self._segment_ends)
 
     def segment_counters(self, segment: int) -> CacheCounters:
-        """Counters of one segment (see ``segment_starts``) since the cache was built."""
+        """Counters of one segment (see ``segment_starts``) since the cache was built (with the
+        directory on the device, read from there: a wait for the device)."""
+        if self.on_device is not None:
+            c = self.on_device.counters(segment)
+            return CacheCounters(c["lookups"], c["hits"], c["fetched_rows"], c["evicted_rows"], c["written_back_rows"])
         lookups, misses, fetched, evicted, written_back, read_ahead = (int(tally[segment]) for tally in self._segment_tally)
         return CacheCounters(lookups, lookups - misses, fetched, evicted, written_back, read_ahead)
 
@@ -252,6 +279,8 @@ class DeviceCache:
         arrays = list(self.slots.values())
         if not self.identity and self.device == self.books:
             arrays += [self.id_of_slot, self.dirty, self.last_used, self.holders, self.frequency, *self.slot_map.tensors()]
+        if self.on_device is not None:
+            arrays += self.on_device.tensors()
         return sum(a.numel() * a.element_size() for a in arrays)
 
     # ------------------------------------------------------------ residency
@@ -399,6 +428,8 @@ class DeviceCache:
         self._tally(_FETCHED, ids.to(self.books))  # the owners' rows come where the device reads them
 
     def num_locked(self) -> int:
+        if self.on_device is not None:
+            return self.on_device.num_held()
         return 0 if self.identity else int((self.holders > 0).sum())
 
     @torch.no_grad()
@@ -595,7 +626,9 @@ class DeviceCache:
     @torch.no_grad()
     def write_back(self) -> None:
         """Write every changed row (and its state) back to the host store."""
-        if not self.identity:
+        if self.on_device is not None:
+            self.on_device.flush()
+        elif not self.identity:
             self._write_back(*directory.dirty_by_id(self.dirty.nonzero().squeeze(1), self.dirty, self.id_of_slot, self._tallied(_WRITTEN_BACK)))
             self._land_write_backs(everything=True)
 
@@ -658,6 +691,7 @@ class DeviceCache:
         (this rank's rows of it), piece by piece; cached copies refreshed from them. ``progress``
         as in `load_full`."""
         self._land_write_backs(everything=True)  # none may land on these rows later
+        self._forget_device_rows()
         saved, world, rank = len(pieces), self.sharding.world, self.sharding.rank
         rows = sum(len(piece) for piece in pieces)
         cached = ((self.id_of_slot >= start) & (self.id_of_slot < start + rows)).nonzero().squeeze(1)
@@ -688,6 +722,7 @@ class DeviceCache:
             return None
         assert self.host is not None
         self._land_write_backs(everything=True)
+        self._forget_device_rows()  # none may be written back over the rows made
         return self.host.rows_at(key)
 
     @torch.no_grad()
@@ -704,6 +739,7 @@ class DeviceCache:
             return
         assert self.host is not None
         self._land_write_backs(everything=True)  # none may land on these rows later
+        self._forget_device_rows()
         values = values.cpu()
         first = start + (self.sharding.rank - start) % self.sharding.world  # first id of ours
         if first < stop:
@@ -712,6 +748,14 @@ class DeviceCache:
         slots = cached.nonzero().squeeze(1)
         if len(slots):
             self.slots[key][slots.to(self.device)] = values[self.id_of_slot[slots] - start].to(self.device)
+
+    def _forget_device_rows(self) -> None:
+        """Before host rows are replaced, the device directory's changed rows written back and
+        its cached rows forgotten (they are refreshed from the host when next read); the static
+        rows, which the load refreshes, are left."""
+        if self.on_device is not None:
+            self.on_device.write_back()
+            self.on_device.clear()
 
 
 @dataclass

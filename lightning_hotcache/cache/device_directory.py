@@ -53,7 +53,9 @@ _HELD = torch.iinfo(torch.int64).max  # a held way's score: never a victim
 # (a table's rows every ``world`` ids, tables at offsets) spread over the sets.
 _HASH = 2654435761
 
-_LOOKUPS, _HITS, _FETCHED, _WRITTEN_BACK, _FROM_HOST = range(5)
+# The running totals (`DeviceDirectory.counts`), one row each.
+COUNTED = ("lookups", "hits", "fetched_rows", "evicted_rows", "written_back_rows", "from_host_rows")
+_LOOKUPS, _HITS, _FETCHED, _EVICTED, _WRITTEN_BACK, _FROM_HOST = range(len(COUNTED))
 
 
 @dataclass
@@ -77,6 +79,8 @@ class DeviceDirectory:
         host: the same arrays, a row per id of the table, where the kernels can reach them (mapped
             host memory on CUDA; under ``TRITON_INTERPRET=1``, CPU tensors).
         ways: slots a set holds.
+        segment_ends: where each segment of the ids ends (exclusive, ascending: a stack's tables),
+            for counts per segment; None: one segment.
     """
 
     def __init__(
@@ -87,6 +91,7 @@ class DeviceDirectory:
         slots: dict[str, Tensor],
         host: dict[str, Tensor],
         ways: int = WAYS,
+        segment_ends: Tensor | None = None,
     ) -> None:
         if policy not in DEVICE_POLICIES:
             raise ValueError(f"The device directory keeps the {', '.join(DEVICE_POLICIES)} policies, not {policy!r}.")
@@ -109,9 +114,11 @@ class DeviceDirectory:
         self.holders = torch.zeros(cells + 1, dtype=torch.int32, device=device)
         self.dirty = torch.zeros(cells + 1, dtype=torch.bool, device=device)
         self.tick = torch.zeros((), dtype=torch.int64, device=device)
-        # Running totals (lookups, hits, rows fetched, rows written back, rows served from the
-        # host in place), on the device: read them only where a reader waits anyway.
-        self.counts = torch.zeros(5, dtype=torch.int64, device=device)
+        # Running totals per segment (`COUNTED`), on the device: read them only where a reader
+        # waits anyway (`counters`).
+        self.segment_ends = None if segment_ends is None else segment_ends.to(device, torch.int64)
+        num_segments = 1 if segment_ends is None else len(segment_ends)
+        self.counts = torch.zeros(len(COUNTED), num_segments, dtype=torch.int64, device=device)
         self._way = torch.arange(self.ways, device=device)
 
     @property
@@ -150,12 +157,21 @@ class DeviceDirectory:
         held = torch.where(hit, hit_cell, new_cell)
         location = torch.where(is_static, place, torch.where(hit | admitted, held + self.num_static, location_of_host_row(distinct)))
         locations = torch.empty_like(ids).scatter_(0, order, location.index_select(0, run))
-        from_host = dynamic & ~hit & ~admitted
-        self.counts[_LOOKUPS] += n
-        self.counts[_HITS] += (is_static | hit).index_select(0, run).sum()
-        self.counts[_FETCHED] += admitted.sum()
-        self.counts[_FROM_HOST] += from_host.sum()
+        reads = torch.zeros_like(distinct).index_add_(0, run, torch.ones_like(run))  # each distinct id's
+        self._count(_LOOKUPS, distinct, reads)
+        self._count(_HITS, distinct, reads * (is_static | hit))
+        self._count(_FETCHED, distinct, admitted)
+        self._count(_FROM_HOST, distinct, dynamic & ~hit & ~admitted)
         return Admission(locations, held)
+
+    def _count(self, field: int, ids: Tensor, amounts: Tensor) -> None:
+        """Add ``amounts`` (per id; an id below 0 must have none) to the ids' segments' ``field``."""
+        amounts = amounts.to(torch.int64)
+        if self.segment_ends is None:
+            self.counts[field] += amounts.sum()
+        else:
+            segments = torch.searchsorted(self.segment_ends, ids.clamp(min=0), right=True).clamp_(max=len(self.segment_ends) - 1)
+            self.counts[field].index_add_(0, segments, amounts)
 
     def _hits_and_victims(self, distinct: Tensor, dynamic: Tensor, positions: Tensor, training: bool) -> tuple[Tensor, ...]:
         """The directory's part of `admit` for the dynamic ids among ``distinct``: which hit
@@ -192,7 +208,8 @@ class DeviceDirectory:
         slots = new_cell + self.num_static
         for key_name, array in self.slots.items():
             move_rows(array, self.host[key_name], slots, write_rows, fill_rows)
-        self.counts[_WRITTEN_BACK] += (write_rows >= 0).sum()
+        self._count(_EVICTED, leaving, admitted & (leaving >= 0))
+        self._count(_WRITTEN_BACK, write_rows, write_rows >= 0)
         self.ids[new_cell] = distinct
         self.holders.index_add_(0, new_cell, torch.ones_like(new_cell, dtype=torch.int32))
         if training:
@@ -223,10 +240,12 @@ class DeviceDirectory:
         none = torch.full_like(write_rows, -1)
         for key, array in self.slots.items():
             move_rows(array, self.host[key], cells + self.num_static, write_rows, none)
-        self.counts[_WRITTEN_BACK] += (write_rows >= 0).sum()
+        self._count(_WRITTEN_BACK, write_rows, write_rows >= 0)
         self.dirty &= self.holders > 0  # a held row's step is still to come
         if evict:
-            self.ids[:-1] = torch.where(self.holders[:-1] > 0, in_cells, -1)
+            leaving = (in_cells >= 0) & (self.holders[:-1] == 0)
+            self._count(_EVICTED, in_cells, leaving)
+            self.ids[:-1] = torch.where(leaving, -1, in_cells)
 
     def flush(self) -> None:
         """Every row's current value in the host arrays: the dirty cached rows and the static
@@ -244,7 +263,16 @@ class DeviceDirectory:
         self.dirty.zero_()
         self.score.zero_()
 
-    def counters(self) -> dict[str, int]:
-        """The running totals, read from the device (a host wait: for logs and tests)."""
-        values = self.counts.tolist()
-        return dict(zip(("lookups", "hits", "fetched_rows", "written_back_rows", "from_host_rows"), values))
+    def tensors(self) -> list[Tensor]:
+        """The directory's own device tensors (for the device bytes it holds)."""
+        return [self.static_ids, self.ids, self.score, self.holders, self.dirty, self.counts]
+
+    def num_held(self) -> int:
+        """Cells a batch in flight holds (a host wait: for tests)."""
+        return int((self.holders[:-1] > 0).sum())
+
+    def counters(self, segment: int | None = None) -> dict[str, int]:
+        """The running totals (`COUNTED`) of one segment, or of all, read from the device (a
+        host wait: for logs and tests)."""
+        values = (self.counts.sum(1) if segment is None else self.counts[:, segment]).tolist()
+        return dict(zip(COUNTED, values))

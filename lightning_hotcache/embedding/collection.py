@@ -58,7 +58,9 @@ from lightning_hotcache.cache.owned_rows import OwnedRows
 from lightning_hotcache.cache.side_by_side import check_staging_threads
 from lightning_hotcache.embedding.layout import Layout, build_layout
 from lightning_hotcache.embedding.lookup import EmbeddingBagLookup, FusedLookup, LookupForOwners
+from lightning_hotcache.embedding.device_staging import DirectoryStaging
 from lightning_hotcache.embedding.staging import Staging
+from lightning_hotcache._ops.switches import Switch, setting
 from lightning_hotcache.embedding.update import FusedUpdate, OwnersUpdate, SummingUpdate, TritonUpdate
 from lightning_hotcache.planner.plan import HotColdPlan
 from lightning_hotcache._ops.progress import byte_bar
@@ -179,7 +181,12 @@ class HotColdEmbeddingBagCollection(nn.Module):
         reason = self._why_not_fused(kernel, min(slot_counts.values()))
         self._triton = reason is not None and self._triton_runs(kernel)
         dynamic = {t.name: plan.table(t.name).cache_slots for t in self._tables}
-        self.layout = build_layout(self._tables, slot_counts, split, reason is None, sharding.world, staging_threads, dynamic)
+        directory_on_device = self._wants_device_directory(cache_policy)
+        parts = 1 if directory_on_device else staging_threads  # a width's host rows: one array for the kernels
+        self.layout = build_layout(self._tables, slot_counts, split, reason is None, sharding.world, parts, dynamic)
+        if directory_on_device and split and not self.layout.stacks:
+            directory_on_device = False  # stacks of 2**31 ids or more: each table keeps a host directory of its own
+        self._directories_on_device = directory_on_device and bool(split)
         self._fused = None if reason is not None else self._fused_tables(self.layout)
         # Each device table's arrays (weight and optimizer state): the TBE's memory, or, on the
         # PyTorch path, arrays of our own.
@@ -227,7 +234,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self.caches[table.name] = self._caches[table.name] = cache
         self.caches = {t.name: self.caches[t.name] for t in self._tables}  # in table order
         self._caches = {key: self._caches[key] for key in self.layout.cache_keys}  # in layout order
-        self._staging = Staging(self.layout, self._caches, self.device, staging_threads)
+        if self._directories_on_device:
+            self.kernel_note += ", cache directory in device memory (host rows read and stepped in place)"
+            self._staging: Staging = DirectoryStaging(self.layout, self._caches, self.device)
+        else:
+            self._staging = Staging(self.layout, self._caches, self.device, staging_threads)
         self._lookup, self._update = self._step_parts()
 
     def _step_parts(self) -> tuple[Callable[[Any], Tensor], Any]:
@@ -243,10 +254,37 @@ class HotColdEmbeddingBagCollection(nn.Module):
             update = SummingUpdate(self.layout, self._device_tables, staging, self.optimizer, self._is_weighted)
         if self._fused is not None:
             return LookupForOwners(self._fused, self._is_weighted, self.device, update.on_output_gradient), update
+        hosts = self._host_rows_of_device_tables()
         if self._triton and world == 1 and self.optimizer.name in TRITON_RULES:
-            update = TritonUpdate(self.layout, self._device_tables, staging, self.optimizer, self._is_weighted)
+            update = TritonUpdate(self.layout, self._device_tables, staging, self.optimizer, self._is_weighted, hosts)
         weights = [table["weight"] for table in self._device_tables]
-        return EmbeddingBagLookup(self.layout, weights, self._is_weighted, self.device, update.on_output_gradient, self._triton), update
+        host_weights = [None if host is None else host["weight"] for host in hosts]
+        lookup = EmbeddingBagLookup(self.layout, weights, self._is_weighted, self.device, update.on_output_gradient, self._triton, host_weights)
+        return lookup, update
+
+    def _wants_device_directory(self, policy: CachePolicy) -> bool:
+        """Whether the split tables' caches keep their directory in device memory
+        (`DeviceDirectory`, staged by `DirectoryStaging`): on the Triton path in one process, the
+        kernel applying the rule, host rows in memory, a policy the device keeps; on CUDA unless
+        switched off, elsewhere (a CPU under ``TRITON_INTERPRET=1``) only when switched on."""
+        wanted = setting(Switch.DEVICE_DIRECTORY)
+        if wanted == "0" or (wanted is None and self.device.type != "cuda"):
+            return False
+        return (
+            self._triton and self._sharding.world == 1 and self.optimizer.name in TRITON_RULES
+            and self.host_directory is None and policy != "lookahead"
+        )  # fmt: skip
+
+    def _host_rows_of_device_tables(self) -> list[dict[str, Tensor] | None]:
+        """Each device table's host arrays where its split tables' cache keeps its directory in
+        device memory (one stack a width), else None."""
+        hosts: list[dict[str, Tensor] | None] = [None] * len(self._device_tables)
+        if self._directories_on_device:
+            for key in self.layout.stacks:
+                host = self._caches[key].host
+                assert host is not None
+                hosts[self.layout.regions[key].table] = host.arrays
+        return hosts
 
     def _why_not_fused(self, kernel: KernelChoice, fewest_slots: int) -> str | None:
         """Why the device tier is not FBGEMM's fused kernel here (None: it is); sets `kernel_note`."""
@@ -343,6 +381,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self._sharding,
             storage=self._region(key),
             segment_starts=starts,
+            directory_on_device=self._directories_on_device,
         )
 
     def _owned_rows(self, table: int) -> OwnedRows:

@@ -96,6 +96,9 @@ class EmbeddingBagLookup:
     Args:
         weights: each device table's weight array.
         triton: pool with the Triton TBE's kernel (`triton_tbe.pooled`) instead of ``embedding_bag``.
+        host_weights: with ``triton``, each device table's host rows where its cache's directory is
+            in device memory (None for the others): a staged batch's indices are then locations,
+            and a row read from the host is pooled from there (`DirectoryStaging`).
     """
 
     def __init__(
@@ -106,8 +109,10 @@ class EmbeddingBagLookup:
         device: torch.device,
         on_gradient: Callable[[StagedBatch, Tensor], None],
         triton: bool = False,
+        host_weights: list[Tensor | None] | None = None,
     ) -> None:
         self.triton = triton
+        hosts = host_weights or [None] * len(weights)
         # A group per device table and pooling mode (``embedding_bag`` pools one way a call); the
         # Triton kernel pools each bag as its feature says, so a group per device table there.
         groups: dict[tuple[int, PoolingType | None], list[int]] = {}
@@ -119,7 +124,8 @@ class EmbeddingBagLookup:
         for (table, pooling), ks in groups.items():
             means = [layout.table_of[layout.features[k]].pooling == PoolingType.MEAN for k in ks]
             mean = torch.tensor(means, dtype=torch.int32, device=device) if any(means) else None
-            self.groups.append((weights[table], "mean" if pooling == PoolingType.MEAN else "sum", mean, len(ks), runs_of(ks)))
+            mode = "mean" if pooling == PoolingType.MEAN else "sum"
+            self.groups.append((weights[table], hosts[table], mode, mean, len(ks), runs_of(ks)))
         # The output (table order) as pieces ``(group, first, end)``: features adjacent in the
         # output and of one group (so adjacent in its output too) come out in one copy.
         place = {k: (g, j) for g, ks in enumerate(groups.values()) for j, k in enumerate(ks)}
@@ -146,14 +152,15 @@ class EmbeddingBagLookup:
         lengths = offsets.diff()
         weights = ours.weights() if self.is_weighted else None
         pooled: list[Tensor] = []  # per group (features, batch, dim)
-        for weight, mode, mean, count, runs in self.groups:
+        for weight, host, mode, mean, count, runs in self.groups:
             spans = [(bounds[a], bounds[b]) for a, b in runs]
             bag_lengths = concat_spans(lengths, [(a * batch, b * batch) for a, b in runs])
             indices, bags = concat_spans(staged.indices, spans), torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)])
             per_sample = None if weights is None else concat_spans(weights, spans)
             if self.triton:
                 bag_mean = None if mean is None else mean.repeat_interleave(batch, output_size=count * batch)
-                rows = triton_tbe.pooled(weight, indices, bags, bag_mean, None if per_sample is None else per_sample.to(self.device))
+                per_sample = None if per_sample is None else per_sample.to(self.device)
+                rows = triton_tbe.pooled(weight, indices, bags, bag_mean, per_sample, host_weight=host)
             else:
                 rows = nn.functional.embedding_bag(
                     indices, weight, bags, mode=mode, per_sample_weights=per_sample, include_last_offset=True

@@ -154,16 +154,31 @@ class TritonUpdate(_UpdateInBackward):
     """Triton: each device table's rows are stepped by the Triton TBE's backward
     (`triton_tbe.backward_step`): the width's values sorted once on the device and each
     distinct row stepped in the kernel from its summed gradient. Staging finds no distinct rows
-    for it."""
+    for it. ``host_tables``: each device table's host arrays where its cache's directory is in
+    device memory (None for the others): a row read from the host is stepped there, in place."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        tables: list[dict[str, Tensor]],
+        staging: Staging,
+        optimizer: RowWiseOptimizerConfig,
+        is_weighted: bool,
+        host_tables: list[dict[str, Tensor] | None] | None = None,
+    ) -> None:
+        super().__init__(layout, tables, staging, optimizer, is_weighted)
+        self.host_tables = host_tables or [None] * len(tables)
 
     def _step(self, k: int, table: dict[str, Tensor], staged: StagedBatch, grad: Tensor) -> None:
         ours, config, features = staged.ours, self.optimizer, self._features[k]
         per_bag, bag_lengths = features.bag_gradients(ours, grad)
         spans = features.value_spans(ours)
         weights = concat_spans(ours.weights(), spans).to(grad.device, torch.float32) if self.is_weighted else None
+        host = self.host_tables[k] or {}
         triton_tbe.backward_step(
             table["weight"], per_bag, concat_spans(staged.indices, spans), torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)]),
             config.name, config.lr, config.eps, table.get("momentum"), features.bag_mean(ours.stride()), weights,
+            host_weight=host.get("weight"), host_momentum=host.get("momentum"),
         )  # fmt: skip
 
 
