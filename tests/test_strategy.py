@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_hotcache
 from lightning_hotcache import AccessProfiler, HotColdPlanner, HotCacheStrategy, RowWiseOptimizerConfig
+from lightning_hotcache._ops.switches import Switch
 from lightning_hotcache._ops.background import BACKGROUND_NICE, background_priority_supported
 from lightning_hotcache.cli import main, model_tables
 from lightning_hotcache.embedding import hot_cold_modules
@@ -130,13 +131,16 @@ TRITON_FIT = dict(batch_size=16, num_train_samples=168, num_val_samples=16)  # T
 
 
 @pytest.mark.parametrize(
-    ("name", "budget", "policy"),
-    [("dlrm", 0.001, "lfu"), pytest.param("deepfm", 0.001, "lookahead", marks=pytest.mark.full),
-     pytest.param("fm", 1.0, "static", marks=pytest.mark.full)],
+    ("name", "budget", "policy", "directory"),
+    [("dlrm", 0.001, "lfu", "device"), pytest.param("dlrm", 0.001, "lfu", "host", marks=pytest.mark.full),
+     pytest.param("deepfm", 0.001, "lookahead", "host", marks=pytest.mark.full),
+     pytest.param("fm", 1.0, "static", "device", marks=pytest.mark.full)],
 )  # fmt: skip
-def test_the_triton_kernel_trains_what_auto_trains(name, budget, policy, tmp_path) -> None:
+def test_the_triton_kernel_trains_what_auto_trains(name, budget, policy, directory, tmp_path, monkeypatch) -> None:
     # On a CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest):
-    # its lookups and in-kernel row steps through a fit with eviction, and validation.
+    # its lookups and in-kernel row steps through a fit with eviction, and validation; the
+    # caches' directory in device memory (CUDA's default, switched on here) or on the host.
+    monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1" if directory == "device" else "0")
     def trained(strategy) -> tuple[CTRModel, dict]:
         pl.seed_everything(0)
         dm = data(**TRITON_FIT)
@@ -149,6 +153,8 @@ def test_the_triton_kernel_trains_what_auto_trains(name, budget, policy, tmp_pat
     strategy = HotCacheStrategy(device_budget=budget, profile_batches=2, cache_policy=policy, kernel="triton", grow_budget_to_minimum=True)
     model, metrics = trained(strategy)
     assert all(m.kernel_note.startswith("triton TBE") for m in hot_cold_modules(model).values())
+    on_device = ["cache directory in device memory" in m.kernel_note for m in hot_cold_modules(model).values()]
+    assert all(on_device) == (directory == "device" and budget != 1.0), on_device
     if budget != 1.0:
         assert sum(c.counters.evicted_rows for m in hot_cold_modules(model).values() for c in m.caches.values()) > 0
     torch.testing.assert_close(model.state_dict(), expected.state_dict(), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,197 @@
+"""The collection with its caches' directories in device memory (`DirectoryStaging`) learns what
+torchrec's EmbeddingBagCollection learns, and keeps its rows through checkpoints and loads.
+
+On CUDA this is the Triton path's default; here the switch puts it on the CPU, its kernels in
+Triton's interpreter (TRITON_INTERPRET=1, set by conftest), host rows in plain CPU tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+from conftest import exactness_matrix
+from test_embedding_exactness import BUDGETS, TABLES, UPSTREAM, assert_same, make_plan, train_hotcache, train_reference, zipf_batches
+
+from lightning_hotcache import RowWiseOptimizerConfig
+from lightning_hotcache.cache.host_mapping import HostMappingError, map_for_devices
+from lightning_hotcache.embedding import HotColdEmbeddingBagCollection
+from lightning_hotcache.embedding.device_staging import DirectoryStaging
+from lightning_hotcache.planner.plan import HotColdPlan, TablePlan
+from lightning_hotcache._ops.switches import Switch
+
+ON_DEVICE = "cache directory in device memory"
+
+
+@pytest.fixture(autouse=True)
+def device_directory(monkeypatch) -> None:
+    monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1")
+
+
+def fresh(plan: HotColdPlan, config: RowWiseOptimizerConfig, tables=TABLES, **options) -> HotColdEmbeddingBagCollection:
+    """A collection of ``tables`` on the Triton path, its rows torchrec's initial ones (as `train_reference`'s)."""
+    torch.manual_seed(0)
+    return HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(tables=tables), plan, config, kernel="triton", **options)
+
+
+def trained(optimizer: str, budget: str, policy: str, depth: int, steps: int | None = None):
+    config = RowWiseOptimizerConfig(name=optimizer, lr=0.05)
+    batches = zipf_batches()
+    plan = make_plan(batches, BUDGETS[budget], depth, policy)
+    module = train_hotcache(config, batches[:steps], UPSTREAM[:steps], plan, policy, "memory", depth, kernel="triton")
+    return module, train_reference(config, batches[:steps], UPSTREAM[:steps]), (config, batches, plan)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "budget", "policy", "depth"),
+    exactness_matrix(
+        ["optimizer", "budget", "policy", "depth"],
+        together={"budget": ["10%", "minimum"], "policy": ["lfu", "lru", "static"]},
+        apart={"optimizer": ["sgd", "rowwise_adagrad"], "depth": [0, 2]},
+    ),
+)
+def test_the_device_directory_learns_what_torchrec_learns(optimizer, budget, policy, depth) -> None:
+    module, reference, _ = trained(optimizer, budget, policy, depth)
+    assert ON_DEVICE in module.kernel_note and isinstance(module._staging, DirectoryStaging)
+    assert_same(module, reference)
+    counters = module.caches["t_user"].counters
+    assert counters.lookups == 8 * 32  # every value of the table's feature, per table of the stack
+    if budget == "minimum":
+        assert counters.fetched_rows > 0 and counters.evicted_rows > 0  # the cache really cycled
+
+
+def test_its_counts_are_the_host_directory_s_where_its_one_set_holds_every_row(monkeypatch) -> None:
+    # A stack of 30 dynamic slots is one set of 30 ways (fully associative) and holds every row
+    # of its tables: each row misses at its first read and hits afterwards, under either directory.
+    tables = [
+        EmbeddingBagConfig(name="t_a", num_embeddings=20, embedding_dim=4, feature_names=["a"]),
+        EmbeddingBagConfig(name="t_b", num_embeddings=10, embedding_dim=4, feature_names=["b"]),
+    ]
+    generator = torch.Generator().manual_seed(3)
+    batches = [
+        KeyedJaggedTensor.from_lengths_sync(
+            keys=["a", "b"], values=torch.cat([torch.randint(0, 20, (16,), generator=generator), torch.randint(0, 10, (16,), generator=generator)]),
+            lengths=torch.ones(32, dtype=torch.int32),
+        )
+        for _ in range(6)
+    ]
+    plan = HotColdPlan([TablePlan(t.name, t.num_embeddings, t.embedding_dim, [], t.num_embeddings, 0, 0.0) for t in tables], 1, 0, "lru")
+    config = RowWiseOptimizerConfig(name="sgd", lr=0.05)
+
+    def counters() -> list[tuple[int, int, int, int]]:
+        module = fresh(plan, config, tables, cache_policy="lru")
+        for batch in batches:
+            module(batch).values().backward(torch.ones(16, 8))
+        return [(c.lookups, c.hits, c.fetched_rows, c.evicted_rows) for c in (module.caches[t.name].counters for t in tables)]
+
+    on_device = counters()
+    monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "0")
+    assert on_device == counters()
+    assert on_device[0][2] > 0 and on_device[0][3] == 0  # rows came in, none left
+
+
+def test_evaluation_between_training_batches_changes_nothing_and_leaves_its_rows_clean() -> None:
+    config = RowWiseOptimizerConfig(name="rowwise_adagrad", lr=0.05)
+    batches, evaluated = zipf_batches(), zipf_batches(seed=9)
+    plan = make_plan(batches, None, 0, "lru")
+    module = fresh(plan, config)
+    reference = train_reference(config, batches, UPSTREAM)
+    for step, (batch, grad) in enumerate(zip(batches, UPSTREAM)):
+        module(batch).values().backward(grad)
+        directory = module._caches[next(iter(module.layout.stacks))].on_device
+        before = directory.ids.clone()
+        with torch.no_grad():
+            module(evaluated[step])
+        came_in = (directory.ids != before) & (directory.ids >= 0)
+        assert bool(came_in.any()) and not bool(directory.dirty[came_in].any())  # rows read only to evaluate stay clean
+        assert directory.num_held() == 0  # the evaluation batch held its cells for its lookup alone
+    assert_same(module, reference)
+
+
+def test_a_checkpoint_with_changed_rows_still_cached_and_its_resume_learn_what_torchrec_learns() -> None:
+    # Four steps, a checkpoint read while the cache holds rows changed since they came in, four
+    # more steps; and a new module resumed from that checkpoint for the last four: all equal
+    # to torchrec's eight steps.
+    config = RowWiseOptimizerConfig(name="rowwise_adagrad", lr=0.05)
+    batches = zipf_batches()
+    plan = make_plan(batches, None, 0, "lfu")
+    module = fresh(plan, config)
+    for batch, grad in zip(batches[:4], UPSTREAM[:4]):
+        module(batch).values().backward(grad)
+    stack = module._caches[next(iter(module.layout.stacks))]
+    assert bool((stack.on_device.dirty & (stack.on_device.ids >= 0)).any())  # changed rows are cached
+    # Copies: a state_dict's tensors are the live rows, as torch's modules' are.
+    tables = {key: value.clone() for key, value in module.state_dict().items()}
+    state = {name: {key: value.clone() for key, value in arrays.items()} for name, arrays in module.optimizer_state().items()}
+    assert_same(module, train_reference(config, batches[:4], UPSTREAM[:4]))
+    for batch, grad in zip(batches[4:], UPSTREAM[4:]):
+        module(batch).values().backward(grad)
+    reference = train_reference(config, batches, UPSTREAM)
+    assert_same(module, reference)
+
+    resumed = fresh(plan, config)
+    for batch, grad in zip(batches[:2], UPSTREAM[:2]):  # rows cached and changed before the load
+        resumed(batch).values().backward(grad)
+    resumed.load_state_dict(tables)
+    resumed.load_optimizer_state(state)
+    for batch, grad in zip(batches[4:], UPSTREAM[4:]):
+        resumed(batch).values().backward(grad)
+    assert_same(resumed, reference)
+
+
+def test_loading_one_table_keeps_the_changed_rows_of_the_tables_stacked_with_it() -> None:
+    # t_tag and t_user share a stack (of width 8) and its directory: a load of t_tag's rows must
+    # not lose t_user's rows changed while cached.
+    config = RowWiseOptimizerConfig(name="rowwise_adagrad", lr=0.05)
+    batches = zipf_batches()
+    module = fresh(make_plan(batches, None, 0, "lru"), config)
+    for batch, grad in zip(batches[:4], UPSTREAM[:4]):
+        module(batch).values().backward(grad)
+    reference = train_reference(config, batches[:4], UPSTREAM[:4])
+    directory = module._caches[next(iter(module.layout.stacks))].on_device
+    assert bool(directory.dirty.any())
+    tag = "embedding_bags.t_tag.weight"  # its current rows, read from the reference: reading the module's would write back
+    module.load_state_dict({tag: reference.state_dict()[tag]}, strict=False)
+    assert_same(module, reference)
+
+
+def test_initialized_rows_are_those_of_the_host_directory(monkeypatch) -> None:
+    # Rows made in place in the host store (a deferred collection's initialization) after a
+    # few steps: no cached row may be written back over them.
+    config = RowWiseOptimizerConfig(name="sgd", lr=0.05)
+    batches = zipf_batches()
+    plan = make_plan(batches, 0.1, 0, "lru")
+
+    def initialized() -> dict[str, torch.Tensor]:
+        module = fresh(plan, config)
+        for batch, grad in zip(batches[:3], UPSTREAM[:3]):
+            module(batch).values().backward(grad)
+        module.reset_parameters(seed=7)
+        return module.state_dict()
+
+    on_device = initialized()
+    monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "0")
+    torch.testing.assert_close(on_device, initialized(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("options", "why"),
+    [({"cache_policy": "lookahead"}, "a policy the device keeps"), ({"kernel": "pytorch"}, "the Triton path"),
+     ({"optimizer": RowWiseOptimizerConfig(name="adam", lr=0.05)}, "the kernel applying the rule")],
+)  # fmt: skip
+def test_configurations_the_device_directory_does_not_serve_keep_the_host_directory(options, why) -> None:
+    batches = zipf_batches()
+    plan = make_plan(batches, None, 0, options.get("cache_policy", "lru"))
+    options = {"optimizer": RowWiseOptimizerConfig(name="sgd", lr=0.05), "kernel": "triton", **options}
+    optimizer = options.pop("optimizer")
+    module = HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(tables=TABLES), plan, optimizer, **options)
+    assert ON_DEVICE not in module.kernel_note, why
+    assert not isinstance(module._staging, DirectoryStaging)
+
+
+def test_host_rows_cannot_be_mapped_without_a_cuda_device() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device maps host rows (tests/test_cuda.py)")
+    with pytest.raises(HostMappingError, match="cannot map a host array for the CUDA kernels: no CUDA device"):
+        map_for_devices(torch.zeros(4, 4))
