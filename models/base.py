@@ -39,6 +39,7 @@ from typing_extensions import Self, override
 from lightning_hotcache._compat import writes_step_logs
 from lightning_hotcache.checkpoint.files import check_not_sharded
 from lightning_hotcache.distributed.collectives import broadcast_from_rank_zero
+from lightning_hotcache.embedding import hot_cold_modules
 from lightning_hotcache.embedding.torchrec_lookup import GradientRowsSink, PooledGradientsSink, pooled_in_one_node
 from lightning_hotcache.distributed.global_batch import real_samples, share_mean
 from lightning_hotcache._ops import step_graph as graph_ops
@@ -58,6 +59,7 @@ from lightning_hotcache.optim.rowwise import ROW_STATE_KEY, RowWiseOptimizer, Ro
 from lightning_hotcache.distributed.sparse_ddp import average_row_gradients, keep_out_of_ddp
 from lightning_hotcache.optim.stacked_tables import move_stacked_tables, stack_tables
 from lightning_hotcache.embedding.table_init import draw_seed, materialize_tables
+from lightning_hotcache.strategies.hotcache import HotCacheStrategy
 from lightning_hotcache.strategies.torchrec import refuse_sharded_tables
 from models.first_order import FirstOrderArch
 
@@ -385,6 +387,9 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor | None:
         self._graph_stepped = False
         if self._step_graph is not None:
+            for module in hot_cold_modules(self).values():  # the graph's forward reads a static copy, unchecked
+                if module.reads(batch.sparse_features):
+                    module.check(batch.sparse_features)
             graphed = self._step_graph.run(batch)
             if graphed is not None:
                 return self._after_graphed_step(batch, batch_idx, *graphed)
@@ -406,10 +411,14 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         trainer = self.trainer
         if not self.hparams.cuda_graph:
             return "cuda_graph=False"
-        if not isinstance(trainer.strategy, SingleDeviceStrategy) or trainer.world_size > 1:
+        if isinstance(trainer.strategy, HotCacheStrategy) and trainer.world_size == 1:
+            refusal = trainer.strategy.why_the_step_is_not_graphed()
+            if refusal is not None:
+                return refusal
+        elif not isinstance(trainer.strategy, SingleDeviceStrategy) or trainer.world_size > 1:
             return (
                 f"the {type(trainer.strategy).__name__} strategy places it (a graph is recorded under one process's "
-                "own strategy: `auto` on one GPU)"
+                "own strategy, `auto` or `hotcache` on one GPU)"
             )
         if not self.automatic_optimization:
             return "manual optimization"
@@ -466,7 +475,12 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         return loss.detach(), torch.isfinite(loss).logical_not()
 
     def _graphed_step_writes(self) -> list[Tensor]:
-        return [*self.parameters(), *(grad for _, grad in self._graph_grads), *self.embedding_optimizer.state_tensors()]
+        rows = self.embedding_optimizer.state_tensors() if self._fit_tables else []  # none under hotcache: its collections step their rows
+        return [*self.parameters(), *(grad for _, grad in self._graph_grads), *rows, *self._hot_cold_tensors()]
+
+    def _hot_cold_tensors(self) -> list[Tensor]:
+        """What a step writes in the hotcache strategy's collections (rows, host rows, directories)."""
+        return [t for module in hot_cold_modules(self).values() for t in module.step_tensors()]
 
     def _after_graphed_step(self, batch: Batch, batch_idx: int, loss: Tensor, not_finite: Tensor) -> Tensor:
         """Lightning's part of a step the graph ran: the previous graphed step's loss checked,

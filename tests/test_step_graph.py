@@ -20,6 +20,8 @@ from torchrec import KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 
 from lightning_hotcache import HotCacheStrategy
+from lightning_hotcache.embedding import hot_cold_modules
+from lightning_hotcache._ops.switches import Switch
 from lightning_hotcache._ops import step_graph
 from lightning_hotcache._ops.graph_batches import TorchRecBatches
 from lightning_hotcache._ops.guards import NonFiniteLossError
@@ -226,6 +228,32 @@ def test_a_non_finite_loss_under_the_graph_stops_the_fit_before_a_checkpoint_has
     assert stand_in.replays >= 3  # it was a replayed step
 
 
+def hotcache_fit(graphed: bool, **trainer_options) -> tuple[CTRModel, pl.Trainer]:
+    pl.seed_everything(0)
+    dm = tiny_synthetic(num_train_samples=168, batch_size=16, num_val_samples=32)  # a short last batch
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, cuda_graph=graphed, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
+    strategy = HotCacheStrategy(device_budget=0.001, profile_batches=2, cache_policy="lru", kernel="triton", grow_budget_to_minimum=True)
+    trainer = cpu_trainer(strategy=strategy, max_epochs=1, log_every_n_steps=4, **trainer_options)
+    trainer.fit(model, dm)
+    return model, trainer
+
+
+def test_a_graphed_hotcache_fit_trains_what_its_eager_fit_trains(stand_in: StandInGraphs, monkeypatch) -> None:
+    # hotcache's step in the graph: the caches' directory in device memory (CUDA's default,
+    # switched on here; the Triton kernels in the interpreter), rows evicted and read from the
+    # host in place through replays, a validation mid-epoch between them.
+    monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1")
+    expected, _ = hotcache_fit(graphed=False, val_check_interval=0.5)
+    model, trainer = hotcache_fit(graphed=True, val_check_interval=0.5)
+    assert stand_in.captures >= 1 and stand_in.replays >= 5, (stand_in.captures, stand_in.replays, model.step_graph)
+    module = next(iter(hot_cold_modules(model).values()))
+    counters = module._caches[next(iter(module.layout.stacks))].on_device.counters()
+    assert counters["evicted_rows"] > 0 and counters["from_host_rows"] + counters["fetched_rows"] > 0
+    for key, value in expected.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    assert module._staging.in_flight == [] and len(module._staging._checked) <= 2  # no Python state a replay would miss
+
+
 class SaysWhy(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self.graph, self.reason = pl_module._step_graph, pl_module._why_the_step_is_not_graphed()
@@ -243,7 +271,7 @@ class OwnStep(MODEL_REGISTRY["dlrm"]):  # a user's subclass with a training_step
         ({"model": {"non_finite_loss": "skip"}}, "non_finite_loss='skip'"),
         ({"trainer": {"accumulate_grad_batches": 2}}, "accumulate_grad_batches=2"),
         ({"trainer": {"precision": "bf16-mixed"}}, "precision='bf16-mixed'"),
-        ({"trainer": {"strategy": "hotcache_stand_in"}}, "the HotCacheStrategy strategy places it"),
+        ({"trainer": {"strategy": "hotcache_stand_in"}}, "its caches' directory is on the host"),
         ({"subclass": True}, "OwnStep.training_step overrides CTRModel's"),
     ],
 )

@@ -28,7 +28,9 @@ refuses and checks that every replay runs the captured ops at the captured shape
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar
+import contextlib
+import contextvars
+from typing import Any, Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 
 import torch
 from torch import Tensor
@@ -41,6 +43,25 @@ StepFn = Callable[[Any], Any]
 # what every later step reuses (the optimizer's state, cached index tensors, cuBLAS workspaces),
 # which a capture must find in place.
 WARMUP_STEPS = 3
+
+
+_RECORDING = contextvars.ContextVar("step_graph_recording", default=False)
+
+
+def recording() -> bool:
+    """Whether the caller runs inside a step a `StepGraph` records (or, with `StandInGraphs`,
+    replays): its batch is then a static copy of the one handed to `StepGraph.run`, and what
+    its Python does is not done again at a CUDA replay."""
+    return _RECORDING.get()
+
+
+@contextlib.contextmanager
+def _recorded() -> Iterator[None]:
+    token = _RECORDING.set(True)
+    try:
+        yield
+    finally:
+        _RECORDING.reset(token)
 
 
 class BatchLayout(Protocol[Batch]):
@@ -218,7 +239,8 @@ class StepGraph(Generic[Batch]):
         self._seen = signature
         if self._graph is not None and signature == self._signature:
             self.layout.refill(self._static, batch)
-            self.graphs.replay(self._graph)
+            with _recorded():
+                self.graphs.replay(self._graph)
             self.replays += 1
             return self._outputs
         if self._in_a_row < self.warmup:
@@ -230,7 +252,8 @@ class StepGraph(Generic[Batch]):
         self._graph = self._static = self._outputs = None  # one graph: the old one's memory goes
         static = self.layout.static_copy(batch)
         try:
-            graph, outputs = self.graphs.capture(lambda: self.step(static), self.touched)
+            with _recorded():
+                graph, outputs = self.graphs.capture(lambda: self.step(static), self.touched)
         except Exception as error:  # noqa: BLE001 - any refusal: the caller steps eagerly, and says why
             self.eager_reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
             self.eager_steps += 1

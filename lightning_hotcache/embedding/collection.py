@@ -186,7 +186,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         self.layout = build_layout(self._tables, slot_counts, split, reason is None, sharding.world, parts, dynamic)
         if directory_on_device and split and not self.layout.stacks:
             directory_on_device = False  # stacks of 2**31 ids or more: each table keeps a host directory of its own
-        self._directories_on_device = directory_on_device and bool(split)
+        self._directories_on_device = directory_on_device
         self._fused = None if reason is not None else self._fused_tables(self.layout)
         # Each device table's arrays (weight and optimizer state): the TBE's memory, or, on the
         # PyTorch path, arrays of our own.
@@ -235,7 +235,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
         self.caches = {t.name: self.caches[t.name] for t in self._tables}  # in table order
         self._caches = {key: self._caches[key] for key in self.layout.cache_keys}  # in layout order
         if self._directories_on_device:
-            self.kernel_note += ", cache directory in device memory (host rows read and stepped in place)"
+            if split:
+                self.kernel_note += ", cache directory in device memory (host rows read and stepped in place)"
             self._staging: Staging = DirectoryStaging(self.layout, self._caches, self.device)
         else:
             self._staging = Staging(self.layout, self._caches, self.device, staging_threads)
@@ -481,7 +482,35 @@ class HotColdEmbeddingBagCollection(nn.Module):
         ``features`` are read on the host: pass the batch before its move to the device, and
         the moved batch, which forward will get, as ``arrives_as``; ``announced``: it is the
         oldest batch `announce`d."""
-        self._staging.queue.append(self._staging.stage(features, arrives_as, announced))
+        self._staging.prefetch(features, arrives_as, announced)
+
+    def step_tensors(self) -> list[Tensor]:
+        """Every tensor a training step through this module writes: the device tables, and the
+        host rows and directories of caches in device memory (a CPU stand-in for a refused
+        CUDA graph capture puts them back)."""
+        tensors = [array for table in self._device_tables for array in table.values()]
+        for cache in self._caches.values():
+            if cache.on_device is not None:
+                assert cache.host is not None
+                tensors += [*cache.host.arrays.values(), *cache.on_device.tensors(), cache.on_device.tick]
+        return tensors
+
+    def why_not_graphable(self) -> str | None:
+        """Why a step through this module cannot be recorded in a CUDA graph (None where it can:
+        its caches' directories are in device memory, `DirectoryStaging`)."""
+        if isinstance(self._staging, DirectoryStaging):
+            return None
+        return (
+            "its caches' directory is on the host, which hands each batch's slots over (the directory is in device "
+            "memory on the Triton path in one process, with host_storage='memory', a policy of lfu, lru or static "
+            f"and sgd or rowwise_adagrad; here: {self.kernel_note})"
+        )
+
+    def check(self, features: KeyedJaggedTensor) -> None:
+        """Make sure ``features``' forward needs no host read to check its ids: a batch handed to
+        a step graph (`lightning_hotcache._ops.step_graph`) reaches forward as a static copy,
+        which cannot be checked there. Prefetched batches are checked already."""
+        self._staging.check(features)
 
     def announce(self, features: KeyedJaggedTensor) -> None:
         """A training batch to be prefetched later (``announced=True``, in this order), its

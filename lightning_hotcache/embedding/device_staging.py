@@ -1,39 +1,46 @@
 """Staging for caches whose directory is in device memory (`DeviceDirectory`): the host only
-prepares a batch, and the device admits its rows at the step.
+checks a batch ahead of its step, and the step itself, on the device, turns its ids into rows.
 
-Ahead of the step (`stage`, on a prefetch thread or inline) the host checks the batch's ids,
-puts them in the module's feature order and copies them to the device: work per value that
-needs no cache, under no lock. At the step's forward (`take`) each cache's ids are admitted on
-the device, in the step's stream order and in ops of fixed sizes (nothing the host waits for,
-so the step can be captured in a CUDA graph), and replaced in place by their locations: a slot
-at its place in the device table, or a host row the kernels read and step in place
-(`triton_tbe.location_of_host_row`). The batch holds its cells until its update is done
-(`Staging.finish`) or, without one, until its lookup is; only one batch is admitted at a time
-(admission is the step's own, not a prefetch's), so the rows of the batch in flight are all a
-cell ever has to keep.
+Ahead of the step (`prefetch`, on the strategy's threads, or `announce` before it) the host
+checks the batch's ids against their tables (on the host already: no wait) and counts the
+lookups of tables wholly on the device. At the step's forward (`take`) everything is device
+ops of sizes the host knows (the batch's ids per feature): the features put in the module's
+order, the ids made a stack's global ids, each cache's ids admitted (`DeviceDirectory.admit`)
+and replaced by their locations (a slot at its place in the device table, or a host row the
+kernels read and step in place: `triton_tbe.location_of_host_row`). No host read, no lock, no
+Python state that a step changes for good: the step can be recorded in a CUDA graph
+(`lightning_hotcache._ops.step_graph`) and replayed without its Python. A batch holds its cells
+from its forward until its update is done (`finish`) or, without one, its lookup; batches are
+admitted one forward at a time, so a cell only ever has to stay with the batch in flight.
 
-Everything else (announcements, the queue of prefetched batches, finishing and releasing) is
-`Staging`'s, with no ticket to release.
+A forward of a batch that was not checked ahead (an evaluation batch, a direct call) checks it
+then, which copies its ids to the host; inside a step a graph records, the batch is a static
+copy of one its model checked before handing it to the graph (`HotColdEmbeddingBagCollection.check`).
 """
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
+
+import numpy as np
 import torch
 from torch import Tensor
 from torchrec import KeyedJaggedTensor
 
 from lightning_hotcache.cache.device import DeviceCache
 from lightning_hotcache.cache.device_directory import DeviceDirectory
-from lightning_hotcache.cache.upload import to_device
-from lightning_hotcache.embedding.batch import StagedBatch, concat_spans, on_device
+from lightning_hotcache.embedding.batch import StagedBatch, check_ids, concat_spans, in_feature_order, same_batch
 from lightning_hotcache.embedding.layout import Layout
 from lightning_hotcache.embedding.staging import Staging
+from lightning_hotcache._ops import step_graph
+from lightning_hotcache._ops.guards import check_not_empty
 
 
 class DirectoryStaging(Staging):
-    """`Staging` of ``caches`` laid out by ``layout``, whose split caches keep their directory in
-    device memory (`DeviceCache.on_device`); tables wholly on the device read their rows
-    directly, as under `Staging`."""
+    """`Staging` of ``caches`` laid out by ``layout`` whose split caches keep their directory in
+    device memory (`DeviceCache.on_device`); tables wholly on the device read their rows at
+    their place, as under `Staging`."""
 
     def __init__(self, layout: Layout, caches: dict[str, DeviceCache], device: torch.device) -> None:
         super().__init__(layout, caches, device)
@@ -44,44 +51,129 @@ class DirectoryStaging(Staging):
                 raise ValueError(f"Cache {key!r} keeps its directory on the host; DirectoryStaging stages device directories only.")
             self.directories[key] = directory
         self._starts = {key: layout.regions[key].start for key in self.directories}
+        base = layout.value_base()
+        self._base = None if base is None else base.to(device)  # per feature, added to its ids
+        # Batches checked ahead, by the memory of their values as forward will get them: their
+        # values, weakly (an entry is gone with its batch, so a later batch at the same address
+        # is never taken for it), and the batch on the host, whose sizes per feature it keeps.
+        self._checked: dict[int, tuple[weakref.ref[Tensor], KeyedJaggedTensor]] = {}
+        self._announced_batches: deque[KeyedJaggedTensor] = deque()
 
-    def announce(self, features: KeyedJaggedTensor) -> None:
-        """A future training batch, checked and ordered now (off the step's path, as `Staging`
-        does); no cache learns of it."""
-        self._announced.append((features, self._ids(features), [None] * len(self._acquired)))
-
-    def stage(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None, announced: bool = False) -> StagedBatch:
-        """``features`` prepared for its step: checked, in the module's order, its ids (a
-        stack's global ids) on the device; admitted at `take`."""
-        arriving = features if arrives_as is None else arrives_as
-        ahead = self._announced_ids(features) if announced else None
-        if features.values().device.type != "cpu":
-            features = features.to(torch.device("cpu"))
-        ours, values, indices, spans, _ = ahead[0] if ahead is not None else self._ids(features)
+    def _check(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``features`` on the host (a batch on the device is copied, which waits for it),
+        its ids checked against their tables and the lookups of whole tables counted."""
+        host = features if features.values().device.type == "cpu" else features.to(torch.device("cpu"))
+        check_not_empty(host)
+        ours = in_feature_order(host, self.layout.features, self.layout.input_of, self.layout.table_of)
+        check_ids(ours, self.layout.table_of)
         per_key = ours.length_per_key()
-        with self.locked():
+        with self.lock:
             for key in self._counted_only:
                 self.caches[key].count_lookups(sum(per_key[k] for k in self._positions[key]))
-        if arriving.values().device != values.device:
-            ours = on_device(arriving, features, ours, self.layout.features, self.layout.input_of, self.layout.table_of)
-        return StagedBatch(arriving, ours, to_device(indices, self.device), {}, [], spans=spans)
+        return host
+
+    def announce(self, features: KeyedJaggedTensor) -> None:
+        """A future training batch (on the host), prefetched later with ``announced=True``: checked now."""
+        self._check(features)
+        self._announced_batches.append(features)
+
+    def prefetch(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None, announced: bool = False) -> None:
+        """Check ``features`` (on the host; the oldest batch announced where ``announced``) for
+        its forward, which gets it as ``arrives_as``."""
+        if announced and self._announced_batches:
+            host = self._announced_batches.popleft()
+            if not same_batch(host, features):
+                raise RuntimeError(
+                    "prefetch(announced=True) got a batch other than the oldest announced one; prefetch announced "
+                    "batches in the order they were announced."
+                )
+        else:
+            host = self._check(features)
+        arriving = (features if arrives_as is None else arrives_as).values()
+        for address in [a for a, (values, _) in self._checked.items() if values() is None]:
+            del self._checked[address]
+        self._checked[arriving.data_ptr()] = (weakref.ref(arriving), host)
+
+    def check(self, features: KeyedJaggedTensor) -> None:
+        """`prefetch` ``features`` (as forward will get it) unless it was already."""
+        if self._checked_ahead(features) is None:
+            self.prefetch(features)
+
+    def _checked_ahead(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor | None:
+        """The host batch of ``features`` where it was checked ahead, else None."""
+        values = features.values()
+        entry = self._checked.get(values.data_ptr())
+        if entry is None:
+            return None
+        alive = entry[0]()
+        return entry[1] if alive is not None and alive.shape == values.shape else None
+
+    def _checked_host_batch(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``features``'s host batch checked ahead (taken from the record), or checked now;
+        inside a recorded step, the static copy itself (its model checked what it copies)."""
+        host = self._checked_ahead(features)
+        if host is not None:
+            del self._checked[features.values().data_ptr()]
+            return host
+        if step_graph.recording():
+            return features
+        return self._check(features)
 
     def take(self, features: KeyedJaggedTensor, training: bool) -> StagedBatch:
-        """`Staging.take`, the batch then admitted: its ids become locations, its cells held."""
-        staged = super().take(features, training)
+        """``features`` (as forward got it) staged: in the module's order, its ids made rows or
+        locations on the device, each cache's cells held."""
+        if self.in_flight:
+            self.release_abandoned()
+        host = self._checked_host_batch(features)
+        ours = self._in_our_order(features, host)
+        values, bounds = ours.values(), ours.offset_per_key()
+        if self._base is None:
+            indices = values.to(torch.int64, copy=True)
+        else:
+            per_key = ours.lengths().view(len(self.layout.features), ours.stride()).sum(1)
+            indices = values.to(torch.int64) + self._base.repeat_interleave(per_key, output_size=len(values))
+        staged = StagedBatch(features, ours, indices, {}, [])
         for key, directory in self.directories.items():
-            spans = staged.spans[key]
-            admission = directory.admit(concat_spans(staged.indices, spans), training)
+            spans = [(bounds[a], bounds[b]) for a, b in self._runs[key]]
+            admission = directory.admit(concat_spans(indices, spans), training)
             slots = admission.locations
             # Slots are the cache's; in the device table they start at its region.
-            _put_spans(staged.indices, spans, torch.where(slots >= 0, slots + self._starts[key], slots))
+            _put_spans(indices, spans, torch.where(slots >= 0, slots + self._starts[key], slots))
             staged.held[key] = admission
         return staged
+
+    def _in_our_order(self, features: KeyedJaggedTensor, host: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``features`` in the module's feature order, its sizes per feature those of ``host``
+        (the same batch on the host, or ``features`` itself), so that nothing waits for the device."""
+        layout = self.layout
+        ours = in_feature_order(features, layout.features, layout.input_of, layout.table_of, sized_like=host)
+        per_input = dict(zip(host.keys(), host.length_per_key()))
+        per_key = [per_input[layout.input_of[f]] for f in layout.features]
+        return KeyedJaggedTensor(
+            keys=ours.keys(), values=ours.values(), lengths=ours.lengths(), weights=ours.weights_or_none(),
+            stride=ours.stride(), length_per_key=per_key, offset_per_key=np.cumsum([0, *per_key]).tolist(),
+        )  # fmt: skip
+
+    def finish(self, staged: StagedBatch, changed: bool = True) -> None:
+        """``staged``'s update is queued: its cells are released now, behind it on the stream
+        (a directory is the training thread's alone: no lock to wait for)."""
+        self.in_flight = [s for s in self.in_flight if s is not staged]
+        self._unlock(staged)
+
+    def release(self, staged: StagedBatch) -> None:
+        self._unlock(staged)
 
     def _unlock(self, staged: StagedBatch) -> None:
         while staged.held:  # each admission released once, whoever releases the batch
             key, admission = staged.held.popitem()
             self.directories[key].release(admission)
+
+    def clear(self) -> None:
+        """Forget the batches checked ahead and never forwarded."""
+        self._checked.clear()
+
+    def clear_window(self) -> None:
+        self._announced_batches.clear()
 
 
 def _put_spans(target: Tensor, spans: list[tuple[int, int]], values: Tensor) -> None:

@@ -168,6 +168,13 @@ class Staging:
             )
         return prepared, found
 
+    def prefetch(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None, announced: bool = False) -> None:
+        """Stage ``features`` ahead of its forward (see `stage`), queued for `take`."""
+        self.queue.append(self.stage(features, arrives_as, announced))
+
+    def check(self, features: KeyedJaggedTensor) -> None:
+        """Nothing to do: a batch's forward takes it staged (`prefetch`) or stages it then."""
+
     def stage(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None, announced: bool = False) -> StagedBatch:
         """Stage ``features``, the batch as forward will get it (``arrives_as``: the same batch
         already moved to the device, whose values are then never read here; ``announced``: the

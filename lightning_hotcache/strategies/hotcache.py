@@ -544,6 +544,16 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         one before; not on a CPU, where a third busy thread takes a core from the step."""
         return self.uses_prefetch_thread and self.root_device.type == "cuda"
 
+    def why_the_step_is_not_graphed(self) -> str | None:
+        """Why a zoo model's training step cannot be recorded in a CUDA graph under this
+        strategy (None where it can): every collection's caches must keep their directory in
+        device memory, so that a step reads nothing back from the device."""
+        for path, module in hot_cold_modules(self.lightning_module).items():
+            refusal = module.why_not_graphable()
+            if refusal is not None:
+                return f"hotcache's {path or 'collection'}: {refusal}"
+        return None
+
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
