@@ -230,7 +230,7 @@ def test_a_non_finite_loss_under_the_graph_stops_the_fit_before_a_checkpoint_has
 
 def hotcache_fit(graphed: bool, **trainer_options) -> tuple[CTRModel, pl.Trainer]:
     pl.seed_everything(0)
-    dm = tiny_synthetic(num_train_samples=168, batch_size=16, num_val_samples=32)  # a short last batch
+    dm = tiny_synthetic(num_train_samples=104, batch_size=16, num_val_samples=16)  # a short last batch
     model = create_model("dlrm", dm.tables, dm.num_dense_features, cuda_graph=graphed, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
     strategy = HotCacheStrategy(device_budget=0.001, profile_batches=2, cache_policy="lru", kernel="triton", grow_budget_to_minimum=True)
     trainer = cpu_trainer(strategy=strategy, max_epochs=1, log_every_n_steps=4, **trainer_options)
@@ -245,12 +245,13 @@ def test_a_graphed_hotcache_fit_trains_what_its_eager_fit_trains(stand_in: Stand
     monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1")
     expected, _ = hotcache_fit(graphed=False, val_check_interval=0.5)
     model, trainer = hotcache_fit(graphed=True, val_check_interval=0.5)
-    assert stand_in.captures >= 1 and stand_in.replays >= 5, (stand_in.captures, stand_in.replays, model.step_graph)
+    assert stand_in.captures >= 1 and stand_in.replays >= 3, (stand_in.captures, stand_in.replays, model.step_graph)
     module = next(iter(hot_cold_modules(model).values()))
     counters = module._caches[next(iter(module.layout.stacks))].on_device.counters()
     assert counters["evicted_rows"] > 0 and counters["from_host_rows"] + counters["fetched_rows"] > 0
+    state = model.state_dict()  # once: each reads the tables back
     for key, value in expected.state_dict().items():
-        assert torch.equal(model.state_dict()[key], value), key
+        assert torch.equal(state[key], value), key
     assert module._staging.in_flight == [] and len(module._staging._checked) <= 2  # no Python state a replay would miss
 
 

@@ -754,7 +754,7 @@ class DeviceCache:
         its cached rows forgotten (they are refreshed from the host when next read); the static
         rows, which the load refreshes, are left."""
         if self.on_device is not None:
-            self.on_device.write_back()
+            self.on_device.flush(static=False)
             self.on_device.clear()
 
 

@@ -232,26 +232,33 @@ class DeviceDirectory:
             self.write_back(evict=True)
 
     def write_back(self, evict: bool = False) -> None:
-        """Write every dirty cached row to its host row (`flush`'s dynamic part); ``evict``:
-        and empty the unheld cells."""
-        cells = torch.arange(self.num_cells, device=self.device)
-        in_cells = self.ids[:-1]
-        write_rows = torch.where((in_cells >= 0) & self.dirty[:-1], in_cells, -1)
+        """Write every dirty cached row to its host row, in ops of fixed sizes (a step may call
+        it: the ``static`` policy's `release`); ``evict``: and empty the unheld cells."""
+        self._write_back_cells(torch.arange(self.num_cells, device=self.device))
+        if evict:
+            in_cells = self.ids[:-1]
+            leaving = (in_cells >= 0) & (self.holders[:-1] == 0)
+            self._count(_EVICTED, in_cells, leaving)
+            self.ids[:-1] = torch.where(leaving, -1, in_cells)
+
+    def _write_back_cells(self, cells: Tensor) -> None:
+        """Write the dirty rows among ``cells`` to their host rows; unheld, they are clean then."""
+        in_cells = self.ids.index_select(0, cells)
+        write_rows = torch.where((in_cells >= 0) & self.dirty.index_select(0, cells), in_cells, -1)
         none = torch.full_like(write_rows, -1)
         for key, array in self.slots.items():
             move_rows(array, self.host[key], cells + self.num_static, write_rows, none)
         self._count(_WRITTEN_BACK, write_rows, write_rows >= 0)
         self.dirty &= self.holders > 0  # a held row's step is still to come
-        if evict:
-            leaving = (in_cells >= 0) & (self.holders[:-1] == 0)
-            self._count(_EVICTED, in_cells, leaving)
-            self.ids[:-1] = torch.where(leaving, -1, in_cells)
 
-    def flush(self) -> None:
-        """Every row's current value in the host arrays: the dirty cached rows and the static
-        rows written back."""
-        self.write_back()
-        if self.num_static:
+    def flush(self, static: bool = True) -> None:
+        """Every cached row's current value in the host arrays: the dirty ones written back
+        (found first, which waits for the device: whole-table work, not a step's), and with
+        ``static`` the static rows too."""
+        dirty = ((self.ids[:-1] >= 0) & self.dirty[:-1]).nonzero().squeeze(1)
+        if len(dirty):
+            self._write_back_cells(dirty)
+        if static and self.num_static:
             for key, array in self.slots.items():
                 host = self.host[key]
                 host.index_copy_(0, self.static_ids.to(host.device), array[: self.num_static].to(host.device))
