@@ -87,6 +87,7 @@ import contextlib
 import dataclasses
 import json
 import multiprocessing
+import os
 import resource
 import sys
 import time
@@ -110,6 +111,7 @@ from lightning_hotcache import HotCacheStrategy
 from lightning_hotcache.cache.lookahead import default_lookahead_batches
 from lightning_hotcache.callbacks.metrics import staging_totals
 from lightning_hotcache.embedding import hot_cold_modules
+from lightning_hotcache._ops.switches import Switch
 from models import DLRM
 
 RESULTS = Path(__file__).parent / "results"
@@ -179,7 +181,11 @@ class DrawnAheadDataModule(SyntheticCTRDataModule):
         return self._train if split == "train" else super().source(split)
 
 
-def _hotcache(args: argparse.Namespace, budget: float, policy: str = "lfu", staging_threads: int = 1) -> HotCacheStrategy:
+def _hotcache(args: argparse.Namespace, budget: float, policy: str = "lfu", staging_threads: int = 1, directory: str = "auto") -> HotCacheStrategy:
+    """hotcache at ``budget``; ``directory="host"`` keeps the caches' directory on the host on
+    CUDA too (its switch, set for this run's process: each run is a process of its own)."""
+    if directory == "host":
+        os.environ[Switch.DEVICE_DIRECTORY.variable] = "0"
     return HotCacheStrategy(
         device_budget=budget, profile_batches=args.profile_batches, grow_budget_to_minimum=True, cache_policy=policy, kernel=args.kernel,
         staging_threads=staging_threads,
@@ -188,8 +194,11 @@ def _hotcache(args: argparse.Namespace, budget: float, policy: str = "lfu", stag
 
 def strategies(args: argparse.Namespace) -> dict[str, Any]:
     """Name -> a maker of the strategy (each run builds its own). The ``+lookahead`` ones (the
-    lookahead cache policy) and the ``+2threads`` ones (a batch's caches staged side by side on
-    two threads, where the strategy stages on one by default) run only when named."""
+    lookahead cache policy), the ``+2threads`` ones (a batch's caches staged side by side on
+    two threads, where the strategy stages on one by default), the ``+eager`` ones (the step
+    not recorded in a CUDA graph) and the ``+hostdir`` ones (on CUDA the caches' directory on
+    the host, staged by the prefetch thread, where it is in GPU memory by default) run only when
+    named."""
     return {
         "auto": lambda: "auto",
         "auto+eager": lambda: "auto",  # the zoo model with cuda_graph=False (see `train`)
@@ -198,6 +207,8 @@ def strategies(args: argparse.Namespace) -> dict[str, Any]:
         **{f"hotcache@{b:g}+lookahead": (lambda b=b: _hotcache(args, b, "lookahead")) for b in BUDGETS[1:]},
         **{f"hotcache@{b:g}+2threads": (lambda b=b: _hotcache(args, b, staging_threads=2)) for b in BUDGETS[1:]},
         **{f"hotcache@{b:g}+lookahead+2threads": (lambda b=b: _hotcache(args, b, "lookahead", 2)) for b in BUDGETS[1:]},
+        **{f"hotcache@{b:g}+eager": (lambda b=b: _hotcache(args, b)) for b in BUDGETS[1:]},  # cuda_graph=False (see `train`)
+        **{f"hotcache@{b:g}+hostdir": (lambda b=b: _hotcache(args, b, directory="host")) for b in BUDGETS[1:]},
     }
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (no network, a short loan), from the repo root: `make gpu-check`.
-# Five stages under a time limit (520 s in all), so that one call fits the loan and a run cut
+# Five stages under a time limit (545 s in all), so that one call fits the loan and a run cut
 # off still returns what finished. Each stage has a share of it (below); a stage may run until
 # the time left is what the later stages it runs are owed, so time an earlier stage left unused,
 # and the shares of stages not run, go to the stages that need them (on a slower H200 host the
@@ -9,16 +9,17 @@
 # each run's `setup_s`), so stages 3 and 4 get most of the time (on an H100 at f229678 stage 3
 # needed 150 s, stage 4 more than 90):
 #   1. imports and a 2-step CUDA fit of the demo config, without its W&B logger (the image has no
-#      wandb; 21 s on an H100; share 40 s);
-#   2. a chosen subset of the CUDA tests (58-76 s on an H200; share 80 s);
+#      wandb; 21 s on an H100; share 30 s);
+#   2. a chosen subset of the CUDA tests (58-76 s on an H200 before the graphed hotcache tests; share 90 s);
 #   3. benchmarks/gpu.py at the Criteo Kaggle tables (scale 1.0; steps 80-120 timed, once a 10%
-#      cache is full): hotcache at 10%, at 1% under the lookahead policy and at 1% under LFU
-#      against all tables in GPU memory (auto: its step in one CUDA graph, and eagerly as
-#      auto+eager), one process, the batches drawn before fit and served from
-#      memory (gpu.py's --data; share 240 s: four runs took 160 s on an H200 at 861bd68), with the
-#      prefetch thread's pieces timed (benchmarks/pieces.py);
+#      cache is full): hotcache at 10% and at 1% (LFU, the caches' directory in GPU memory, the
+#      step in one CUDA graph), at 1% eagerly (+eager) and with the directory on the host
+#      (+hostdir, the prefetch thread staging), against all tables in GPU memory (auto: its step
+#      in one CUDA graph, and eagerly as auto+eager), one process, the batches drawn before fit
+#      and served from memory (gpu.py's --data; share 260 s: four runs took 160 s on an H200 at
+#      861bd68), with the prefetch thread's pieces timed (benchmarks/pieces.py);
 #   4. tables larger than the GPU: the same tables with each run's GPU memory capped at 8 GiB,
-#      where auto cannot hold them and hotcache at 10% trains (86-96 s; share 95 s);
+#      where auto cannot hold them and hotcache at 10% and 1% train (two runs took 86-96 s; share 120 s);
 #   5. where a step's time goes: the host's row copies first (benchmarks/row_copy.py: a 1%
 #      cache's write-backs on 1, 2, 4 and 8 threads, ~10 s; its JSON goes to the log), the
 #      Triton TBE against embedding_bag + the PyTorch row step (benchmarks/triton_tbe.py), then
@@ -34,7 +35,7 @@
 # two full checks and a machine's start take more than a 15-minute loan, so a session's
 # closing check may run "1 2 3" (the CUDA tests and the figures at scale 1.0) alone; the
 # shares of the stages left out then go to those run. GPU_CHECK_SECONDS sets the whole check's
-# time (default 480: the shares' sum).
+# time (default 545: the shares' sum).
 #
 # GPU_DRY_RUN=1 runs every stage here, on the CPU, with the project's .venv and tiny sizes,
 # writing the same files (tests/test_gpu_benchmark.py runs it), so the script is known to
@@ -64,8 +65,8 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   PYTHON=.venv/bin/python
   ACCELERATOR=cpu
   SMALL="--device cpu --scale 0.001 --batch-size 64"
-  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01"  # stage 3's
-  BEYOND_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1"  # no cap on a CPU
+  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01 hotcache@0.01+eager hotcache@0.01+hostdir"  # stage 3's
+  BEYOND_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1 hotcache@0.01"  # no cap on a CPU
   PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 0.02 --rows 2000 --copies 3 --threads 1 2"
   TBE_ARGS="--tables 3 --rows-per-table 100 --dim 8 --batch-size 16 --calls 2"  # Triton's interpreter: a check, not a speed
@@ -79,8 +80,8 @@ else
   # its caches); with 20 the timed steps were all filling (no row evicted in any 10% run before
   # 2026-11-29), measuring neither victims nor write-backs. --pieces: where the prefetch
   # thread's time goes (compiled loops and row copies, which torch.profiler does not see).
-  BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 120 --warmup 80 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01+lookahead hotcache@0.01"}
-  BEYOND_ARGS="--scale 1.0 --steps 120 --warmup 80 --rounds 1 --device-memory 8 --strategies auto hotcache@0.1"
+  BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 120 --warmup 80 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01 hotcache@0.01+eager hotcache@0.01+hostdir"}
+  BEYOND_ARGS="--scale 1.0 --steps 120 --warmup 80 --rounds 1 --device-memory 8 --strategies auto hotcache@0.1 hotcache@0.01"
   PROFILE_ARGS="--scale 0.1 --steps 30 --warmup 20 --profile-steps 5 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 8 --copies 40 --threads 1 2 4 8"
   TBE_ARGS="--tables 26 --rows-per-table 1000000 --dim 128 --batch-size 8192 --calls 50"  # 27 GB of rows and state in GPU memory
@@ -92,7 +93,7 @@ fi
 export WANDB_MODE=offline
 
 # Each stage's share of the check's seconds; GPU_CHECK_SECONDS is their sum unless set.
-SHARE=(0 40 100 240 95 45)
+SHARE=(0 30 90 260 120 45)
 BUDGET=${GPU_CHECK_SECONDS:-$((SHARE[1] + SHARE[2] + SHARE[3] + SHARE[4] + SHARE[5]))}
 BEGAN=$SECONDS
 
@@ -132,7 +133,7 @@ first=$?
 # CPU-lookup baseline, `auto`'s one-node lookup over stacked tables and a zoo model moved to
 # the GPU whole (skipped on a CPU: the dry run checks that they are found).
 # The Triton kernels' tests run there on the GPU's own kernels (here in Triton's interpreter).
-stage 2 cuda-tests "$PYTHON" -m pytest -q -rP -m "cuda or kernels" tests/test_cuda.py tests/test_triton_tbe.py -k "gpu_path or graphed_step_on_cuda or dlrm- or checkpoint_written_on_cuda or cpu_lookup or whole_training_step or in_one_node or moved_to_the_gpu or hands_its_gradient_rows or test_triton_tbe"
+stage 2 cuda-tests "$PYTHON" -m pytest -q -rP -m "cuda or kernels" tests/test_cuda.py tests/test_triton_tbe.py -k "gpu_path or graphed_step_on_cuda or graphed_hotcache_step_on_cuda or dlrm- or checkpoint_written_on_cuda or cpu_lookup or whole_training_step or in_one_node or moved_to_the_gpu or hands_its_gradient_rows or test_triton_tbe"
 second=$?
 # shellcheck disable=SC2086  # the benchmarks' settings, split as on a command line
 stage 3 gpu-benchmark "$PYTHON" benchmarks/gpu.py $BENCH_ARGS --out "$OUT/gpu.json"

@@ -36,9 +36,9 @@ from test_step_ops import CountsPerStep, _batches, _module, _ops_per_step, devic
 from lightning_hotcache import HotCacheStrategy
 from lightning_hotcache._ops.step_graph import WARMUP_STEPS
 from lightning_hotcache.cache.host import HostStore
-from lightning_hotcache.cache.slot_map import DenseSlotMap
 from lightning_hotcache.cache.upload import RowUpload, batch_to_device
 from lightning_hotcache.embedding import hot_cold_modules
+from lightning_hotcache._ops.switches import Switch
 from models import DLRM, MODEL_REGISTRY
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -112,15 +112,15 @@ def test_gpu_path_logs_its_kernel_and_keeps_within_the_budget(caplog, stats_path
     strategy = HotCacheStrategy(device_budget=0.1, stats_path=str(stats_paths["dlrm"]))
     with caplog.at_level(logging.INFO):
         model, trainer, _ = fit("dlrm", strategy, **CUDA)
-    # FBGEMM's CUDA build is not on the lent machine: the PyTorch path runs, and says so.
-    assert "hotcache embedding kernel (sparse_arch.embedding_bag_collection): pytorch embedding_bag" in caplog.text
+    # FBGEMM's CUDA build is not on the lent machine: the Triton TBE runs, the caches' directory
+    # in GPU memory, and says so.
+    assert "hotcache embedding kernel (sparse_arch.embedding_bag_collection): triton TBE" in caplog.text
     modules = hot_cold_modules(model).values()
-    assert modules and all(m.kernel_note.startswith("pytorch") for m in modules)
+    assert modules and all(m.kernel_note.startswith("triton") and "cache directory in device memory" in m.kernel_note for m in modules)
     assert {t.device.type for m in modules for cache in m.caches.values() for t in cache.slots.values()} == {"cuda"}
     assert sum(m.device_bytes() for m in modules) <= trainer.strategy.plan.budget_bytes
-    # The directory is host memory outside the budget: its id -> slot map is the dense one.
     split = [cache for m in modules for cache in m.caches.values() if not cache.identity]
-    assert split and all(isinstance(cache.slot_map, DenseSlotMap) for cache in split)
+    assert split and all(cache.group.on_device is not None for cache in split)
 
 
 def test_gpu_path_step_of_a_staged_batch_waits_for_no_device() -> None:
@@ -386,4 +386,72 @@ def test_the_graphed_step_on_cuda_waits_for_no_later_step() -> None:
     _graphed_fit(True, counting)
     steady = counting.counts[5:-2]
     print(f"host syncs per replayed step on CUDA: {steady}")
+    assert steady and max(steady) <= 1, steady
+
+
+def test_gpu_path_device_directory_reads_and_steps_host_rows_in_place_as_the_host_directory_trains(monkeypatch) -> None:
+    # The directory in GPU memory, host rows mapped (cudaHostRegister) and read and stepped in
+    # place by the Triton kernels, against the host directory's staged copies on the same GPU.
+    def trained(directory: str) -> tuple[dict, dict]:
+        monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1" if directory == "device" else "0")
+        module = _module(8, kernel="triton", device="cuda")
+        assert ("cache directory in device memory" in module.kernel_note) == (directory == "device")
+        for batch in _batches(8, steps=12, seed=0):
+            module(batch.to(torch.device("cuda"))).values().square().sum().backward()
+        counts = {} if directory == "host" else next(iter(module._caches.values())).on_device.counters()
+        return module.state_dict() | {f"{n}.momentum": a["momentum"] for n, a in module.optimizer_state().items()}, counts
+
+    on_device, counts = trained("device")
+    on_host, _ = trained("host")
+    print(f"device directory over 12 steps: {counts}")
+    assert counts["from_host_rows"] > 0 and counts["written_back_rows"] > 0  # host rows read in place, victims written back
+    for key, value in on_host.items():
+        torch.testing.assert_close(on_device[key], value, rtol=1e-6, atol=1e-6, msg=key)
+
+
+def test_gpu_path_keeps_the_host_directory_where_host_rows_cannot_be_mapped(monkeypatch) -> None:
+    from lightning_hotcache.cache.host_mapping import HostMappingError
+    from lightning_hotcache.embedding import collection
+
+    def refuse(array):
+        raise HostMappingError("cudaHostRegister refused (a test)")
+
+    monkeypatch.setattr(collection, "map_for_devices", refuse)
+    module = _module(8, kernel="triton", device="cuda")
+    assert "cache directory on the host (cudaHostRegister refused (a test))" in module.kernel_note
+    assert module.why_not_graphable() is not None
+    for batch in _batches(8, steps=3, seed=0):
+        module(batch.to(torch.device("cuda"))).values().sum().backward()
+
+
+def _graphed_hotcache_fit(graphed: bool, counter: pl.Callback | None = None) -> tuple[pl.LightningModule, dict]:
+    pl.seed_everything(0)
+    dm = tiny_synthetic(num_train_samples=64 * 60 + 40, batch_size=64)  # 60 full batches and a short one
+    model = DLRM(dm.tables, dm.num_dense_features, cuda_graph=graphed, embedding_optimizer=OPTIMIZER)
+    counts: dict = {}
+
+    class Counts(pl.Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            graph = pl_module.step_graph
+            counts.update({} if graph is None else {"captures": graph.captures, "replays": graph.replays, "refused": graph.eager_reason})
+
+    strategy = HotCacheStrategy(device_budget=0.02, profile_batches=4, grow_budget_to_minimum=True)
+    callbacks = [Counts()] + ([counter] if counter is not None else [])
+    cpu_trainer(strategy=strategy, max_epochs=1, log_every_n_steps=1000, callbacks=callbacks, **CUDA).fit(model, dm)
+    return model, counts
+
+
+def test_the_graphed_hotcache_step_on_cuda_trains_what_its_eager_step_trains() -> None:
+    eager, _ = _graphed_hotcache_fit(False)
+    graphed, counts = _graphed_hotcache_fit(True)
+    print(f"hotcache's step CUDA graph over 61 steps: {counts}")
+    assert counts == {"captures": 1, "replays": 60 - WARMUP_STEPS, "refused": None}
+    torch.testing.assert_close(graphed.state_dict(), eager.state_dict(), rtol=1e-6, atol=1e-6)
+
+
+def test_the_graphed_hotcache_step_on_cuda_waits_for_no_later_step() -> None:
+    counting = CountsPerStep(_CountCudaSyncs)
+    _graphed_hotcache_fit(True, counting)
+    steady = counting.counts[5:-2]
+    print(f"host syncs per replayed hotcache step on CUDA: {steady}")
     assert steady and max(steady) <= 1, steady

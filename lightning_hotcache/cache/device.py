@@ -59,7 +59,6 @@ from lightning_hotcache.cache.device_directory import DeviceDirectory
 from lightning_hotcache.cache.exchange import RoundRobinRows, RowSharding, gather_table
 from lightning_hotcache.cache.host import HostStore, RowsAt
 from lightning_hotcache.cache.host_arrays import new_array, new_host_array
-from lightning_hotcache.cache.host_mapping import map_for_devices
 from lightning_hotcache.cache.lookahead import NEVER, LookaheadWindow
 from lightning_hotcache.cache.side_by_side import SideBySide
 from lightning_hotcache.cache.slot_map import DenseSlotMap, make_slot_map
@@ -228,7 +227,8 @@ class DeviceCache:
 
     def _on_device_directory(self, policy: CachePolicy, segment_starts: Sequence[int] | None) -> DeviceDirectory:
         """The dynamic slots' directory in device memory (`DeviceDirectory`), over this cache's
-        slots and host rows, which on CUDA are mapped into the device's address space first.
+        slots and host rows (on CUDA mapped into the device's address space by the caller:
+        `lightning_hotcache.cache.host_mapping`).
         A batch's rows are then admitted on the device (`DeviceDirectory.admit`), never through
         `acquire`; this cache keeps the host store, the static rows and whole-table work."""
         assert self.host is not None
@@ -236,9 +236,6 @@ class DeviceCache:
             raise ValueError(f"Table {self.name!r}: the device directory keeps the lfu, lru and static policies, not lookahead.")
         if self.sharding.world != 1 or self.host.memory_mapped:
             raise ValueError(f"Table {self.name!r}: the device directory serves one process with its host rows in memory.")
-        if self.device.type == "cuda":
-            for array in self.host.arrays.values():
-                map_for_devices(array)
         ends = None if segment_starts is None else torch.tensor(list(segment_starts)[1:])
         return DeviceDirectory(self.id_of_slot[: self.num_static].clone(), self.num_dynamic, policy, self.slots, self.host.arrays, segment_ends=ends)
 

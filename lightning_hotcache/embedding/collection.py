@@ -54,6 +54,7 @@ from lightning_hotcache.kernels import triton_tbe
 from lightning_hotcache.kernels.triton_tbe import TRITON_RULES
 from lightning_hotcache.cache.group import TableInGroup
 from lightning_hotcache.cache.host_arrays import new_array
+from lightning_hotcache.cache.host_mapping import HostMappingError, map_for_devices
 from lightning_hotcache.cache.owned_rows import OwnedRows
 from lightning_hotcache.cache.side_by_side import check_staging_threads
 from lightning_hotcache.embedding.layout import Layout, build_layout
@@ -187,6 +188,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         if directory_on_device and split and not self.layout.stacks:
             directory_on_device = False  # stacks of 2**31 ids or more: each table keeps a host directory of its own
         self._directories_on_device = directory_on_device
+        self._mapping_refusal: str | None = None  # why the host rows could not be mapped for the device directory
         self._fused = None if reason is not None else self._fused_tables(self.layout)
         # Each device table's arrays (weight and optimizer state): the TBE's memory, or, on the
         # PyTorch path, arrays of our own.
@@ -196,10 +198,16 @@ class HotColdEmbeddingBagCollection(nn.Module):
         # Every cache, by key (a stack, or a table of its own); `caches` is by table.
         self._caches: dict[str, DeviceCache] = {}
         self.caches: dict[str, DeviceCache | TableInGroup] = {}
+        stores = {
+            key: self._host_store(self._stack_store_name(key), self.layout.stack_ids[key] // sharding.world, members[0].embedding_dim)
+            for key, members in self.layout.stacks.items()
+        }
+        if self._directories_on_device and self.device.type == "cuda":
+            self._map_host_rows(stores)
         for key, members in self.layout.stacks.items():
             # One host store for the stack (a rank's rows of global id g are at g // world);
             # each table's rows in it are a store of their own, sharing its memory.
-            host = self._host_store(self._stack_store_name(key), self.layout.stack_ids[key] // sharding.world, members[0].embedding_dim)
+            host = stores[key]
             self._caches[key] = self._stack(key, members, host, cache_policy)
             for k, table in enumerate(members):
                 start = self.layout.id_starts[table.name]
@@ -234,6 +242,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self.caches[table.name] = self._caches[table.name] = cache
         self.caches = {t.name: self.caches[t.name] for t in self._tables}  # in table order
         self._caches = {key: self._caches[key] for key in self.layout.cache_keys}  # in layout order
+        if self._mapping_refusal is not None:
+            self.kernel_note += f", cache directory on the host ({self._mapping_refusal})"
         if self._directories_on_device:
             if split:
                 self.kernel_note += ", cache directory in device memory (host rows read and stepped in place)"
@@ -275,6 +285,20 @@ class HotColdEmbeddingBagCollection(nn.Module):
             self._triton and self._sharding.world == 1 and self.optimizer.name in TRITON_RULES
             and self.host_directory is None and policy != "lookahead"
         )  # fmt: skip
+
+    def _map_host_rows(self, stores: dict[str, HostStore]) -> None:
+        """Map the stacks' host rows into the GPU's address space for the device directory's
+        kernels; where the driver refuses (a locked-memory limit), keep the host directory and say
+        why, unless the device directory was asked for by its switch."""
+        try:
+            for store in stores.values():
+                for array in store.arrays.values():
+                    map_for_devices(array)
+        except HostMappingError as error:
+            if setting(Switch.DEVICE_DIRECTORY) == "1":
+                raise
+            self._directories_on_device = False
+            self._mapping_refusal = str(error)
 
     def _host_rows_of_device_tables(self) -> list[dict[str, Tensor] | None]:
         """Each device table's host arrays where its split tables' cache keeps its directory in

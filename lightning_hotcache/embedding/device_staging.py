@@ -7,8 +7,9 @@ lookups of tables wholly on the device. At the step's forward (`take`) everythin
 ops of sizes the host knows (the batch's ids per feature): the features put in the module's
 order, the ids made a stack's global ids, each cache's ids admitted (`DeviceDirectory.admit`)
 and replaced by their locations (a slot at its place in the device table, or a host row the
-kernels read and step in place: `triton_tbe.location_of_host_row`). No host read, no lock, no
-Python state that a step changes for good: the step can be recorded in a CUDA graph
+kernels read and step in place: `triton_tbe.location_of_host_row`). No host read, no wait for
+another thread (the module's lock guards only the record of checked batches), no Python state
+that a step changes for good: the step can be recorded in a CUDA graph
 (`lightning_hotcache._ops.step_graph`) and replayed without its Python. A batch holds its cells
 from its forward until its update is done (`finish`) or, without one, its lookup; batches are
 admitted one forward at a time, so a cell only ever has to stay with the batch in flight.
@@ -90,9 +91,10 @@ class DirectoryStaging(Staging):
         else:
             host = self._check(features)
         arriving = (features if arrives_as is None else arrives_as).values()
-        for address in [a for a, (values, _) in self._checked.items() if values() is None]:
-            del self._checked[address]
-        self._checked[arriving.data_ptr()] = (weakref.ref(arriving), host)
+        with self.lock:  # the record is written here (a prefetch thread) and taken by forward
+            for address in [a for a, (values, _) in self._checked.items() if values() is None]:
+                del self._checked[address]
+            self._checked[arriving.data_ptr()] = (weakref.ref(arriving), host)
 
     def check(self, features: KeyedJaggedTensor) -> None:
         """`prefetch` ``features`` (as forward will get it) unless it was already."""
@@ -102,7 +104,8 @@ class DirectoryStaging(Staging):
     def _checked_ahead(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor | None:
         """The host batch of ``features`` where it was checked ahead, else None."""
         values = features.values()
-        entry = self._checked.get(values.data_ptr())
+        with self.lock:
+            entry = self._checked.get(values.data_ptr())
         if entry is None:
             return None
         alive = entry[0]()
@@ -113,7 +116,8 @@ class DirectoryStaging(Staging):
         inside a recorded step, the static copy itself (its model checked what it copies)."""
         host = self._checked_ahead(features)
         if host is not None:
-            del self._checked[features.values().data_ptr()]
+            with self.lock:
+                self._checked.pop(features.values().data_ptr(), None)
             return host
         if step_graph.recording():
             return features
@@ -170,7 +174,8 @@ class DirectoryStaging(Staging):
 
     def clear(self) -> None:
         """Forget the batches checked ahead and never forwarded."""
-        self._checked.clear()
+        with self.lock:
+            self._checked.clear()
 
     def clear_window(self) -> None:
         self._announced_batches.clear()
