@@ -92,13 +92,14 @@ def test_everything_fits_needs_no_stats() -> None:
     assert [line.split()[3] for line in str(plan).splitlines()[2:5]] == ["all"] * 3
 
 
-def test_split_tables_are_charged_their_directory_only_where_it_lives_on_the_device() -> None:
+def test_split_tables_are_charged_the_directory_that_lives_on_the_device() -> None:
+    from lightning_hotcache.cache.device_directory import DEVICE_DIRECTORY_BYTES_PER_SLOT
     from lightning_hotcache.cache.slot_map import sparse_map_bytes_per_resident
     from lightning_hotcache.planner.plan import SLOT_BOOKKEEPING_BYTES, row_bytes
 
-    # A cache's directory (id -> slot map, per-slot bookkeeping) lives on the host: on CPU the
-    # device is the host and the budget pays for it; on CUDA it does not, and the same budget
-    # buys more rows.
+    # On a CPU the device is the host and the budget pays for the host directory (id -> slot
+    # map, per-slot bookkeeping); on CUDA for the device directory's cells, which take less, so
+    # the same budget buys more rows.
     st = stats()
     plans = {
         device: HotColdPlanner(0.1, SGD, prefetch_depth=1, device=device, prefetch_thread=False).plan(TABLES, st)
@@ -108,7 +109,7 @@ def test_split_tables_are_charged_their_directory_only_where_it_lives_on_the_dev
         assert plan.device_bytes <= plan.budget_bytes
         for t in (t for t in plan.tables if not t.on_device):
             config = next(c for c in TABLES if c.name == t.name)
-            directory = sparse_map_bytes_per_resident(config.num_embeddings) + SLOT_BOOKKEEPING_BYTES if device == "cpu" else 0
+            directory = sparse_map_bytes_per_resident(config.num_embeddings) + SLOT_BOOKKEEPING_BYTES if device == "cpu" else DEVICE_DIRECTORY_BYTES_PER_SLOT
             assert t.device_bytes == (len(t.static_ids) + t.cache_slots) * (row_bytes(config, SGD) + directory), (device, t.name)
     rows = {d: sum(len(t.static_ids) + t.cache_slots for t in p.tables if not t.on_device) for d, p in plans.items()}
     assert rows["cpu"] < rows["cuda"]

@@ -212,6 +212,10 @@ class DeviceCache:
             return
         # The books are written at random every batch: kept from forked workers (`host_arrays`).
         self.id_of_slot = new_host_array((num_slots,), torch.int64, fill=-1)
+        self.id_of_slot[: self.num_static] = static_ids
+        if directory_on_device:  # it keeps the dynamic slots' books: the host keeps none of them
+            self.on_device = self._on_device_directory(policy, segment_starts)
+            return
         self.slot_map = make_slot_map(num_embeddings, static_ids, num_slots, self.books, budgeted=torch.device(device) == self.books)
         self.dirty = new_host_array((num_slots,), torch.bool)
         # Ticket of the latest batch that read each slot (its recency), and how many batches in
@@ -219,11 +223,8 @@ class DeviceCache:
         self.last_used = new_host_array((num_slots,), torch.int64)
         self.holders = new_host_array((num_slots,), torch.int32)
         self.frequency = new_host_array((num_slots,), torch.int64)
-        self.id_of_slot[: self.num_static] = static_ids
         if policy == "lookahead":
             self.window = LookaheadWindow(num_embeddings, num_slots)
-        if directory_on_device:
-            self.on_device = self._on_device_directory(policy, segment_starts)
 
     def _on_device_directory(self, policy: CachePolicy, segment_starts: Sequence[int] | None) -> DeviceDirectory:
         """The dynamic slots' directory in device memory (`DeviceDirectory`), over this cache's
@@ -274,7 +275,7 @@ class DeviceCache:
         the CPU, where the directory lives on the device too, the id -> slot map and per-slot
         bookkeeping (what the planner's budget covers)."""
         arrays = list(self.slots.values())
-        if not self.identity and self.device == self.books:
+        if not self.identity and self.on_device is None and self.device == self.books:
             arrays += [self.id_of_slot, self.dirty, self.last_used, self.holders, self.frequency, *self.slot_map.tensors()]
         if self.on_device is not None:
             arrays += self.on_device.tensors()

@@ -48,6 +48,8 @@ DEVICE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static")
 WAYS = 32
 # An LFU score is (reads << _READS_SHIFT) + last use, so that ties go to the older row.
 _READS_SHIFT = 40
+# GPU memory a slot's cell takes (its id, score, holders and dirty mark); a static slot's id takes less.
+DEVICE_DIRECTORY_BYTES_PER_SLOT = 8 + 8 + 4 + 1
 _HELD = torch.iinfo(torch.int64).max  # a held way's score: never a victim
 # Knuth's multiplicative hash: a set is the high bits of id * _HASH, so that ids at a stride
 # (a table's rows every ``world`` ids, tables at offsets) spread over the sets.

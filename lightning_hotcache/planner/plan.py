@@ -39,6 +39,7 @@ from torchrec import EmbeddingBagConfig
 
 from lightning_hotcache.cache.device import check_cache_policy
 from lightning_hotcache.cache.lookahead import DEFAULT_WINDOW_BATCHES
+from lightning_hotcache.cache.device_directory import DEVICE_DIRECTORY_BYTES_PER_SLOT
 from lightning_hotcache.cache.slot_map import sparse_map_bytes_per_resident
 from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig
 
@@ -769,11 +770,16 @@ class HotColdPlanner:
 
     def _directory_bytes_per_slot(self, table: EmbeddingBagConfig) -> int:
         """What a split table's directory (id -> slot map and per-slot bookkeeping) costs the
-        device budget per slot: nothing where the device is not the CPU, since the directory
-        lives on the host (see `DeviceCache`). The map counts as sparse, even where a dense one
+        device budget per slot: on a CPU the host directory's, which lives on the device there
+        (see `DeviceCache`); on CUDA the device directory's cells. The map counts as sparse, even where a dense one
         would cost less: a collection's split tables may be stacked into one cache
         (lightning_hotcache.cache.group), whose map is sparse unless dense costs less for all
         of them together."""
+        if torch.device(self.device).type == "cuda":
+            # Where the directory is in GPU memory (`DeviceDirectory`; the Triton path's default
+            # there) each slot has a cell of it, or a static id: charged on every CUDA plan, so
+            # that the budget holds whichever directory the collection keeps.
+            return DEVICE_DIRECTORY_BYTES_PER_SLOT
         if torch.device(self.device).type != "cpu":
             return 0
         return sparse_map_bytes_per_resident(table.num_embeddings) + SLOT_BOOKKEEPING_BYTES
