@@ -355,10 +355,11 @@ def test_auto_on_cuda_hands_its_gradient_rows_over_and_learns_what_the_cpu_learn
     torch.testing.assert_close(got, on_cpu.state_dict(), rtol=1e-4, atol=1e-5)
 
 
-def _graphed_fit(graphed: bool, counter: pl.Callback | None = None) -> tuple[pl.LightningModule, dict]:
+def _graphed_fit(graphed: bool, counter: pl.Callback | None = None, hotcache: bool = False) -> tuple[pl.LightningModule, dict]:
+    """A DLRM fit under `auto`, or ``hotcache`` at 2% (the caches' directory in GPU memory)."""
     pl.seed_everything(0)
     dm = tiny_synthetic(num_train_samples=64 * 60 + 40, batch_size=64)  # 60 full batches and a short one
-    model = DLRM(dm.tables, dm.num_dense_features, cuda_graph=graphed)
+    model = DLRM(dm.tables, dm.num_dense_features, cuda_graph=graphed, **({"embedding_optimizer": OPTIMIZER} if hotcache else {}))
     counts: dict = {}
 
     class Counts(pl.Callback):
@@ -367,7 +368,8 @@ def _graphed_fit(graphed: bool, counter: pl.Callback | None = None) -> tuple[pl.
             counts.update({} if graph is None else {"captures": graph.captures, "replays": graph.replays, "refused": graph.eager_reason})
 
     callbacks = [Counts()] + ([counter] if counter is not None else [])
-    cpu_trainer(max_epochs=1, log_every_n_steps=1000, callbacks=callbacks, **CUDA).fit(model, dm)
+    strategy = HotCacheStrategy(device_budget=0.02, profile_batches=4, grow_budget_to_minimum=True) if hotcache else "auto"
+    cpu_trainer(strategy=strategy, max_epochs=1, log_every_n_steps=1000, callbacks=callbacks, **CUDA).fit(model, dm)
     return model, counts
 
 
@@ -424,26 +426,9 @@ def test_gpu_path_keeps_the_host_directory_where_host_rows_cannot_be_mapped(monk
         module(batch.to(torch.device("cuda"))).values().sum().backward()
 
 
-def _graphed_hotcache_fit(graphed: bool, counter: pl.Callback | None = None) -> tuple[pl.LightningModule, dict]:
-    pl.seed_everything(0)
-    dm = tiny_synthetic(num_train_samples=64 * 60 + 40, batch_size=64)  # 60 full batches and a short one
-    model = DLRM(dm.tables, dm.num_dense_features, cuda_graph=graphed, embedding_optimizer=OPTIMIZER)
-    counts: dict = {}
-
-    class Counts(pl.Callback):
-        def on_train_end(self, trainer, pl_module) -> None:
-            graph = pl_module.step_graph
-            counts.update({} if graph is None else {"captures": graph.captures, "replays": graph.replays, "refused": graph.eager_reason})
-
-    strategy = HotCacheStrategy(device_budget=0.02, profile_batches=4, grow_budget_to_minimum=True)
-    callbacks = [Counts()] + ([counter] if counter is not None else [])
-    cpu_trainer(strategy=strategy, max_epochs=1, log_every_n_steps=1000, callbacks=callbacks, **CUDA).fit(model, dm)
-    return model, counts
-
-
 def test_the_graphed_hotcache_step_on_cuda_trains_what_its_eager_step_trains() -> None:
-    eager, _ = _graphed_hotcache_fit(False)
-    graphed, counts = _graphed_hotcache_fit(True)
+    eager, _ = _graphed_fit(False, hotcache=True)
+    graphed, counts = _graphed_fit(True, hotcache=True)
     print(f"hotcache's step CUDA graph over 61 steps: {counts}")
     assert counts == {"captures": 1, "replays": 60 - WARMUP_STEPS, "refused": None}
     torch.testing.assert_close(graphed.state_dict(), eager.state_dict(), rtol=1e-6, atol=1e-6)
@@ -451,7 +436,7 @@ def test_the_graphed_hotcache_step_on_cuda_trains_what_its_eager_step_trains() -
 
 def test_the_graphed_hotcache_step_on_cuda_waits_for_no_later_step() -> None:
     counting = CountsPerStep(_CountCudaSyncs)
-    _graphed_hotcache_fit(True, counting)
+    _graphed_fit(True, counting, hotcache=True)
     steady = counting.counts[5:-2]
     print(f"host syncs per replayed hotcache step on CUDA: {steady}")
     assert steady and max(steady) <= 1, steady

@@ -103,8 +103,12 @@ class _UpdateInBackward(abc.ABC):
         staging: Staging,
         optimizer: RowWiseOptimizerConfig,
         is_weighted: bool,
+        host_tables: list[dict[str, Tensor] | None] | None = None,
     ) -> None:
         self.tables = tables
+        # Each device table's host arrays where its cache's directory is in device memory (None
+        # for the others): a row read from the host is stepped there, in place (`TritonUpdate`).
+        self.host_tables = host_tables or [None] * len(tables)
         self.staging = staging
         self.optimizer = optimizer
         self.is_weighted = is_weighted
@@ -154,20 +158,7 @@ class TritonUpdate(_UpdateInBackward):
     """Triton: each device table's rows are stepped by the Triton TBE's backward
     (`triton_tbe.backward_step`): the width's values sorted once on the device and each
     distinct row stepped in the kernel from its summed gradient. Staging finds no distinct rows
-    for it. ``host_tables``: each device table's host arrays where its cache's directory is in
-    device memory (None for the others): a row read from the host is stepped there, in place."""
-
-    def __init__(
-        self,
-        layout: Layout,
-        tables: list[dict[str, Tensor]],
-        staging: Staging,
-        optimizer: RowWiseOptimizerConfig,
-        is_weighted: bool,
-        host_tables: list[dict[str, Tensor] | None] | None = None,
-    ) -> None:
-        super().__init__(layout, tables, staging, optimizer, is_weighted)
-        self.host_tables = host_tables or [None] * len(tables)
+    for it. A row read from the host (``host_tables``) is stepped there, in place."""
 
     def _step(self, k: int, table: dict[str, Tensor], staged: StagedBatch, grad: Tensor) -> None:
         ours, config, features = staged.ours, self.optimizer, self._features[k]
