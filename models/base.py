@@ -113,6 +113,12 @@ class _AssembledAfterInit(type):
         return init.replace(parameters=list(init.parameters.values())[1:], return_annotation=inspect.Signature.empty)
 
 
+# Precisions whose training step a CUDA graph records: autocast's casts are recorded with the
+# step (each capture and replay is one autocast region of Lightning's, its cast cache emptied
+# between steps).
+GRAPHED_PRECISIONS = ("32-true", "bf16-mixed")
+
+
 class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     """Base LightningModule for click-through-rate models on torchrec batches.
 
@@ -144,8 +150,9 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             update) in one CUDA graph once batches of one shape have come in a row, and replay
             it for every batch of those shapes (`lightning_hotcache._ops.step_graph`); other
             batches (an epoch's short last one, multi-hot batches of changing lengths) step
-            eagerly. It applies under one process's own strategy (``auto`` on one GPU), in
-            float32 (TF32 matmuls too), without gradient accumulation, with
+            eagerly. It applies under one process's own strategy (``auto`` on one GPU, or
+            ``hotcache`` with its caches' directory in GPU memory), in float32 (TF32 matmuls
+            too) or bf16-mixed, without gradient accumulation, with
             ``non_finite_loss="raise"``, and to this class's step (a subclass that overrides
             ``training_step``, ``training_loss`` or ``backward`` steps eagerly); the log line at fit start says which. The dense
             optimizer still steps after it, through Lightning's hooks (clipping, schedulers). Under
@@ -426,8 +433,9 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             return "non_finite_loss='skip' needs each step's loss on the host before its backward"
         if trainer.accumulate_grad_batches != 1:
             return f"accumulate_grad_batches={trainer.accumulate_grad_batches}"
-        if trainer.precision != "32-true":
-            return f"precision={trainer.precision!r} (the graph records float32 steps)"
+        if trainer.precision not in GRAPHED_PRECISIONS:
+            # 16-mixed scales the loss and skips steps whose gradients overflow, which the host decides.
+            return f"precision={trainer.precision!r} (the graph records {' and '.join(GRAPHED_PRECISIONS)} steps)"
         for hook in ("training_step", "training_loss", "backward"):
             if getattr(type(self), hook) is not getattr(CTRModel, hook):
                 return f"{type(self).__name__}.{hook} overrides CTRModel's, which the graph records"

@@ -145,7 +145,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> StandInGraphs:
 
 
 def fit(name: str = "dlrm", graphed: bool = True, data: dict | None = None, **options) -> tuple[CTRModel, pl.Trainer]:
-    trainer_options = {k: options.pop(k) for k in ("gradient_clip_val", "val_check_interval", "callbacks", "max_steps", "default_root_dir", "enable_checkpointing") if k in options}
+    trainer_options = {k: options.pop(k) for k in ("gradient_clip_val", "val_check_interval", "callbacks", "max_steps", "default_root_dir", "enable_checkpointing", "precision") if k in options}
     pl.seed_everything(0)
     dm = tiny_synthetic(**{"num_train_samples": 1000, "batch_size": 96, "num_val_samples": 192, **(data or {})})  # a short last batch
     model = create_model(name, dm.tables, dm.num_dense_features, cuda_graph=graphed, **options)
@@ -162,6 +162,7 @@ def fit(name: str = "dlrm", graphed: bool = True, data: dict | None = None, **op
         ("dlrm", {}),
         ("deepfm", {"embedding_optimizer": {"name": "adam", "lr": 0.01}, "embedding_l2": 1e-4, "gradient_clip_val": 0.5}),
         ("dcn", {"embedding_optimizer": {"name": "sgd", "lr": 0.1}, "val_check_interval": 0.5}),
+        ("dlrm", {"precision": "bf16-mixed"}),
     ],
 )
 def test_a_graphed_fit_trains_what_the_eager_fit_trains(stand_in: StandInGraphs, name: str, options: dict) -> None:
@@ -271,7 +272,7 @@ class OwnStep(MODEL_REGISTRY["dlrm"]):  # a user's subclass with a training_step
         ({"model": {"cuda_graph": False}}, "cuda_graph=False"),
         ({"model": {"non_finite_loss": "skip"}}, "non_finite_loss='skip'"),
         ({"trainer": {"accumulate_grad_batches": 2}}, "accumulate_grad_batches=2"),
-        ({"trainer": {"precision": "bf16-mixed"}}, "precision='bf16-mixed'"),
+        ({"trainer": {"precision": "64-true"}}, "precision='64-true'"),
         ({"trainer": {"strategy": "hotcache_stand_in"}}, "its caches' directory is on the host"),
         ({"subclass": True}, "OwnStep.training_step overrides CTRModel's"),
     ],
