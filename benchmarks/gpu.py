@@ -197,11 +197,13 @@ def strategies(args: argparse.Namespace) -> dict[str, Any]:
     lookahead cache policy), the ``+2threads`` ones (a batch's caches staged side by side on
     two threads, where the strategy stages on one by default), the ``+eager`` ones (the step
     not recorded in a CUDA graph) and the ``+hostdir`` ones (on CUDA the caches' directory on
-    the host, staged by the prefetch thread, where it is in GPU memory by default) run only when
-    named."""
+    the host, staged by the prefetch thread, where it is in GPU memory by default) and ``auto+fp32``
+    and ``auto+bf16-mixed`` (that ``--precision`` for the run) run only when named."""
     return {
         "auto": lambda: "auto",
         "auto+eager": lambda: "auto",  # the zoo model with cuda_graph=False (see `train`)
+        # Under another --precision than the run's (see `main`): fp32 matmuls, bf16-mixed.
+        **{f"auto+{p}": (lambda: "auto") for p in PRECISIONS if p != "tf32"},
         "cpu-lookup": lambda: "auto",  # with HostLookupDLRM (see `train`)
         **{f"hotcache@{b:g}": (lambda b=b: _hotcache(args, b)) for b in BUDGETS},
         **{f"hotcache@{b:g}+lookahead": (lambda b=b: _hotcache(args, b, "lookahead")) for b in BUDGETS[1:]},
@@ -352,6 +354,7 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool, graphed: 
         moved["h2d_bytes"] = moved["d2h_bytes"] = pooled * steps
     out: dict[str, Any] = {
         "samples_per_s": clock.samples_per_s,
+        "precision": args.precision,  # the run's (``auto+bf16-mixed`` and ``auto+fp32`` change it)
         "hit_rate": moved["hits"] / moved["lookups"] if moved["lookups"] else None,
         "fetched_rows_per_step": moved["fetched_rows"] / steps,
         "evicted_rows_per_step": moved["evicted_rows"] / steps,
@@ -476,6 +479,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     runs = strategies(args)
     if args.job:
+        args.precision = next((p for p in PRECISIONS if args.job.endswith(f"+{p}")), args.precision)
         result = train(runs[args.job](), args, host_lookup=args.job == "cpu-lookup", graphed=not args.job.endswith("+eager"))
         print(json.dumps(result))
         return result

@@ -15,7 +15,8 @@
 #      cache is full): hotcache at 10% and at 1% (LFU, the caches' directory in GPU memory, the
 #      step in one CUDA graph), at 1% eagerly (+eager) and with the directory on the host
 #      (+hostdir, the prefetch thread staging), against all tables in GPU memory (auto: its step
-#      in one CUDA graph, and eagerly as auto+eager), one process, the batches drawn before fit
+#      in one CUDA graph, and eagerly as auto+eager; last, where time is left, under bf16-mixed
+#      and with fp32 matmuls), one process, the batches drawn before fit
 #      and served from memory (gpu.py's --data; share 260 s: four runs took 160 s on an H200 at
 #      861bd68), with the prefetch thread's pieces timed (benchmarks/pieces.py);
 #   4. tables larger than the GPU: the same tables with each run's GPU memory capped at 8 GiB,
@@ -65,7 +66,7 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   PYTHON=.venv/bin/python
   ACCELERATOR=cpu
   SMALL="--device cpu --scale 0.001 --batch-size 64"
-  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01 hotcache@0.01+eager hotcache@0.01+hostdir"  # stage 3's
+  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01 hotcache@0.01+eager hotcache@0.01+hostdir auto+bf16-mixed auto+fp32"  # stage 3's
   BEYOND_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1 hotcache@0.01"  # no cap on a CPU
   PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 0.02 --rows 2000 --copies 3 --threads 1 2"
@@ -80,7 +81,7 @@ else
   # its caches); with 20 the timed steps were all filling (no row evicted in any 10% run before
   # 2026-11-29), measuring neither victims nor write-backs. --pieces: where the prefetch
   # thread's time goes (compiled loops and row copies, which torch.profiler does not see).
-  BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 120 --warmup 80 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01 hotcache@0.01+eager hotcache@0.01+hostdir"}
+  BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 120 --warmup 80 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01 hotcache@0.01+eager hotcache@0.01+hostdir auto+bf16-mixed auto+fp32"}
   BEYOND_ARGS="--scale 1.0 --steps 120 --warmup 80 --rounds 1 --device-memory 8 --strategies auto hotcache@0.1 hotcache@0.01"
   PROFILE_ARGS="--scale 0.1 --steps 30 --warmup 20 --profile-steps 5 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 8 --copies 40 --threads 1 2 4 8"

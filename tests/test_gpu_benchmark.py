@@ -151,7 +151,8 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
     assert "skipped" in (tmp_path / "stage2.log").read_text()  # found, and skipped without CUDA
     results = json.loads((tmp_path / "gpu.json").read_text())["results"]
     assert list(results) == [
-        "auto", "auto+eager", "hotcache@0.1", "hotcache@0.01", "hotcache@0.01+eager", "hotcache@0.01+hostdir"
+        "auto", "auto+eager", "hotcache@0.1", "hotcache@0.01", "hotcache@0.01+eager", "hotcache@0.01+hostdir",
+        "auto+bf16-mixed", "auto+fp32",
     ]  # what stage 3 runs on the GPU  # fmt: skip
     assert results["auto"]["step_graph"] is None  # a CPU records no graph
     assert results["hotcache@0.01"]["pieces_ms_per_batch"]["stage"] > 0  # where the prefetch thread's time goes
