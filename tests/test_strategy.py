@@ -150,9 +150,12 @@ def test_the_triton_kernel_trains_what_auto_trains(name, budget, policy, directo
         return model, trainer.validate(model, dm, verbose=False)[0]
 
     expected, expected_metrics = trained("auto")
-    strategy = HotCacheStrategy(device_budget=budget, profile_batches=2, cache_policy=policy, kernel="triton", grow_budget_to_minimum=True)
+    options = dict(device_budget=budget, profile_batches=2, cache_policy=policy, kernel="triton", grow_budget_to_minimum=True)
+    # The device directory staged as on CUDA: a reader thread announces, a prefetch thread prefetches.
+    strategy = forced_staging(reader_thread=True, prefetch_thread=True, **options) if directory == "device" else HotCacheStrategy(**options)
     model, metrics = trained(strategy)
     assert all(m.kernel_note.startswith("triton TBE") for m in hot_cold_modules(model).values())
+    assert strategy.uses_reader_thread == (directory == "device")
     on_device = ["cache directory in device memory" in m.kernel_note for m in hot_cold_modules(model).values()]
     assert all(on_device) == (directory == "device" and budget != 1.0), on_device
     if budget != 1.0:
