@@ -13,6 +13,12 @@ processes:
 
     forward = staging (`Staging`)  ->  lookup (`lookup.py`)  ->  update attached (`update.py`)
 
+On CUDA the Triton path's caches keep their directory in device memory, their host rows mapped
+into the GPU's address space (`DirectoryStaging`: the batch's rows admitted at the step, host
+rows read and stepped in place, the step capturable in a CUDA graph); elsewhere, and for what
+the device directory does not serve (lookahead, memory-mapped host storage, several
+processes, lazy Adam), the host directory (`Staging`).
+
 | kernel  | processes | lookup               | update                                         |
 |---------|-----------|----------------------|------------------------------------------------|
 | fbgemm  | 1         | `FusedLookup`        | `FusedUpdate`: the kernel's backward           |
@@ -138,7 +144,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
         staging_threads: threads that stage a batch's caches at once. In one process each
             width's split tables are then stacked in up to this many caches (of about equal
             dynamic slots, in the width's one device table), each staged on a thread of its own
-            (see `lightning_hotcache.cache.side_by_side`).
+            (see `lightning_hotcache.cache.side_by_side`). No effect where the caches' directory
+            is in device memory (one cache a width there, admitted on the device).
     """
 
     def __init__(
@@ -247,6 +254,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
         if self._directories_on_device:
             if split:
                 self.kernel_note += ", cache directory in device memory (host rows read and stepped in place)"
+            if staging_threads > 1:
+                self.kernel_note += f" (staging_threads={staging_threads} has no effect: the device stages the caches)"
             self._staging: Staging = DirectoryStaging(self.layout, self._caches, self.device)
         else:
             self._staging = Staging(self.layout, self._caches, self.device, staging_threads)
