@@ -12,7 +12,8 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
 from conftest import exactness_matrix
-from test_embedding_exactness import BUDGETS, TABLES, UPSTREAM, assert_same, make_plan, train_hotcache, train_reference, zipf_batches
+from test_embedding import GOOD, two_bags
+from test_embedding_exactness import BUDGETS, SUM_TABLES, TABLES, UPSTREAM, assert_same, make_plan, train_hotcache, train_reference, zipf_batches
 
 from lightning_hotcache import RowWiseOptimizerConfig
 from lightning_hotcache.cache.host_mapping import HostMappingError, map_for_devices
@@ -173,6 +174,32 @@ def test_initialized_rows_are_those_of_the_host_directory(monkeypatch) -> None:
     on_device = initialized()
     monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "0")
     torch.testing.assert_close(on_device, initialized(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("feature", "bad", "table"), [("user", 1500, "t_user"), ("item_hist", -1, "t_item")])
+def test_out_of_range_ids_are_refused_before_any_row_or_cell_is_touched(feature, bad, table) -> None:
+    config = RowWiseOptimizerConfig(name="sgd", lr=0.05)
+    module = fresh(make_plan(zipf_batches(), None, 0, "lru"), config)
+    module(zipf_batches(1)[0]).values().sum().backward()
+    directory = module._caches[next(iter(module.layout.stacks))].on_device
+    before, cells = module.state_dict(), directory.ids.clone()
+    lookups = {n: c.counters.lookups for n, c in module.caches.items()}
+    batch = two_bags(**{**GOOD, feature: [0, bad]})
+    with pytest.raises(ValueError, match=rf"Feature '{feature}' of table '{table}' has id {bad}"):
+        module.prefetch(batch)
+    with pytest.raises(ValueError, match=rf"Feature '{feature}' of table '{table}' has id {bad}"):
+        module(batch)  # not checked ahead: checked at its forward
+    assert torch.equal(directory.ids, cells) and {n: c.counters.lookups for n, c in module.caches.items()} == lookups
+    torch.testing.assert_close(module.state_dict(), before, rtol=0, atol=0)
+
+
+def test_per_sample_weights_learn_what_torchrec_learns() -> None:
+    config = RowWiseOptimizerConfig(name="rowwise_adagrad", lr=0.05)
+    batches = zipf_batches(weighted=True, seed=3)
+    plan = make_plan(batches, None, 2, "lfu", tables=SUM_TABLES)
+    module = train_hotcache(config, batches, UPSTREAM, plan, "lfu", "memory", 2, tables=SUM_TABLES, weighted=True, kernel="triton")
+    assert ON_DEVICE in module.kernel_note
+    assert_same(module, train_reference(config, batches, UPSTREAM, tables=SUM_TABLES, weighted=True))
 
 
 @pytest.mark.parametrize(
