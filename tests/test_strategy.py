@@ -367,16 +367,22 @@ class _KillAt(pl.Callback):
             raise _Killed(f"killed at step {self.step}")
 
 
-@pytest.mark.parametrize("strategy", ["auto", "hotcache"])
-def test_run_killed_mid_epoch_resumes_exactly(strategy, tmp_path, stats_path) -> None:
+@pytest.mark.parametrize("strategy", ["auto", "hotcache", pytest.param("hotcache-device-directory", marks=pytest.mark.full)])
+def test_run_killed_mid_epoch_resumes_exactly(strategy, tmp_path, stats_path, monkeypatch) -> None:
     """Checkpoint every 5 steps, die at step 23 (epoch 2 of 16-batch epochs), resume from
-    step 20: the replayed batches are the epoch's remaining ones and the tables end equal."""
+    step 20: the replayed batches are the epoch's remaining ones and the tables end equal (with
+    the caches' directory in device memory too: CUDA's default, its kernels here in Triton's
+    interpreter)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if strategy == "hotcache-device-directory":
+        monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1")
 
     def make():
         if strategy == "auto":
             return "auto"
-        return HotCacheStrategy(device_budget=0.05, stats_path=str(stats_path), cache_policy="lfu")
+        kernel = "triton" if strategy == "hotcache-device-directory" else "auto"
+        return HotCacheStrategy(device_budget=0.05, stats_path=str(stats_path), cache_policy="lfu", kernel=kernel)
 
     straight, _, _ = fit("dlrm", make(), epochs=2)
 
