@@ -80,3 +80,24 @@ def test_lookahead_model_over_the_whole_trace_is_beladys_optimum(capacity: int) 
     none = np.empty(0, np.int64)
     assert lookahead_hits(trace, 2000, none, capacity, window=len(trace)) == belady_hits(trace, capacity)
     assert lookahead_hits(trace, 2000, none, capacity, window=0) <= belady_hits(trace, capacity)
+
+
+def test_the_device_directory_stacked_hits_as_the_host_directory_where_its_sets_hold_the_batch() -> None:
+    # Tables stacked as a collection stacks them: a 32-way device LFU against the host's fully
+    # associative LFU on the same plan, and the lookahead policy, which only the host keeps.
+    from conftest import tiny_synthetic
+    from hit_rate import SGD, stacked_replay
+
+    from lightning_hotcache import HotColdPlanner
+    from lightning_hotcache.planner.profiling import profile_batches
+
+    dm = tiny_synthetic(num_embeddings_cap=50_000, num_train_samples=64 * 40, batch_size=64, scale=0.05)
+    source = dm.source("train")
+    batches = [source.batch(i * 64, (i + 1) * 64) for i in range(40)]
+    plan = HotColdPlanner(0.05, SGD, cache_policy="lfu", grow_budget_to_minimum=True).plan(dm.tables, profile_batches(batches[:10], dm.tables, progress=False))
+    trace = batches[10:]
+    assert any(not t.on_device for t in plan.tables)
+    host, device = stacked_replay(dm.tables, plan, trace, "host"), stacked_replay(dm.tables, plan, trace, "device")
+    print(f"stacked LFU hit rates: host {host:.4f}, device {device:.4f}")
+    assert 0.3 < device <= 1 and abs(device - host) < 0.02, (host, device)
+    assert stacked_replay(dm.tables, plan, trace, "host", window=4) >= host - 1e-9

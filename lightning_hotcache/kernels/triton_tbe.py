@@ -249,9 +249,9 @@ def move_rows(slots_array: Tensor, host_array: Tensor, slots: Tensor, write_rows
     copied into the slot. One launch, one program a slot; ``-1`` skips (a fixed-size input
     with its counts on the device). The slots must be distinct, and no row both written and
     filled."""
-    if slots.numel() == 0:
-        return
     width = slots_array.shape[1] if slots_array.dim() > 1 else 1
+    if slots.numel() == 0 or width == 0:  # nothing to move (a directory of rows of no width: hit rates alone)
+        return
     _move_rows_kernel[(slots.numel(),)](
         slots_array, host_array, slots, write_rows, fill_rows, width,
         slots_array.stride(0), host_array.stride(0), BLOCK=_block(width),
