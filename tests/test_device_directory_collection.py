@@ -222,3 +222,12 @@ def test_host_rows_cannot_be_mapped_without_a_cuda_device() -> None:
         pytest.skip("a CUDA device maps host rows (tests/test_cuda.py)")
     with pytest.raises(HostMappingError, match="cannot map a host array for the CUDA kernels: no CUDA device"):
         map_for_devices(torch.zeros(4, 4))
+
+
+def test_host_rows_over_the_locked_memory_limit_are_refused_with_the_fix(monkeypatch) -> None:
+    from lightning_hotcache.cache import host_mapping
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_mapping, "_locked_memory_limit", lambda: 1024)
+    with pytest.raises(HostMappingError, match=r"locked-memory limit \(1024 bytes, ulimit -l\) is below the 4096 bytes.*host_storage"):
+        map_for_devices(torch.zeros(32, 32))

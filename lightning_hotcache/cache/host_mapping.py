@@ -10,6 +10,10 @@ nothing and does not round the allocation up. The registration ends with the arr
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import resource
 import weakref
 
 import torch
@@ -41,15 +45,40 @@ def map_for_devices(array: Tensor) -> None:
     why = why_unmappable(array)
     if why is not None:
         raise HostMappingError(f"cannot map a host array for the CUDA kernels: {why}.")
-    cudart = torch.cuda.cudart()
     pointer, size = array.data_ptr(), array.numel() * array.element_size()
     if size == 0:
         return
+    limit = _locked_memory_limit()
+    if limit is not None and size > limit:
+        raise HostMappingError(
+            f"the locked-memory limit ({limit} bytes, ulimit -l) is below the {size} bytes of host rows: raise it, "
+            "or use host_storage=<directory>, whose rows reach the device through staged copies."
+        )
+    cudart = torch.cuda.cudart()
     status = cudart.cudaHostRegister(pointer, size, _PORTABLE_MAPPED)
     if int(status) != 0:
+        _clear_last_cuda_error()
         raise HostMappingError(
             f"cudaHostRegister refused {size} bytes of host memory ({status}): raise the locked-memory limit "
             "(ulimit -l) or use host_storage=<directory>, whose rows reach the device through staged copies."
         )
     weakref.finalize(array, cudart.cudaHostUnregister, pointer)
 
+
+def _locked_memory_limit() -> int | None:
+    """The process's locked-memory limit in bytes (None: unlimited, or not enforced for a
+    process that may lock any amount, as root usually may)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or os.geteuid() == 0:
+        return None
+    return soft
+
+
+def _clear_last_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a refused registration, so that torch's next
+    kernel launch check does not report it as its own (torch binds no ``cudaGetLastError``: the
+    runtime torch loaded is found among the process's libraries)."""
+    with contextlib.suppress(OSError, StopIteration):
+        with open("/proc/self/maps") as maps:
+            path = next(line.split()[-1] for line in maps if "libcudart" in line)
+        ctypes.CDLL(path).cudaGetLastError()
