@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import cpu_trainer, tiny_synthetic
+from conftest import cpu_trainer, forced_staging, tiny_synthetic
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torchrec import KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
@@ -229,30 +229,34 @@ def test_a_non_finite_loss_under_the_graph_stops_the_fit_before_a_checkpoint_has
     assert stand_in.replays >= 3  # it was a replayed step
 
 
-def hotcache_fit(graphed: bool, **trainer_options) -> tuple[CTRModel, pl.Trainer]:
+def dlrm_fit(strategy, **trainer_options) -> tuple[CTRModel, pl.Trainer]:
     pl.seed_everything(0)
-    dm = tiny_synthetic(num_train_samples=104, batch_size=16, num_val_samples=16)  # a short last batch
-    model = create_model("dlrm", dm.tables, dm.num_dense_features, cuda_graph=graphed, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
-    strategy = HotCacheStrategy(device_budget=0.001, profile_batches=2, cache_policy="lru", kernel="triton", grow_budget_to_minimum=True)
+    dm = tiny_synthetic(num_train_samples=104, batch_size=16, num_val_samples=16, num_embeddings_cap=800)  # a short last batch
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
     trainer = cpu_trainer(strategy=strategy, max_epochs=1, log_every_n_steps=4, **trainer_options)
     trainer.fit(model, dm)
     return model, trainer
 
 
-def test_a_graphed_hotcache_fit_trains_what_its_eager_fit_trains(stand_in: StandInGraphs, monkeypatch) -> None:
+def test_a_graphed_hotcache_fit_trains_what_auto_trains(stand_in: StandInGraphs, monkeypatch) -> None:
     # hotcache's step in the graph: the caches' directory in device memory (CUDA's default,
-    # switched on here; the Triton kernels in the interpreter), rows evicted and read from the
-    # host in place through replays, a validation mid-epoch between them.
+    # switched on here; the Triton kernels in the interpreter), staged as on CUDA (a reader and
+    # a prefetch thread), under the static policy (FAE: every batch's misses leave when it is
+    # released, so each replay writes rows back), rows read from the host in place, a
+    # validation mid-epoch between them; against `auto` (graphed too, its own path).
     monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1")
-    expected, _ = hotcache_fit(graphed=False, val_check_interval=0.5)
-    model, trainer = hotcache_fit(graphed=True, val_check_interval=0.5)
-    assert stand_in.captures >= 1 and stand_in.replays >= 3, (stand_in.captures, stand_in.replays, model.step_graph)
+    expected, _ = dlrm_fit("auto", val_check_interval=0.5)
+    replays = stand_in.replays
+    strategy = forced_staging(
+        reader_thread=True, prefetch_thread=True, prefetch_depth=1, device_budget=0.001, profile_batches=2, cache_policy="static", kernel="triton",
+        grow_budget_to_minimum=True,
+    )  # fmt: skip
+    model, _ = dlrm_fit(strategy, val_check_interval=0.5)
+    assert strategy.uses_reader_thread and stand_in.replays - replays >= 3, (stand_in.replays, model.step_graph)
     module = next(iter(hot_cold_modules(model).values()))
     counters = module._caches[next(iter(module.layout.stacks))].on_device.counters()
     assert counters["evicted_rows"] > 0 and counters["from_host_rows"] + counters["fetched_rows"] > 0
-    state = model.state_dict()  # once: each reads the tables back
-    for key, value in expected.state_dict().items():
-        assert torch.equal(state[key], value), key
+    torch.testing.assert_close(model.state_dict(), expected.state_dict(), rtol=1e-5, atol=1e-5)
     assert module._staging.in_flight == [] and len(module._staging._checked) <= 2  # no Python state a replay would miss
 
 

@@ -132,14 +132,15 @@ TRITON_FIT = dict(batch_size=16, num_train_samples=168, num_val_samples=16)  # T
 
 @pytest.mark.parametrize(
     ("name", "budget", "policy", "directory"),
-    [("dlrm", 0.001, "lfu", "device"), pytest.param("dlrm", 0.001, "lfu", "host", marks=pytest.mark.full),
+    [("dlrm", 0.001, "lfu", "host"), pytest.param("dlrm", 0.001, "lfu", "device", marks=pytest.mark.full),
      pytest.param("deepfm", 0.001, "lookahead", "host", marks=pytest.mark.full),
      pytest.param("fm", 1.0, "static", "device", marks=pytest.mark.full)],
 )  # fmt: skip
 def test_the_triton_kernel_trains_what_auto_trains(name, budget, policy, directory, tmp_path, monkeypatch) -> None:
     # On a CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest):
     # its lookups and in-kernel row steps through a fit with eviction, and validation; the
-    # caches' directory in device memory (CUDA's default, switched on here) or on the host.
+    # caches' directory in device memory (CUDA's default, switched on here; by default the
+    # graphed fit of test_step_graph runs it against auto) or on the host.
     monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1" if directory == "device" else "0")
     def trained(strategy) -> tuple[CTRModel, dict]:
         pl.seed_everything(0)
