@@ -247,6 +247,8 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         # every step), whether the current step ran in it, and the last graphed step's
         # not-finite flag (read a step late) with its step and batch.
         self._step_graph: graph_ops.StepGraph[Batch] | None = None
+        # The strategy's collections, which check each batch before the graph gets it (found once a fit: a step's host time counts).
+        self._graph_checks: list[Any] = []
         self._graph_grads: list[tuple[Tensor, Tensor]] = []
         self._graph_stepped = False
         self._graph_flag: graph_ops.FlagReadLater | None = None
@@ -394,7 +396,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor | None:
         self._graph_stepped = False
         if self._step_graph is not None:
-            for module in hot_cold_modules(self).values():  # the graph's forward reads a static copy, unchecked
+            for module in self._graph_checks:  # the graph's forward reads a static copy, unchecked
                 if module.reads(batch.sparse_features):
                     module.check(batch.sparse_features)
             graphed = self._step_graph.run(batch)
@@ -656,6 +658,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             # A fit stopped between a backward and its step left that batch's gradients: not this fit's.
             self._embedding_optimizer.zero_grad()
         self._graph_flag, self._said_eager = None, set()
+        self._graph_checks = list(hot_cold_modules(self).values())
         self._step_graph = self._new_step_graph()
 
     @override
@@ -664,6 +667,7 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         # this hook must call super().
         self._fit_tables = None
         self._step_graph, self._graph_grads, self._graph_flag = None, [], None  # the graph's memory goes with it
+        self._graph_checks = []
         release_helpers()  # the row-wise step's copy threads (many-core hosts): none outlives the fit
 
     @override
