@@ -247,7 +247,8 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
         # every step), whether the current step ran in it, and the last graphed step's
         # not-finite flag (read a step late) with its step and batch.
         self._step_graph: graph_ops.StepGraph[Batch] | None = None
-        # The strategy's collections, which check each batch before the graph gets it (found once a fit: a step's host time counts).
+        # The strategy's collections, which check each batch before the graph gets it (found once
+        # a fit, not every step).
         self._graph_checks: list[Any] = []
         self._graph_grads: list[tuple[Tensor, Tensor]] = []
         self._graph_stepped = False

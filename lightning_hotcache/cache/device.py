@@ -229,12 +229,9 @@ class DeviceCache:
     def _on_device_directory(self, policy: CachePolicy, segment_starts: Sequence[int] | None) -> DeviceDirectory:
         """The dynamic slots' directory in device memory (`DeviceDirectory`), over this cache's
         slots and host rows (on CUDA mapped into the device's address space by the caller:
-        `lightning_hotcache.cache.host_mapping`).
-        A batch's rows are then admitted on the device (`DeviceDirectory.admit`), never through
+        `lightning_hotcache.cache.host_mapping`). A batch's rows are then admitted on the device (`DeviceDirectory.admit`), never through
         `acquire`; this cache keeps the host store, the static rows and whole-table work."""
         assert self.host is not None
-        if policy == "lookahead":
-            raise ValueError(f"Table {self.name!r}: the device directory keeps the lfu, lru and static policies, not lookahead.")
         if self.sharding.world != 1 or self.host.memory_mapped:
             raise ValueError(f"Table {self.name!r}: the device directory serves one process with its host rows in memory.")
         ends = None if segment_starts is None else torch.tensor(list(segment_starts)[1:])

@@ -58,10 +58,8 @@ class StagedBatch:
     exchange: Any = None
     # Per device table, its reads, where the update sums gradients itself (`Staging.sums_gradients`).
     reads: list[TableReads] = field(default_factory=list)
-    # Caches whose directory is in device memory (`DirectoryStaging`): each one's spans of
-    # `indices` (its ids until the batch is admitted, their locations after), and what each holds
-    # from admission until release.
-    spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    # Caches whose directory is in device memory (`DirectoryStaging`): what each holds from the
+    # batch's admission until its release.
     held: dict[str, Any] = field(default_factory=dict)
 
 

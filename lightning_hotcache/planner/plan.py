@@ -771,10 +771,10 @@ class HotColdPlanner:
     def _directory_bytes_per_slot(self, table: EmbeddingBagConfig) -> int:
         """What a split table's directory (id -> slot map and per-slot bookkeeping) costs the
         device budget per slot: on a CPU the host directory's, which lives on the device there
-        (see `DeviceCache`); on CUDA the device directory's cells. The map counts as sparse, even where a dense one
-        would cost less: a collection's split tables may be stacked into one cache
-        (lightning_hotcache.cache.group), whose map is sparse unless dense costs less for all
-        of them together."""
+        (see `DeviceCache`); on CUDA the device directory's cells. The host map counts as
+        sparse, even where a dense one would cost less: a collection's split tables may be
+        stacked into one cache (lightning_hotcache.cache.group), whose map is sparse unless
+        dense costs less for all of them together."""
         if torch.device(self.device).type == "cuda":
             # Where the directory is in GPU memory (`DeviceDirectory`; the Triton path's default
             # there) each slot has a cell of it, or a static id: charged on every CUDA plan, so
