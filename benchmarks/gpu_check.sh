@@ -122,7 +122,10 @@ stage() {
 
 stage 1 imports-and-2-step-fit "$PYTHON" -c "
 import sys, torch, torchrec, lightning_hotcache
+import os, resource
 print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'torchrec', torchrec.__version__, flush=True)
+# What the host rows' page-locking (cudaHostRegister) runs under: the locked-memory limit and the user.
+print('ulimit -l', resource.getrlimit(resource.RLIMIT_MEMLOCK), 'uid', os.geteuid(), flush=True)
 from lightning_hotcache.cli import main
 main(['fit', '-c', 'configs/dlrm_synthetic.yaml', '--trainer.accelerator=$ACCELERATOR', '--trainer.devices=1',
       '--trainer.fast_dev_run=2', '--data.init_args.num_train_samples=4096', '--trainer.logger=false'])

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 from lightning_hotcache.cache.device import DeviceCache
+from lightning_hotcache.embedding.device_staging import DirectoryStaging
 from lightning_hotcache.embedding.staging import Staging
 
 # (name, class, method): in the order a batch meets them.
@@ -32,6 +33,9 @@ STAGING_PIECES: tuple[tuple[str, type, str], ...] = (
     ("read rows", DeviceCache, "_read_own"),  # missed rows gathered from the host store and sent up
     ("install", DeviceCache, "_finish_acquire"),  # fetched rows into their slots, the directory's books
     ("land write-backs", DeviceCache, "_land_write_backs"),  # evicted rows written into the host store
+    # A cache whose directory is in device memory: the host only checks each batch's ids (on the
+    # training loop); the rest is forward's device ops, which torch.profiler sees.
+    ("check ids", DirectoryStaging, "_check"),
 )
 
 

@@ -230,9 +230,10 @@ def test_checkpoint_written_on_cuda_loads_without_a_gpu(tmp_path, stats_paths) -
     strategy = HotCacheStrategy(device_budget=0.1, stats_path=str(stats_paths["dlrm"]))
     _, trainer, metrics = fit("dlrm", strategy, **CUDA)
     assert any(not t.on_device for t in trainer.strategy.plan.tables), "split tables are gathered from both tiers"
-    # On CUDA staging runs on the prefetch thread by default, with a reader thread ahead of
-    # it: every hotcache case here ran with both.
-    assert trainer.strategy.uses_prefetch_thread and trainer.strategy.uses_reader_thread
+    # On CUDA the caches keep their directory in device memory by default and each batch's
+    # forward stages it there: no prefetch or reader thread runs.
+    assert all(m.stages_on_the_device for m in hot_cold_modules(trainer.lightning_module).values())
+    assert not trainer.strategy.uses_prefetch_thread and not trainer.strategy.uses_reader_thread
     trainer.save_checkpoint(tmp_path / "cuda.ckpt")
     path = os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(

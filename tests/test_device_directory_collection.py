@@ -224,10 +224,12 @@ def test_host_rows_cannot_be_mapped_without_a_cuda_device() -> None:
         map_for_devices(torch.zeros(4, 4))
 
 
-def test_host_rows_over_the_locked_memory_limit_are_refused_with_the_fix(monkeypatch) -> None:
-    from lightning_hotcache.cache import host_mapping
+def test_host_rows_the_driver_refuses_to_lock_are_refused_with_the_fix(monkeypatch) -> None:
+    class Refusing:  # cudaHostRegister answering cudaErrorMemoryAllocation
+        def cudaHostRegister(self, pointer: int, size: int, flags: int) -> int:
+            return 2
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(host_mapping, "_locked_memory_limit", lambda: 1024)
-    with pytest.raises(HostMappingError, match=r"locked-memory limit \(1024 bytes, ulimit -l\) is below the 4096 bytes.*host_storage"):
+    monkeypatch.setattr(torch.cuda, "cudart", Refusing)
+    with pytest.raises(HostMappingError, match=r"refused to page-lock 4096 bytes of host memory \(2\).*host_storage=<directory>"):
         map_for_devices(torch.zeros(32, 32))

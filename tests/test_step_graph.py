@@ -238,21 +238,26 @@ def dlrm_fit(strategy, **trainer_options) -> tuple[CTRModel, pl.Trainer]:
     return model, trainer
 
 
-def test_a_graphed_hotcache_fit_trains_what_auto_trains(stand_in: StandInGraphs, monkeypatch) -> None:
+@pytest.mark.parametrize("threads", [False, pytest.param(True, marks=pytest.mark.full)], ids=["inline", "reader+prefetch-threads"])
+def test_a_graphed_hotcache_fit_trains_what_auto_trains(threads: bool, stand_in: StandInGraphs, monkeypatch) -> None:
     # hotcache's step in the graph: the caches' directory in device memory (CUDA's default,
-    # switched on here; the Triton kernels in the interpreter), staged as on CUDA (a reader and
-    # a prefetch thread), under the static policy (FAE: every batch's misses leave when it is
-    # released, so each replay writes rows back), rows read from the host in place, a
-    # validation mid-epoch between them; against `auto` (graphed too, its own path).
+    # switched on here; the Triton kernels in the interpreter), staged inline as on CUDA by
+    # default, or on a reader and a prefetch thread asked for, under the static policy (FAE:
+    # every batch's misses leave when it is released, so each replay writes rows back), rows
+    # read from the host in place, a validation mid-epoch between them; against `auto`
+    # (graphed too, its own path).
     monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1")
+    # The tables count as large, so that the default would be a prefetch thread, as on CUDA: with
+    # the directory on the device the default stages inline.
+    monkeypatch.setattr("lightning_hotcache.planner.plan.LARGE_TABLES_BYTES", 0)
     expected, _ = dlrm_fit("auto", val_check_interval=0.5)
     replays = stand_in.replays
     strategy = forced_staging(
-        reader_thread=True, prefetch_thread=True, prefetch_depth=1, device_budget=0.001, profile_batches=2, cache_policy="static", kernel="triton",
-        grow_budget_to_minimum=True,
+        reader_thread=threads, prefetch_thread=True if threads else None, prefetch_depth=1, device_budget=0.001, profile_batches=2,
+        cache_policy="static", kernel="triton", grow_budget_to_minimum=True,
     )  # fmt: skip
     model, _ = dlrm_fit(strategy, val_check_interval=0.5)
-    assert strategy.uses_reader_thread and stand_in.replays - replays >= 3, (stand_in.replays, model.step_graph)
+    assert strategy.uses_prefetch_thread == strategy.uses_reader_thread == threads and stand_in.replays - replays >= 3, (stand_in.replays, model.step_graph)
     module = next(iter(hot_cold_modules(model).values()))
     counters = module._caches[next(iter(module.layout.stacks))].on_device.counters()
     assert counters["evicted_rows"] > 0 and counters["from_host_rows"] + counters["fetched_rows"] > 0

@@ -807,6 +807,34 @@ def test_the_log_says_how_batches_are_staged(settings, note, caplog) -> None:
     assert f"hotcache staging: {note}" in caplog.text
 
 
+@pytest.mark.full  # the default's choice is held in the fast suite by test_step_graph's graphed hotcache fit
+@pytest.mark.parametrize("prefetch_thread", [None, True], ids=["default", "thread-asked-for"])
+def test_caches_with_their_directory_on_the_device_stage_on_the_training_loop(prefetch_thread, monkeypatch, caplog) -> None:
+    # As on CUDA: the default would stage on a prefetch thread (here the tables count as large),
+    # but with every cache's directory in device memory forward stages each batch on the device,
+    # so by default no thread runs; one asked for still does (it checks the batches' ids ahead).
+    monkeypatch.setattr("lightning_hotcache.planner.plan.LARGE_TABLES_BYTES", 0)
+    monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1")
+    seen: set[str] = set()
+
+    class Threads(pl.Callback):
+        def on_train_batch_start(self, *args) -> None:
+            seen.update(t.name for t in threading.enumerate() if t.name.startswith("hotcache-"))
+
+    pl.seed_everything(0)
+    dm = data(num_train_samples=256)
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    strategy = HotCacheStrategy(device_budget=0.1, profile_batches=2, kernel="triton", prefetch_thread=prefetch_thread)
+    with caplog.at_level("INFO"):
+        cpu_trainer(strategy=strategy, max_steps=2, callbacks=[Threads()]).fit(model, dm)
+    assert all(module.stages_on_the_device for module in hot_cold_modules(model).values())
+    if prefetch_thread is None:
+        assert not seen and not strategy.uses_prefetch_thread
+        assert "hotcache staging: inline on the training loop, 3 batches ahead; each batch's rows found and admitted on the device" in caplog.text
+    else:
+        assert seen == {"hotcache-prefetch"} and "hotcache staging: on a prefetch thread" in caplog.text
+
+
 @pytest.mark.parametrize("strategy", ["hotcache", "torchrec"])
 def test_gradient_accumulation_turned_on_mid_fit_is_refused_before_a_row_steps(strategy: str) -> None:
     # A callback that sets accumulate_grad_batches at an epoch start (as Lightning's scheduler

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
-import resource
 import weakref
 
 import torch
@@ -41,37 +39,25 @@ def why_unmappable(array: Tensor) -> str | None:
 def map_for_devices(array: Tensor) -> None:
     """Page-lock ``array``'s memory and map it into the CUDA devices' address space, until the
     array is freed (once per array: a view of a mapped array is mapped already). Raises
-    `HostMappingError` naming the reason where the driver refuses (e.g. a locked-memory limit)."""
+    `HostMappingError` naming the reason where the driver refuses. The driver alone decides
+    what it can lock (whether ``ulimit -l`` bounds it is the driver's to say: torch's pinned
+    buffers are not held to it), so nothing is refused ahead of it."""
     why = why_unmappable(array)
     if why is not None:
         raise HostMappingError(f"cannot map a host array for the CUDA kernels: {why}.")
     pointer, size = array.data_ptr(), array.numel() * array.element_size()
     if size == 0:
         return
-    limit = _locked_memory_limit()
-    if limit is not None and size > limit:
-        raise HostMappingError(
-            f"the locked-memory limit ({limit} bytes, ulimit -l) is below the {size} bytes of host rows: raise it, "
-            "or use host_storage=<directory>, whose rows reach the device through staged copies."
-        )
     cudart = torch.cuda.cudart()
     status = cudart.cudaHostRegister(pointer, size, _PORTABLE_MAPPED)
     if int(status) != 0:
         _clear_last_cuda_error()
         raise HostMappingError(
-            f"cudaHostRegister refused {size} bytes of host memory ({status}): raise the locked-memory limit "
-            "(ulimit -l) or use host_storage=<directory>, whose rows reach the device through staged copies."
+            f"cudaHostRegister refused to page-lock {size} bytes of host memory ({status}): free host memory (or "
+            "raise ulimit -l where the driver counts locked memory against it), or use host_storage=<directory>, "
+            "whose rows reach the device through staged copies."
         )
     weakref.finalize(array, cudart.cudaHostUnregister, pointer)
-
-
-def _locked_memory_limit() -> int | None:
-    """The process's locked-memory limit in bytes (None: unlimited, or not enforced for a
-    process that may lock any amount, as root usually may)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft == resource.RLIM_INFINITY or os.geteuid() == 0:
-        return None
-    return soft
 
 
 def _clear_last_cuda_error() -> None:

@@ -297,7 +297,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
 
     def _map_host_rows(self, stores: dict[str, HostStore]) -> None:
         """Map the stacks' host rows into the GPU's address space for the device directory's
-        kernels; where the driver refuses (a locked-memory limit), keep the host directory and say
+        kernels; where the driver refuses to lock them, keep the host directory and say
         why, unless the device directory was asked for by its switch."""
         try:
             for store in stores.values():
@@ -528,10 +528,17 @@ class HotColdEmbeddingBagCollection(nn.Module):
                 tensors += [*cache.host.arrays.values(), *cache.on_device.tensors(), cache.on_device.tick]
         return tensors
 
+    @property
+    def stages_on_the_device(self) -> bool:
+        """Whether a batch's rows are found and admitted by its forward on the device (every
+        split cache's directory in device memory, `DirectoryStaging`), so that staging ahead
+        only checks its ids."""
+        return isinstance(self._staging, DirectoryStaging)
+
     def why_not_graphable(self) -> str | None:
         """Why a step through this module cannot be recorded in a CUDA graph (None where it can:
         its caches' directories are in device memory, `DirectoryStaging`)."""
-        if isinstance(self._staging, DirectoryStaging):
+        if self.stages_on_the_device:
             return None
         return (
             "its caches' directory is on the host, which hands each batch's slots over (the directory is in device "

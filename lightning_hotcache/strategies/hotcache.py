@@ -411,7 +411,9 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             depend on timing, so runs no longer repeat them. On a CPU the thread (and the
             DataLoader workers it starts) runs at the lowest priority, in the cores the step
             leaves idle instead of preempting its ops' threads; on CUDA the batches are also
-            read and their ids prepared on a reader thread beside it.
+            read and their ids prepared on a reader thread beside it. Where every collection's
+            caches keep their directory in device memory (CUDA's default), no thread by
+            default: forward's device ops stage each batch.
         staging_threads: threads that stage a batch's caches at once (each width's split
             tables are then stacked in that many caches, of about equal dynamic slots, each
             with a directory of its own; see `lightning_hotcache.cache.side_by_side`).
@@ -507,7 +509,17 @@ class HotCacheStrategy(LikeAutoInOneProcess):
 
     @property
     def uses_prefetch_thread(self) -> bool:
-        return self._staging.thread
+        """Whether training batches are staged on a prefetch thread: as `staging_choice` chose,
+        except by default where every collection keeps its caches' directory in device memory
+        (`HotColdEmbeddingBagCollection.stages_on_the_device`): there a batch's rows are found
+        and admitted by its forward's device ops, and staging ahead only checks its ids, which
+        the training loop does one batch ahead, as ``auto`` reads its batches."""
+        return self._staging.thread and not (self.prefetch_thread is None and self._every_collection_stages_on_the_device)
+
+    @property
+    def _every_collection_stages_on_the_device(self) -> bool:
+        modules = hot_cold_modules(self.lightning_module).values() if self.lightning_module is not None else ()
+        return bool(modules) and all(module.stages_on_the_device for module in modules)
 
     @property
     def prefetch_depth(self) -> int:
@@ -532,7 +544,8 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         ahead = f"{self.prefetch_depth} batch{'es' if self.prefetch_depth != 1 else ''} ahead"
         ahead += f", {self.staging_threads} caches side by side" if self.staging_threads > 1 else ""
         if not self.uses_prefetch_thread:
-            return f"inline on the training loop, {ahead}"
+            on_the_device = "; each batch's rows found and admitted on the device by its forward"
+            return f"inline on the training loop, {ahead}" + (on_the_device if self._every_collection_stages_on_the_device else "")
         threads = "a prefetch thread" + (" and a reader thread" if self.uses_reader_thread else "")
         priority = "at background priority" if self.stages_in_background else "at the step's priority"
         return f"on {threads} {priority}, {ahead}"
@@ -616,7 +629,6 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             # must match), so rank 0's wins.
             self.plan = HotColdPlan.from_dict(self.broadcast(self.plan.to_dict()), self.plan.sharding_plan)
         rank_zero_info(f"hotcache plan:\n{self.plan}")
-        rank_zero_info(f"hotcache staging: {self.staging_note}")
         # A group of our own, so the row exchanges (forward and backward) never interleave with DDP's
         # bucket all-reduces on the default group.
         group = dist.new_group() if self.world_size > 1 else None
@@ -636,6 +648,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
             self._stop_every_rank_if_one_failed(failure, f"build the tables of {path}")
             rank_zero_info(f"hotcache embedding kernel ({path}): {hot.kernel_note}")
             model.set_submodule(path, hot)
+        rank_zero_info(f"hotcache staging: {self.staging_note}")  # once the collections say where they stage
 
     def _make_plan(self, trainer: pl.Trainer, tables: list[Any], optimizer: RowWiseOptimizerConfig) -> HotColdPlan:
         """This rank's plan: the plan file's, checked, or one planned from stats or a profile."""
@@ -651,7 +664,7 @@ class HotCacheStrategy(LikeAutoInOneProcess):
         planner = HotColdPlanner(
             budget, optimizer, world_size=self.world_size, prefetch_depth=self.prefetch_depth,
             cache_policy=self.cache_policy, device=self.root_device, grow_budget_to_minimum=self.grow_budget_to_minimum,
-            prefetch_thread=self.uses_prefetch_thread, lookahead_batches=self.window_batches,
+            prefetch_thread=self._staging.thread, lookahead_batches=self.window_batches,
         )  # fmt: skip
         if saved is not None:
             planner.check_plan(saved, tables, batch_size)
