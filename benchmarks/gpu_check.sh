@@ -26,7 +26,8 @@
 #      Triton TBE against embedding_bag + the PyTorch row step (benchmarks/triton_tbe.py), then
 #      torch.profiler's key averages of auto and hotcache at 10% and 1% at 0.1x the tables
 #      (32-42 s on an H200; share 45 s): at 1% the H100's steps waited 55 ms each for
-#      staging, whose ops (the prefetch thread's too) this shows.
+#      staging, whose ops (the prefetch thread's too) this shows; last, rows read and stepped
+#      in place from host memory and from a registered file mapping (benchmarks/host_rows_in_place.py).
 # Each stage writes $OUT/stage<k>.log as it goes and appends "stage <k> <name>: rc <rc>,
 # <seconds> s (limit <seconds> s)" to $OUT/stages.txt when it ends; stages 3 and 4 write gpu.json and
 # beyond_gpu.json there: 8 files in all.
@@ -71,6 +72,7 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 0.02 --rows 2000 --copies 3 --threads 1 2"
   TBE_ARGS="--tables 3 --rows-per-table 100 --dim 8 --batch-size 16 --calls 2"  # Triton's interpreter: a check, not a speed
+  IN_PLACE_ARGS="--tables 3 --rows-per-table 100 --dim 8 --batch-size 16 --calls 2"
   export TRITON_INTERPRET=1
   export PYTHONPATH="$PWD:$PWD/benchmarks/gpu_image"
 else
@@ -86,6 +88,7 @@ else
   PROFILE_ARGS="--scale 0.1 --steps 30 --warmup 20 --profile-steps 5 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 8 --copies 40 --threads 1 2 4 8"
   TBE_ARGS="--tables 26 --rows-per-table 1000000 --dim 128 --batch-size 8192 --calls 50"  # 27 GB of rows and state in GPU memory
+  IN_PLACE_ARGS="--tables 26 --rows-per-table 100000 --dim 128 --batch-size 8192 --calls 10"  # 1.3 GB of rows in each place
   rm -rf .gpu_site
   "$PYTHON" -m pip install --quiet --no-index --find-links gpu_wheels --no-deps --target .gpu_site -r benchmarks/requirements-gpu.txt \
     2>&1 | tee "$OUT/stage1.log"  # stage 1 appends to it: $OUT holds 8 files at most
@@ -147,8 +150,10 @@ stage 4 tables-larger-than-the-gpu "$PYTHON" benchmarks/gpu.py $BEYOND_ARGS --ou
 fourth=$?
 # Both run though one fails; the row copy's JSON goes to stage5.log, not a ninth file in $OUT.
 # shellcheck disable=SC2016  # expanded by the inner bash, from its arguments
-# The Triton TBE's own time against embedding_bag + the PyTorch row step goes to stage5.log too.
-stage 5 profile bash -c '"$0" benchmarks/row_copy.py $1 --out "$2"; copies=$?; "$0" benchmarks/triton_tbe.py $4 --out "$2.tbe"; tbe=$?; "$0" benchmarks/gpu.py $3; exit $((copies || tbe || $?))' \
-  "$PYTHON" "$ROW_COPY_ARGS" "${TMPDIR:-/tmp}/row_copy.json" "$PROFILE_ARGS" "$TBE_ARGS"
+# The Triton TBE's own time against embedding_bag + the PyTorch row step goes to stage5.log too,
+# and, last, what rows read and stepped in place in host memory cost the kernels (anonymous and
+# memory-mapped file, each registered: benchmarks/host_rows_in_place.py).
+stage 5 profile bash -c '"$0" benchmarks/row_copy.py $1 --out "$2"; copies=$?; "$0" benchmarks/triton_tbe.py $4 --out "$2.tbe"; tbe=$?; "$0" benchmarks/gpu.py $3; profile=$?; "$0" benchmarks/host_rows_in_place.py $5 --out "$2.in_place"; exit $((copies || tbe || profile || $?))' \
+  "$PYTHON" "$ROW_COPY_ARGS" "${TMPDIR:-/tmp}/row_copy.json" "$PROFILE_ARGS" "$TBE_ARGS" "$IN_PLACE_ARGS"
 fifth=$?
 exit $((first || second || third || fourth || fifth))

@@ -161,6 +161,7 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
     assert "## hotcache@0.1" in profiles and "## hotcache@0.01" in profiles
     assert '"benchmark": "row_copy"' in profiles and "put_rows x2" in profiles  # the host's write-backs, split or not
     assert '"benchmark": "triton_tbe"' in profiles and "forward+backward" in profiles  # the Triton TBE against what it replaces
+    assert '"benchmark": "host_rows_in_place"' in profiles and "host file" in profiles  # rows stepped where they live
     assert len(list(tmp_path.iterdir())) <= 8  # what one device call brings back, with room to read
 
 
