@@ -27,7 +27,8 @@
 #      torch.profiler's key averages of auto and hotcache at 10% and 1% at 0.1x the tables
 #      (32-42 s on an H200; share 45 s): at 1% the H100's steps waited 55 ms each for
 #      staging, whose ops (the prefetch thread's too) this shows; last, rows read and stepped
-#      in place from host memory and from a registered file mapping (benchmarks/host_rows_in_place.py).
+#      in place from host memory and from a registered file mapping (benchmarks/host_rows_in_place.py),
+#      and a batch's admission into the device directory alone (benchmarks/device_directory.py).
 # Each stage writes $OUT/stage<k>.log as it goes and appends "stage <k> <name>: rc <rc>,
 # <seconds> s (limit <seconds> s)" to $OUT/stages.txt when it ends; stages 3 and 4 write gpu.json and
 # beyond_gpu.json there: 8 files in all.
@@ -73,6 +74,7 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   ROW_COPY_ARGS="--table-gib 0.02 --rows 2000 --copies 3 --threads 1 2"
   TBE_ARGS="--tables 3 --rows-per-table 100 --dim 8 --batch-size 16 --calls 2"  # Triton's interpreter: a check, not a speed
   IN_PLACE_ARGS="--tables 3 --rows-per-table 100 --dim 8 --batch-size 16 --calls 2"
+  DIRECTORY_ARGS="--rows 2000 --ids 256 --dim 8 --batches 2 --warmup 1"
   export TRITON_INTERPRET=1
   export PYTHONPATH="$PWD:$PWD/benchmarks/gpu_image"
 else
@@ -89,6 +91,7 @@ else
   ROW_COPY_ARGS="--table-gib 8 --copies 40 --threads 1 2 4 8"
   TBE_ARGS="--tables 26 --rows-per-table 1000000 --dim 128 --batch-size 8192 --calls 50"  # 27 GB of rows and state in GPU memory
   IN_PLACE_ARGS="--tables 26 --rows-per-table 100000 --dim 128 --batch-size 8192 --calls 10"  # 1.3 GB of rows in each place
+  DIRECTORY_ARGS="--rows 8000000 --budget 0.01 --dim 128 --batches 60 --warmup 20"  # 4 GB of host rows, registered
   rm -rf .gpu_site
   "$PYTHON" -m pip install --quiet --no-index --find-links gpu_wheels --no-deps --target .gpu_site -r benchmarks/requirements-gpu.txt \
     2>&1 | tee "$OUT/stage1.log"  # stage 1 appends to it: $OUT holds 8 files at most
@@ -152,8 +155,9 @@ fourth=$?
 # shellcheck disable=SC2016  # expanded by the inner bash, from its arguments
 # The Triton TBE's own time against embedding_bag + the PyTorch row step goes to stage5.log too,
 # and, last, what rows read and stepped in place in host memory cost the kernels (anonymous and
-# memory-mapped file, each registered: benchmarks/host_rows_in_place.py).
-stage 5 profile bash -c '"$0" benchmarks/row_copy.py $1 --out "$2"; copies=$?; "$0" benchmarks/triton_tbe.py $4 --out "$2.tbe"; tbe=$?; "$0" benchmarks/gpu.py $3; profile=$?; "$0" benchmarks/host_rows_in_place.py $5 --out "$2.in_place"; exit $((copies || tbe || profile || $?))' \
-  "$PYTHON" "$ROW_COPY_ARGS" "${TMPDIR:-/tmp}/row_copy.json" "$PROFILE_ARGS" "$TBE_ARGS" "$IN_PLACE_ARGS"
+# memory-mapped file, each registered: benchmarks/host_rows_in_place.py) and what the device
+# directory's admission of a batch costs on its own (benchmarks/device_directory.py).
+stage 5 profile bash -c '"$0" benchmarks/row_copy.py $1 --out "$2"; copies=$?; "$0" benchmarks/triton_tbe.py $4 --out "$2.tbe"; tbe=$?; "$0" benchmarks/gpu.py $3; profile=$?; "$0" benchmarks/host_rows_in_place.py $5 --out "$2.in_place"; in_place=$?; "$0" benchmarks/device_directory.py $6 --out "$2.directory"; exit $((copies || tbe || profile || in_place || $?))' \
+  "$PYTHON" "$ROW_COPY_ARGS" "${TMPDIR:-/tmp}/row_copy.json" "$PROFILE_ARGS" "$TBE_ARGS" "$IN_PLACE_ARGS" "$DIRECTORY_ARGS"
 fifth=$?
 exit $((first || second || third || fourth || fifth))

@@ -162,6 +162,7 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
     assert '"benchmark": "row_copy"' in profiles and "put_rows x2" in profiles  # the host's write-backs, split or not
     assert '"benchmark": "triton_tbe"' in profiles and "forward+backward" in profiles  # the Triton TBE against what it replaces
     assert '"benchmark": "host_rows_in_place"' in profiles and "host file" in profiles  # rows stepped where they live
+    assert '"benchmark": "device_directory"' in profiles and "admit+release ms" in profiles  # a batch's bookkeeping alone
     assert len(list(tmp_path.iterdir())) <= 8  # what one device call brings back, with room to read
 
 
