@@ -132,7 +132,9 @@ TRITON_FIT = dict(batch_size=16, num_train_samples=168, num_val_samples=16)  # T
 
 @pytest.mark.parametrize(
     ("name", "budget", "policy", "directory"),
-    [("dlrm", 0.001, "lfu", "host"), pytest.param("dlrm", 0.001, "lfu", "device", marks=pytest.mark.full),
+    # All `full`: in the fast suite test_step_graph's graphed hotcache fit trains a Triton fit on
+    # the device directory against `auto`, and test_embedding_exactness the host directory's.
+    [pytest.param("dlrm", 0.001, "lfu", "host", marks=pytest.mark.full), pytest.param("dlrm", 0.001, "lfu", "device", marks=pytest.mark.full),
      pytest.param("deepfm", 0.001, "lookahead", "host", marks=pytest.mark.full),
      pytest.param("fm", 1.0, "static", "device", marks=pytest.mark.full)],
 )  # fmt: skip
