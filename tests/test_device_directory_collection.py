@@ -233,3 +233,25 @@ def test_host_rows_the_driver_refuses_to_lock_are_refused_with_the_fix(monkeypat
     monkeypatch.setattr(torch.cuda, "cudart", Refusing)
     with pytest.raises(HostMappingError, match=r"refused to page-lock 4096 bytes of host memory \(2\).*host_storage=<directory>"):
         map_for_devices(torch.zeros(32, 32))
+
+
+def test_the_kernels_reading_mapped_host_rows_is_checked_before_a_step() -> None:
+    from lightning_hotcache.cache.host_mapping import check_the_kernels_read
+
+    rows = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    check_the_kernels_read(rows, torch.device("cpu"))  # the interpreter reads host rows as they are
+
+
+@pytest.mark.parametrize("fault", ["refused", "wrong"])
+def test_kernels_that_cannot_read_mapped_host_rows_are_a_clear_error(fault, monkeypatch) -> None:
+    from lightning_hotcache.cache import host_mapping
+
+    def pooled(*args, **kwargs):
+        if fault == "refused":  # as Triton's launcher says of a pointer it cannot resolve
+            raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+        return torch.zeros(1, 4)
+
+    monkeypatch.setattr(host_mapping.triton_tbe, "pooled", pooled)
+    why = r"could not read the mapped host rows \(Pointer argument" if fault == "refused" else "read other values"
+    with pytest.raises(HostMappingError, match=why):
+        host_mapping.check_the_kernels_read(torch.ones(3, 4), torch.device("cpu"))

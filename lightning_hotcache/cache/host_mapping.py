@@ -17,6 +17,8 @@ import weakref
 import torch
 from torch import Tensor
 
+from lightning_hotcache.kernels import triton_tbe
+
 # cudaHostRegisterPortable | cudaHostRegisterMapped: every context may use it, through a device pointer.
 _PORTABLE_MAPPED = 1 | 2
 
@@ -58,6 +60,24 @@ def map_for_devices(array: Tensor) -> None:
             "whose rows reach the device through staged copies."
         )
     weakref.finalize(array, cudart.cudaHostUnregister, pointer)
+
+
+def check_the_kernels_read(array: Tensor, device: torch.device) -> None:
+    """Read the first row of ``array`` (host rows, mapped) with the Triton kernels on ``device``
+    and compare it with the host's, so that a driver or Triton that cannot resolve a registered
+    host pointer is found where the collection is built, which then keeps the host directory,
+    rather than in the first step. Raises `HostMappingError` naming what failed."""
+    if array.numel() == 0:
+        return
+    row = array[:1].reshape(1, -1)
+    slots = torch.zeros(1, row.shape[1], device=device)
+    location = triton_tbe.location_of_host_row(torch.zeros(1, dtype=torch.int64, device=device))
+    try:
+        read = triton_tbe.pooled(slots, location, torch.tensor([0, 1], device=device), host_weight=row).cpu()
+    except (RuntimeError, ValueError) as error:  # Triton's launcher refuses a pointer it cannot resolve
+        raise HostMappingError(f"the Triton kernels could not read the mapped host rows ({error})") from error
+    if not torch.equal(read, row.to(torch.float32)):
+        raise HostMappingError("the Triton kernels read other values than the mapped host rows hold")
 
 
 def _clear_last_cuda_error() -> None:
