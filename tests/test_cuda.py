@@ -396,6 +396,35 @@ def test_the_graphed_step_on_cuda_waits_for_no_later_step() -> None:
     assert steady and max(steady) <= 1, steady
 
 
+def test_gpu_path_triton_reads_and_steps_mapped_host_rows_as_it_does_device_rows() -> None:
+    # The kernels alone, before any collection: rows in page-locked host memory mapped for the
+    # GPU (as the device directory keeps them), read by the forward and stepped in place by the
+    # row-wise Adagrad backward, give what the same kernels give on rows in GPU memory.
+    from lightning_hotcache.cache.host_mapping import check_the_kernels_read, map_for_devices
+    from lightning_hotcache.kernels import triton_tbe
+
+    generator = torch.Generator().manual_seed(0)
+    host = {"weight": torch.randn(1000, 64, generator=generator), "momentum": torch.zeros(1000)}
+    device = {key: array.cuda() for key, array in host.items()}
+    for array in host.values():
+        map_for_devices(array)
+    check_the_kernels_read(host["weight"], torch.device("cuda"))
+    ids = torch.randint(0, 1000, (4096,), generator=generator).cuda()
+    offsets = torch.arange(0, 4097, 4, device="cuda")
+    grad = torch.randn(1024, 64, generator=generator).cuda()
+    slots, slot_momentum = torch.zeros(1, 64, device="cuda"), torch.zeros(1, device="cuda")
+    for rows in (host, device):
+        for _ in range(3):
+            locations = triton_tbe.location_of_host_row(ids)
+            out = triton_tbe.pooled(slots, locations, offsets, host_weight=rows["weight"])
+            triton_tbe.backward_step(slots, grad, locations, offsets, "rowwise_adagrad", 0.05, 1e-8, slot_momentum,
+                                     host_weight=rows["weight"], host_momentum=rows["momentum"])  # fmt: skip
+        rows["out"] = out.cpu()
+    torch.cuda.synchronize()
+    for key in ("out", "weight", "momentum"):
+        torch.testing.assert_close(host[key], device[key].cpu(), rtol=1e-6, atol=1e-6)
+
+
 def test_gpu_path_device_directory_reads_and_steps_host_rows_in_place_as_the_host_directory_trains(monkeypatch) -> None:
     # The directory in GPU memory, host rows mapped (cudaHostRegister) and read and stepped in
     # place by the Triton kernels, against the host directory's staged copies on the same GPU.
