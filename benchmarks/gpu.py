@@ -391,6 +391,7 @@ def _train(strategy: Any, args: argparse.Namespace, host_lookup: bool, graphed: 
         out["budget_bytes"] = plan.budget_bytes
         out["cache_device_bytes"] = sum(m.device_bytes() for m in hot_cold_modules(model).values())
         out["kernels"] = sorted({m.kernel_note for m in hot_cold_modules(model).values()})
+        out["staging"] = trainer.strategy.staging_note  # inline or on threads, and why
     return out
 
 

@@ -156,6 +156,7 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
     ]  # what stage 3 runs on the GPU  # fmt: skip
     assert results["auto"]["step_graph"] is None  # a CPU records no graph
     assert results["hotcache@0.01"]["pieces_ms_per_batch"]["stage"] > 0  # where the prefetch thread's time goes
+    assert results["hotcache@0.01"]["staging"].startswith(("inline", "on a prefetch thread"))
     assert list(json.loads((tmp_path / "beyond_gpu.json").read_text())["results"]) == ["auto", "hotcache@0.1", "hotcache@0.01"]
     profiles = (tmp_path / "stage5.log").read_text()
     assert "## hotcache@0.1" in profiles and "## hotcache@0.01" in profiles
