@@ -31,17 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from report import write_report
+from triton_tbe import synchronize
 
 from lightning_hotcache.cache.host_mapping import HostMappingError, map_for_devices
 from lightning_hotcache.kernels import triton_tbe
 
 RESULTS = Path(__file__).parent / "results"
 PLACES = ("device", "host memory", "host file")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _resident_gib() -> float:
@@ -91,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     weights["host file"], momenta["host file"] = torch.from_numpy(on_file), torch.zeros(rows)
     for place in PLACES[1:]:
         setup[place] = _registered(weights[place], device)
-        if setup[place]["registered"] or device.type != "cuda":
-            _registered(momenta[place], device)
+        if setup[place]["registered"]:  # the rows' state with them, where the driver took the rows
+            map_for_devices(momenta[place])
     placed = [p for p in PLACES if p == "device" or setup[p]["registered"] or device.type != "cuda"]
     slots = torch.zeros(1, dim, device=device)  # the slots no location names: every row is read where it lives
     slot_momenta = torch.zeros(1, device=device)
@@ -106,14 +102,14 @@ def main(argv: list[str] | None = None) -> None:
         grad = torch.randn(args.tables * args.batch_size, dim, device=device, generator=gen)
         for place in placed:
             locations = triton_tbe.location_of_host_row(ids)
-            _sync(device)
+            synchronize(device)
             started = time.perf_counter()
             triton_tbe.pooled(slots, locations, offsets, host_weight=weights[place])
-            _sync(device)
+            synchronize(device)
             forward = time.perf_counter()
             triton_tbe.backward_step(slots, grad, locations, offsets, "rowwise_adagrad", 0.01, 1e-8, slot_momenta,
                                      host_weight=weights[place], host_momentum=momenta[place])  # fmt: skip
-            _sync(device)
+            synchronize(device)
             if call >= 3:
                 times[f"{place} forward"].append(forward - started)
                 times[f"{place} backward"].append(time.perf_counter() - forward)

@@ -28,7 +28,8 @@ from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig, step_rows
 RESULTS = Path(__file__).parent / "results"
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work where it is a GPU (around each timed part)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -70,19 +71,19 @@ def main(argv: list[str] | None = None) -> None:
         indices = ids + firsts
         grad = torch.randn(args.tables * args.batch_size, args.dim, device=device, generator=gen)
         for path in ("triton", "pytorch"):
-            _sync(device)
+            synchronize(device)
             started = time.perf_counter()
             if path == "triton":
                 triton_tbe.pooled(weights[path], indices, offsets)
             else:
                 torch.nn.functional.embedding_bag(indices, weights[path], offsets, mode="sum", include_last_offset=True)
-            _sync(device)
+            synchronize(device)
             forward = time.perf_counter()
             if path == "triton":
                 triton_tbe.backward_step(weights[path], grad, indices, offsets, "rowwise_adagrad", config.lr, config.eps, momenta[path])
             else:
                 pytorch_step(weights[path], momenta[path], indices, offsets, grad, config)
-            _sync(device)
+            synchronize(device)
             if call >= 3:
                 times[f"{path} forward"].append(forward - started)
                 times[f"{path} backward"].append(time.perf_counter() - forward)
