@@ -449,10 +449,10 @@ def test_gpu_path_keeps_the_host_directory_where_host_rows_cannot_be_mapped(monk
     from lightning_hotcache.cache.host_mapping import HostMappingError
     from lightning_hotcache.embedding import collection
 
-    def refuse(array):
+    def refuse(arrays, device):
         raise HostMappingError("cudaHostRegister refused (a test)")
 
-    monkeypatch.setattr(collection, "map_for_devices", refuse)
+    monkeypatch.setattr(collection, "map_all_for_devices", refuse)
     module = _module(8, kernel="triton", device="cuda")
     assert "cache directory on the host (cudaHostRegister refused (a test))" in module.kernel_note
     assert module.why_not_graphable() is not None

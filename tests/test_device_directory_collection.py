@@ -235,6 +235,43 @@ def test_host_rows_the_driver_refuses_to_lock_are_refused_with_the_fix(monkeypat
         map_for_devices(torch.zeros(32, 32))
 
 
+@pytest.mark.parametrize("fault", ["second-array-refused", "kernels-cannot-read"])
+def test_arrays_mapped_before_a_refusal_are_unmapped(fault, monkeypatch) -> None:
+    from lightning_hotcache.cache import host_mapping
+
+    class Driver:  # registers what it is asked to, except a second array where the fault says so
+        def __init__(self) -> None:
+            self.registered: set[int] = set()
+
+        def cudaHostRegister(self, pointer: int, size: int, flags: int) -> int:
+            if fault == "second-array-refused" and self.registered:
+                return 2
+            self.registered.add(pointer)
+            return 0
+
+        def cudaHostUnregister(self, pointer: int) -> int:
+            self.registered.remove(pointer)
+            return 0
+
+    def unreadable(array, device):
+        raise host_mapping.HostMappingError("the Triton kernels could not read the mapped host rows (a test)")
+
+    driver = Driver()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: driver)
+    monkeypatch.setattr(host_mapping, "check_the_kernels_read", unreadable if fault == "kernels-cannot-read" else lambda a, d: None)
+    arrays = [torch.zeros(8, 4), torch.zeros(8, 1)]
+    with pytest.raises(HostMappingError):
+        host_mapping.map_all_for_devices(arrays, torch.device("cpu"))
+    assert driver.registered == set()  # the host directory keeps these arrays: none stays page-locked
+    monkeypatch.setattr(host_mapping, "check_the_kernels_read", lambda a, d: None)
+    driver = Driver()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: driver)
+    if fault == "kernels-cannot-read":
+        host_mapping.map_all_for_devices(arrays, torch.device("cpu"))
+        assert driver.registered == {a.data_ptr() for a in arrays}  # without a fault every array stays mapped
+
+
 def test_the_kernels_reading_mapped_host_rows_is_checked_before_a_step() -> None:
     from lightning_hotcache.cache.host_mapping import check_the_kernels_read
 

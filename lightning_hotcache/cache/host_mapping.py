@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import weakref
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -38,9 +39,10 @@ def why_unmappable(array: Tensor) -> str | None:
     return None
 
 
-def map_for_devices(array: Tensor) -> None:
+def map_for_devices(array: Tensor) -> Callable[[], None]:
     """Page-lock ``array``'s memory and map it into the CUDA devices' address space, until the
-    array is freed (once per array: a view of a mapped array is mapped already). Raises
+    array is freed or the returned call unmaps it (once per array: a view of a mapped array is
+    mapped already). Raises
     `HostMappingError` naming the reason where the driver refuses. The driver alone decides
     what it can lock (whether ``ulimit -l`` bounds it is the driver's to say: torch's pinned
     buffers are not held to it), so nothing is refused ahead of it."""
@@ -49,7 +51,7 @@ def map_for_devices(array: Tensor) -> None:
         raise HostMappingError(f"cannot map a host array for the CUDA kernels: {why}.")
     pointer, size = array.data_ptr(), array.numel() * array.element_size()
     if size == 0:
-        return
+        return lambda: None
     cudart = torch.cuda.cudart()
     status = cudart.cudaHostRegister(pointer, size, _PORTABLE_MAPPED)
     if int(status) != 0:
@@ -59,7 +61,26 @@ def map_for_devices(array: Tensor) -> None:
             "raise ulimit -l where the driver counts locked memory against it), or use host_storage=<directory>, "
             "whose rows reach the device through staged copies."
         )
-    weakref.finalize(array, cudart.cudaHostUnregister, pointer)
+    return weakref.finalize(array, cudart.cudaHostUnregister, pointer)
+
+
+def map_all_for_devices(arrays: Iterable[Tensor], device: torch.device) -> None:
+    """`map_for_devices` each of ``arrays`` and `check_the_kernels_read` the first on
+    ``device``: all mapped, or, where any step fails, none (those already mapped are unmapped,
+    so that arrays kept for a host directory do not stay page-locked), and the
+    `HostMappingError` raised."""
+    unmaps: list[Callable[[], None]] = []
+    try:
+        for array in arrays:
+            unmaps.append(map_for_devices(array))
+            if len(unmaps) == 1:
+                first = array
+        if unmaps:  # one read answers for every array: the same driver and launcher
+            check_the_kernels_read(first, device)
+    except HostMappingError:
+        for unmap in unmaps:
+            unmap()
+        raise
 
 
 def check_the_kernels_read(array: Tensor, device: torch.device) -> None:

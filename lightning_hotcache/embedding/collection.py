@@ -60,7 +60,7 @@ from lightning_hotcache.kernels import triton_tbe
 from lightning_hotcache.kernels.triton_tbe import TRITON_RULES
 from lightning_hotcache.cache.group import TableInGroup
 from lightning_hotcache.cache.host_arrays import new_array
-from lightning_hotcache.cache.host_mapping import HostMappingError, check_the_kernels_read, map_for_devices
+from lightning_hotcache.cache.host_mapping import HostMappingError, map_all_for_devices
 from lightning_hotcache.cache.owned_rows import OwnedRows
 from lightning_hotcache.cache.side_by_side import check_staging_threads
 from lightning_hotcache.embedding.layout import Layout, build_layout
@@ -301,11 +301,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         keep the host directory and say why, unless the device directory was asked for by its
         switch."""
         try:
-            for store in stores.values():
-                for array in store.arrays.values():
-                    map_for_devices(array)
-            if stores:  # one read answers for every array: the same driver and launcher
-                check_the_kernels_read(next(iter(stores.values())).arrays["weight"], self.device)
+            map_all_for_devices([array for store in stores.values() for array in store.arrays.values()], self.device)
         except HostMappingError as error:
             if setting(Switch.DEVICE_DIRECTORY) == "1":
                 raise
