@@ -24,6 +24,13 @@ same device memory:
   baseline the window is measured against (``model closed``: the share of the distance from
   it to ``belady`` that the window wins).
 
+* ``paid la K``: the model of a lookahead window kept in device memory, as the device directory
+  would need it: its memory (each announced batch's distinct ids outside the static rows, 4
+  bytes each, the least such a window could keep) paid in dynamic slots of the real model's rows
+  (``--paid-dim``, row-wise Adagrad, the device directory's cell), against ``model lfu`` with
+  every slot. Fully associative: the device directory's sets cost no hit rate against it (the
+  ``stacked`` table).
+
 The share closed depends on the trace's length against the window: Belady sees the whole
 trace, so a window as long as the trace closes all of it. Measure windows on traces several
 times their length (``--trace-batches``).
@@ -48,7 +55,7 @@ from torchrec import EmbeddingBagConfig
 from datamodules import MovieLensDataModule, SyntheticCTRDataModule
 from lightning_hotcache import HotColdPlanner, RowWiseOptimizerConfig
 from lightning_hotcache.cache import DeviceCache, HostStore
-from lightning_hotcache.cache.device_directory import DeviceDirectory
+from lightning_hotcache.cache.device_directory import DEVICE_DIRECTORY_BYTES_PER_SLOT, DeviceDirectory
 from lightning_hotcache.planner.plan import HotColdPlan, TablePlan, row_bytes
 from lightning_hotcache.planner.profiling import profile_batches
 
@@ -226,8 +233,9 @@ def lookahead_hits(batches: list[np.ndarray], num_rows: int, static: np.ndarray,
     return hits
 
 
-def lookahead_model(tables: list[EmbeddingBagConfig], plan: HotColdPlan, trace: list[Any], window: int) -> float:
-    """`lookahead_hits`' hit rate over ``trace`` with each table's rows of ``plan``."""
+def lookahead_model(tables: list[EmbeddingBagConfig], plan: HotColdPlan, trace: list[Any], window: int, slot_bytes: int = 0) -> float:
+    """`lookahead_hits`' hit rate over ``trace`` with each table's rows of ``plan``; with
+    ``slot_bytes``, the window's device memory (`window_slots`) taken from its dynamic slots."""
     hits = lookups = 0
     for t in tables:
         per_batch = [torch.cat([b.sparse_features.to_dict()[f].values() for f in t.feature_names]).numpy() for b in trace]
@@ -235,9 +243,21 @@ def lookahead_model(tables: list[EmbeddingBagConfig], plan: HotColdPlan, trace: 
         p = plan.table(t.name)
         if p.on_device:
             hits += sum(len(ids) for ids in per_batch)
-        else:
-            hits += lookahead_hits(per_batch, t.num_embeddings, np.asarray(p.static_ids, np.int64), p.cache_slots, window)
+            continue
+        static = np.asarray(p.static_ids, np.int64)
+        slots = p.cache_slots - (window_slots(per_batch, static, window, slot_bytes) if slot_bytes else 0)
+        biggest = max(len(np.setdiff1d(ids, static)) for ids in per_batch)
+        if slots < biggest:
+            return float("nan")  # the window leaves too few slots for a batch
+        hits += lookahead_hits(per_batch, t.num_embeddings, static, slots, window)
     return hits / lookups
+
+
+def window_slots(per_batch: list[np.ndarray], static: np.ndarray, window: int, slot_bytes: int) -> int:
+    """Dynamic slots of ``slot_bytes`` that a device window of ``window`` batches costs: each
+    batch's distinct ids outside ``static``, 4 bytes each (the mean batch's)."""
+    per = np.mean([len(np.setdiff1d(ids, static)) for ids in per_batch])
+    return int(np.ceil(window * per * 4 / slot_bytes))
 
 
 def belady(tables: list[EmbeddingBagConfig], plan: HotColdPlan, trace: list[Any]) -> float:
@@ -265,7 +285,7 @@ def all_dynamic(plan: HotColdPlan) -> HotColdPlan:
     return HotColdPlan(tables, plan.budget_bytes)
 
 
-def run(name: str, dm: Any, budgets: list[float], profile: int, trace_len: int, windows: list[int]) -> list[dict[str, Any]]:
+def run(name: str, dm: Any, budgets: list[float], profile: int, trace_len: int, windows: list[int], slot_bytes: int) -> list[dict[str, Any]]:
     source = dm.source("train")
     bs = dm.batch_size
     batches = [source.batch(i * bs, (i + 1) * bs) for i in range(min(profile + trace_len, len(source) // bs))]
@@ -293,6 +313,7 @@ def run(name: str, dm: Any, budgets: list[float], profile: int, trace_len: int, 
         result["belady"] = belady(dm.tables, ours, trace)
         lfu = lookahead_model(dm.tables, ours, trace, 0)
         result["model"] = {"lfu": lfu, **{f"la {k}": lookahead_model(dm.tables, ours, trace, k) for k in windows}}
+        result["paid"] = {k: lookahead_model(dm.tables, ours, trace, k, slot_bytes) for k in windows}
         result["lookahead"] = {k: replay(dm.tables, ours, "lookahead", trace, k) for k in windows}
         gap = result["belady"] - lfu
         result["gap_closed"] = {k: (result["model"][f"la {k}"] - lfu) / gap if gap > 1e-12 else None for k in windows}
@@ -317,19 +338,22 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.001, 0.003, 0.01, 0.03, 0.1, 0.2])
     parser.add_argument("--movielens-budgets", type=float, nargs="+", help="MovieLens' budgets (default: --budgets)")
     parser.add_argument("--windows", type=int, nargs="+", default=[1, 4, 16], help="lookahead windows (batches) to model")
+    parser.add_argument("--paid-dim", type=int, default=128, help="the row width the device window's memory is paid in (paid la K)")
     parser.add_argument("--out", type=Path, default=RESULTS / "hit_rate.json")
     args = parser.parse_args()
 
+    # A dynamic slot of the real model on the device directory: its row, row-wise Adagrad's state, its cell.
+    slot_bytes = 4 * (args.paid_dim + 1) + DEVICE_DIRECTORY_BYTES_PER_SLOT
     samples = args.batch_size * (args.profile_batches + args.trace_batches)
     results = []
     for s in (0.9, 1.05, 1.2):
         dm = SyntheticCTRDataModule(scale=args.scale, zipf_exponent=s, batch_size=args.batch_size,
                                     embedding_dim=8, num_train_samples=samples)  # fmt: skip
-        results += run(f"synthetic zipf {s}", dm, args.budgets, args.profile_batches, args.trace_batches, args.windows)
+        results += run(f"synthetic zipf {s}", dm, args.budgets, args.profile_batches, args.trace_batches, args.windows, slot_bytes)
     # Small batches: its tables have 21 to 1,682 rows, so one batch of 256 fills 20% of them.
     movielens = MovieLensDataModule(batch_size=32, embedding_dim=8)
     movielens.setup("fit")
-    results += run("movielens-100k", movielens, args.movielens_budgets or args.budgets, 200, 2000, args.windows)
+    results += run("movielens-100k", movielens, args.movielens_budgets or args.budgets, 200, 2000, args.windows, slot_bytes)
 
     models = ["lfu", *(f"la {k}" for k in args.windows)]
     print(f"{'dataset':<22}{'budget':>8}" + "".join(f"{p:>9}" for p in POLICIES) + "  ours>=best" + "".join(f"{'model ' + m:>11}" for m in models)
@@ -343,6 +367,11 @@ def main() -> None:
         real += "".join(f"{r['lookahead_closed'][k]:>10.2f}" if r.get("lookahead_closed") and r["lookahead_closed"][k] is not None
                         else f"{'-':>10}" for k in args.windows)  # fmt: skip
         print(f"{r['dataset']:<22}{r['budget_rows']:>8.3f}{cells}  {str(r.get('ours_at_least_best_other', '-')):>10}{model}{closed}{real}")
+    print(f"\na window in device memory, paid in slots of {args.paid_dim} floats: {'dataset':<22}{'budget':>8}  model lfu" + "".join(f"{'la ' + str(k):>8}{'paid':>8}" for k in args.windows))
+    for r in results:
+        if r.get("paid"):
+            cells = "".join(f"{r['model'][f'la {k}']:>8.3f}{r['paid'][k]:>8.3f}" for k in args.windows)
+            print(f"{'':50}{r['dataset']:<22}{r['budget_rows']:>8.3f}  {r['model']['lfu']:>9.3f}{cells}")
     print(f"\nstacked as a collection stacks them: {'dataset':<22}{'budget':>8}  host lfu  device lfu  host la {max(args.windows)}")
     for r in results:
         if r.get("stacked"):

@@ -38,11 +38,12 @@ def arrays(rows: int, rule: str, generator: torch.Generator) -> dict[str, torch.
     return out
 
 
-def directory_over(host: dict[str, torch.Tensor], static_ids: torch.Tensor, dynamic: int, policy: str, ways: int):
+def directory_over(host: dict[str, torch.Tensor], static_ids: torch.Tensor, dynamic: int, policy: str, ways: int, window: int = 0):
     slots = {key: torch.full((len(static_ids) + dynamic, a.shape[1]), float("nan"), device=DEVICE) for key, a in host.items()}
     for key in slots:
         slots[key][: len(static_ids)] = host[key][static_ids].to(DEVICE)
-    return DeviceDirectory(static_ids, dynamic, policy, slots, host, ways=ways)
+    window = window or (3 if policy == "lookahead" else 0)
+    return DeviceDirectory(static_ids, dynamic, policy, slots, host, ways=ways, window_batches=window)
 
 
 class ReferenceCache:
@@ -52,10 +53,18 @@ class ReferenceCache:
         self.static = {int(i): k for k, i in enumerate(static_ids)}
         self.sets = [[None] * ways for _ in range(num_sets)]  # each way: [id, reads, last use, holders]
         self.ways, self.policy, self.set_of, self.tick = ways, policy, set_of, 0
+        self.pending: list[tuple[int, set[int]]] = []  # lookahead: announced batches not yet admitted
+        self.announced = 0
 
-    def admit(self, ids):
+    def announce(self, ids):
+        self.pending.append((self.announced, set(ids.tolist())))
+        self.announced += 1
+
+    def admit(self, ids, training=True):
         """Each distinct id's place: ("static", slot), ("cell", cell) or ("host", None)."""
         self.tick += 1
+        if training and self.pending:  # the oldest announced batch is this one
+            self.pending.pop(0)
         distinct = sorted(set(ids.tolist()))
         places, held = {}, []
         misses = []
@@ -81,7 +90,10 @@ class ReferenceCache:
                         return -1
                     if e[3] > 0:
                         return None
-                    return (e[1] << 40) + e[2] if self.policy == "lfu" else e[2]
+                    ahead = [a for a, batch in self.pending if e[0] in batch]
+                    if self.policy == "lookahead" and ahead:  # after every unread row, farthest read first
+                        return (1 << 62) + (1 << 40) - min(ahead)
+                    return (e[1] << 40) + e[2] if self.policy in ("lfu", "lookahead") else e[2]
                 free = [w for w in range(self.ways) if score(w) is not None]
                 scores[s] = sorted(free, key=lambda w: (score(w), w))
             if scores[s]:
@@ -104,8 +116,10 @@ class ReferenceCache:
                         ways[w] = None
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "static"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "static", "lookahead"])
 def test_the_directory_places_rows_as_a_plain_set_associative_cache_does(policy):
+    """Under lookahead each training batch is announced three batches ahead, and every fifth
+    batch is an evaluation batch, announced never (its admission retires nothing)."""
     generator = torch.Generator().manual_seed(3)
     host = arrays(ROWS, "sgd", generator)
     static_ids = torch.tensor([0, 1, 5])
@@ -113,10 +127,20 @@ def test_the_directory_places_rows_as_a_plain_set_associative_cache_does(policy)
     reference = ReferenceCache(static_ids, directory.num_sets, directory.ways, policy, directory.set_of)
     in_flight = []
     saw_host = saw_hit = False
-    for step in range(30):
-        ids = zipf_ids(24, generator)
-        admission = directory.admit(ids.to(DEVICE), training=True)
-        places, held = reference.admit(ids)
+    trace = [(zipf_ids(24, generator), step % 5 != 4 or policy != "lookahead") for step in range(30)]
+    training_batches = [ids for ids, training in trace if training]
+    ahead = 3 if policy == "lookahead" else 0
+    for ids in training_batches[:ahead]:
+        directory.announce(ids.to(DEVICE))
+        reference.announce(ids)
+    announced = ahead
+    for step, (ids, training) in enumerate(trace):
+        admission = directory.admit(ids.to(DEVICE), training=training)
+        places, held = reference.admit(ids, training)
+        if training and ahead and announced < len(training_batches):  # the loader reads the next one
+            directory.announce(training_batches[announced].to(DEVICE))
+            reference.announce(training_batches[announced])
+            announced += 1
         locations = admission.locations.cpu()
         for k, i in enumerate(ids.tolist()):
             kind, where = places[i]
@@ -138,26 +162,33 @@ def test_the_directory_places_rows_as_a_plain_set_associative_cache_does(policy)
 
 
 @pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
-@pytest.mark.parametrize("policy", ["lru", "lfu", "static"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "static", "lookahead"])
 def test_training_through_the_device_directory_equals_training_the_whole_table(rule, policy):
     """A cache of 8 dynamic slots in sets of 4 over a batch of about 20 distinct rows: rows
     hit, get evicted dirty and come back, and lose conflicts to the host; every pooled row and,
-    after `flush`, every row and its state equal the whole table's."""
+    after `flush`, every row and its state equal the whole table's (under lookahead, training
+    batches announced two ahead)."""
     generator = torch.Generator().manual_seed(11)
     config = RowWiseOptimizerConfig(name=rule, lr=0.05)
     whole = arrays(ROWS, rule, generator)
     host = {k: v.clone() for k, v in whole.items()}
     directory = directory_over(host, torch.tensor([0, 2]), dynamic=8, policy=policy, ways=4)
     batch = 10
+    steps = []
     for step in range(12):
         lengths = torch.randint(0, 4, (2 * batch,), generator=generator)
+        steps.append((lengths, zipf_ids(int(lengths.sum()), generator), step % 4 != 3))  # an evaluation batch now and then
+    ahead = [indices for _, indices, training in steps if training] if policy == "lookahead" else []
+    for indices in ahead[:2]:
+        directory.announce(indices.to(DEVICE))
+    for lengths, indices, training in steps:
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-        indices = zipf_ids(int(lengths.sum()), generator)
         bag_mean = (torch.arange(2 * batch) >= batch).to(torch.int32)  # the second feature pools by mean
         per_sample = torch.rand(indices.numel(), generator=generator) + 0.5
         grad = torch.randn(2 * batch, DIM, generator=generator)
-        training = step % 4 != 3  # an evaluation batch now and then: looked up, not stepped
         admission = directory.admit(indices.to(DEVICE), training=training)
+        if training and directory.announced < len(ahead):
+            directory.announce(ahead[directory.announced].to(DEVICE))
         got = triton_tbe.pooled(
             directory.slots["weight"], admission.locations, offsets.to(DEVICE), bag_mean.to(DEVICE), per_sample.to(DEVICE),
             host_weight=host["weight"],
@@ -188,15 +219,19 @@ def test_rows_read_only_in_evaluation_are_not_written_back():
     assert counters["fetched_rows"] > 4 and counters["written_back_rows"] == 0
 
 
-def test_a_step_through_the_directory_reads_nothing_back_and_keeps_its_ops_and_shapes():
+@pytest.mark.parametrize("policy", ["lfu", "lookahead"])
+def test_a_step_through_the_directory_reads_nothing_back_and_keeps_its_ops_and_shapes(policy):
     """What a CUDA graph needs of the admission: no op that makes the host wait, and the same
-    ops with the same shapes whatever the ids (all one row, or all distinct)."""
+    ops with the same shapes whatever the ids (all one row, or all distinct); under lookahead
+    whether or not the batch was announced (the loader announces outside the step)."""
     generator = torch.Generator().manual_seed(1)
     host = arrays(ROWS, "rowwise_adagrad", generator)
-    directory = directory_over(host, torch.tensor([3, 4]), dynamic=16, policy="lfu", ways=8)
+    directory = directory_over(host, torch.tensor([3, 4]), dynamic=16, policy=policy, ways=8)
     offsets = torch.arange(0, 33, 4, device=DEVICE)
     traces = []
-    for ids in (torch.full((32,), 7), torch.arange(32) * 2, zipf_ids(32, generator)):
+    for k, ids in enumerate((torch.full((32,), 7), torch.arange(32) * 2, zipf_ids(32, generator))):
+        if policy == "lookahead" and k != 1:
+            directory.announce(ids.to(DEVICE))
         trace = _OpTrace()
         with trace:
             admission = directory.admit(ids.to(DEVICE), training=True)
@@ -207,6 +242,23 @@ def test_a_step_through_the_directory_reads_nothing_back_and_keeps_its_ops_and_s
     with pytest.raises(HostReadInGraph):  # the trace does refuse a host read
         with _OpTrace():
             admission.locations.max().item()
+
+
+def test_announced_ids_beyond_the_window_width_are_counted_not_kept():
+    """The window's width is set by the first announcement (1.5 times its distinct ids outside
+    the static rows, at least 64); a later batch with more leaves its largest ids out, and says
+    how many: they cost hits, never a wrong row."""
+    rows = 500
+    host = arrays(rows, "sgd", torch.Generator().manual_seed(0))
+    directory = directory_over(host, torch.tensor([0]), dynamic=8, policy="lookahead", ways=4)
+    directory.announce(torch.tensor([0, 3, 3, 9], device=DEVICE))  # two distinct ids outside the static row
+    assert directory.window.shape[1] == 64
+    directory.announce(torch.arange(1, 101, device=DEVICE))  # 100 distinct ids
+    assert directory.counters()["window_dropped_ids"] == 36
+    assert directory.window[1].tolist() == list(range(1, 65))
+    directory.release(directory.admit(torch.arange(1, 101, device=DEVICE), training=True))
+    directory.release(directory.admit(torch.arange(1, 101, device=DEVICE), training=True))
+    assert int(directory.retired) == 2
 
 
 def test_bad_directories_are_refused_with_the_reason():

@@ -48,7 +48,7 @@ def trained(optimizer: str, budget: str, policy: str, depth: int, steps: int | N
     ("optimizer", "budget", "policy", "depth"),
     exactness_matrix(
         ["optimizer", "budget", "policy", "depth"],
-        together={"budget": ["10%", "minimum"], "policy": ["lfu", "lru", "static"]},
+        together={"budget": ["10%", "minimum"], "policy": ["lfu", "lookahead", "lru", "static"]},
         apart={"optimizer": ["sgd", "rowwise_adagrad"], "depth": [0, 2]},
     ),
 )
@@ -60,6 +60,9 @@ def test_the_device_directory_learns_what_torchrec_learns(optimizer, budget, pol
     assert counters.lookups == 8 * 32  # every value of the table's feature, per table of the stack
     if budget == "minimum":
         assert counters.fetched_rows > 0 and counters.evicted_rows > 0  # the cache really cycled
+    if policy == "lookahead" and depth:  # batches announced ahead reached the window
+        directory = module._caches[next(iter(module.layout.stacks))].on_device
+        assert directory.window is not None and directory.announced == len(zipf_batches())
 
 
 def test_its_counts_are_the_host_directory_s_where_its_one_set_holds_every_row(monkeypatch) -> None:
@@ -204,16 +207,20 @@ def test_per_sample_weights_learn_what_torchrec_learns() -> None:
 
 @pytest.mark.parametrize(
     ("options", "why"),
-    [({"cache_policy": "lookahead"}, "a policy the device keeps"), ({"kernel": "pytorch"}, "the Triton path"),
-     ({"optimizer": RowWiseOptimizerConfig(name="adam", lr=0.05)}, "the kernel applying the rule")],
+    [({"kernel": "pytorch"}, "it needs the Triton kernels"),
+     ({"optimizer": RowWiseOptimizerConfig(name="adam", lr=0.05)}, "the adam rule is not applied in the Triton kernel"),
+     ({"host_storage": "a directory"}, "host_storage is a directory of memory-mapped files")],
 )  # fmt: skip
-def test_configurations_the_device_directory_does_not_serve_keep_the_host_directory(options, why) -> None:
+def test_configurations_the_device_directory_does_not_serve_keep_the_host_directory(options, why, tmp_path) -> None:
     batches = zipf_batches()
     plan = make_plan(batches, None, 0, options.get("cache_policy", "lru"))
     options = {"optimizer": RowWiseOptimizerConfig(name="sgd", lr=0.05), "kernel": "triton", **options}
     optimizer = options.pop("optimizer")
+    if "host_storage" in options:
+        options["host_storage"] = str(tmp_path)
     module = HotColdEmbeddingBagCollection.from_ebc(EmbeddingBagCollection(tables=TABLES), plan, optimizer, **options)
-    assert ON_DEVICE not in module.kernel_note, why
+    assert ON_DEVICE not in module.kernel_note
+    assert f"cache directory on the host ({why})" in module.kernel_note  # the log line says what keeps it there
     assert not isinstance(module._staging, DirectoryStaging)
 
 

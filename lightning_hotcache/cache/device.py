@@ -139,6 +139,9 @@ class DeviceCache:
             `lightning_hotcache.cache.group`), the first row of each and the total; the cache
             then also counts lookups, hits, fetches, evictions and write-backs per table
             (`segment_counters`).
+        directory_on_device: the dynamic slots' directory in device memory (`on_device`).
+        window_batches: with it, under ``lookahead``, the batches announced ahead, which size
+            the device directory's window.
     """
 
     def __init__(
@@ -156,6 +159,7 @@ class DeviceCache:
         storage: dict[str, Tensor] | None = None,
         segment_starts: Sequence[int] | None = None,
         directory_on_device: bool = False,
+        window_batches: int = 0,
     ) -> None:
         check_cache_policy(policy)
         static_ids = torch.as_tensor(static_ids, dtype=torch.int64).unique()  # sorted, for memory locality
@@ -214,7 +218,7 @@ class DeviceCache:
         self.id_of_slot = new_host_array((num_slots,), torch.int64, fill=-1)
         self.id_of_slot[: self.num_static] = static_ids
         if directory_on_device:  # it keeps the dynamic slots' books: the host keeps none of them
-            self.on_device = self._on_device_directory(policy, segment_starts)
+            self.on_device = self._on_device_directory(policy, segment_starts, window_batches)
             return
         self.slot_map = make_slot_map(num_embeddings, static_ids, num_slots, self.books, budgeted=torch.device(device) == self.books)
         self.dirty = new_host_array((num_slots,), torch.bool)
@@ -226,7 +230,7 @@ class DeviceCache:
         if policy == "lookahead":
             self.window = LookaheadWindow(num_embeddings, num_slots)
 
-    def _on_device_directory(self, policy: CachePolicy, segment_starts: Sequence[int] | None) -> DeviceDirectory:
+    def _on_device_directory(self, policy: CachePolicy, segment_starts: Sequence[int] | None, window_batches: int) -> DeviceDirectory:
         """The dynamic slots' directory in device memory (`DeviceDirectory`), over this cache's
         slots and host rows (on CUDA mapped into the device's address space by the caller:
         `lightning_hotcache.cache.host_mapping`). A batch's rows are then admitted on the device (`DeviceDirectory.admit`), never through
@@ -235,7 +239,10 @@ class DeviceCache:
         if self.sharding.world != 1 or self.host.memory_mapped:
             raise ValueError(f"Table {self.name!r}: the device directory serves one process with its host rows in memory.")
         ends = None if segment_starts is None else torch.tensor(list(segment_starts)[1:])
-        return DeviceDirectory(self.id_of_slot[: self.num_static].clone(), self.num_dynamic, policy, self.slots, self.host.arrays, segment_ends=ends)
+        return DeviceDirectory(
+            self.id_of_slot[: self.num_static].clone(), self.num_dynamic, policy, self.slots, self.host.arrays,
+            segment_ends=ends, window_batches=window_batches if policy == "lookahead" else 0,
+        )  # fmt: skip
 
     @staticmethod
     def num_slots(num_embeddings: int, static_ids: Tensor, num_dynamic: int) -> int:

@@ -23,6 +23,16 @@ each dirty victim to its host row and reads its successor into the slot. The bat
 held until `release`. Each id's location (a slot, or `location_of_host_row`) is what the
 kernels take. ``static`` policy (FAE): a batch's misses are evicted when it is released.
 
+**Lookahead** (``lookahead`` policy, FBGEMM's cache has none): the loader announces each training
+batch a window ahead of its step (`announce`), and eviction follows Belady within the window, as
+the host directory's `LookaheadWindow` does: an unheld way whose row no announced batch reads goes
+first (by LFU), then the one whose next read is farthest. The window is in device memory: one
+row per announced batch, its distinct ids outside the static rows, ascending (`window`, of a
+width fixed at the first announcement); a cell keeps its row's next announced read
+(`next_read`), lowered by each announcement that reads it and found again when the row is
+admitted or hit: each window row's ids searched among the batch's sorted distinct ids. Admitted training batches retire
+the oldest announcement (a device count, `retired`), so the step stays capturable.
+
 Rows read in training are marked dirty when admitted (their update follows in the step), so
 an eviction or `flush` writes them back; a row read only in evaluation stays clean.
 
@@ -41,8 +51,8 @@ from torch import Tensor
 
 from lightning_hotcache.kernels.triton_tbe import location_of_host_row, move_rows
 
-DevicePolicy = Literal["lfu", "lru", "static"]
-DEVICE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static")
+DevicePolicy = Literal["lfu", "lru", "static", "lookahead"]
+DEVICE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static", "lookahead")
 
 # Slots a set holds: FBGEMM's choice for its UVM cache.
 WAYS = 32
@@ -50,14 +60,41 @@ WAYS = 32
 _READS_SHIFT = 40
 # GPU memory a slot's cell takes (its id, score, holders and dirty mark); a static slot's id takes less.
 DEVICE_DIRECTORY_BYTES_PER_SLOT = 8 + 8 + 4 + 1
+# Under lookahead a cell keeps its row's next announced read too.
+NEXT_READ_BYTES_PER_SLOT = 8
 _HELD = torch.iinfo(torch.int64).max  # a held way's score: never a victim
+WINDOW_PAD = torch.iinfo(torch.int32).max  # pads a lookahead window's row: above every id it keeps
+NO_READ = torch.iinfo(torch.int64).max  # no announced batch reads the row
+# Window rows searched at once (`_next_reads`): bounds the search's temporary memory.
+_ROWS_PER_PASS = 8
+# Under lookahead a row some announced batch reads scores above every LFU score (reads stay
+# below 2**22), the farther its next read the lower: _WINDOW_TIER + _FAR - next read.
+_WINDOW_TIER, _FAR = 1 << 62, 1 << _READS_SHIFT
+# Rows of the window beyond its batches: announced batches not yet admitted besides the window's
+# (the one handed on to staging, Lightning's fetcher's, and two a prefetch thread holds).
+WINDOW_SLACK = 4
 # Knuth's multiplicative hash: a set is the high bits of id * _HASH, so that ids at a stride
 # (a table's rows every ``world`` ids, tables at offsets) spread over the sets.
 _HASH = 2654435761
 
 # The running totals (`DeviceDirectory.counts`), one row each.
-COUNTED = ("lookups", "hits", "fetched_rows", "evicted_rows", "written_back_rows", "from_host_rows")
-_LOOKUPS, _HITS, _FETCHED, _EVICTED, _WRITTEN_BACK, _FROM_HOST = range(len(COUNTED))
+# ``window_dropped_ids``: announced ids beyond the window's width, left out of it (they cost
+# hits, never a wrong row).
+COUNTED = ("lookups", "hits", "fetched_rows", "evicted_rows", "written_back_rows", "from_host_rows", "window_dropped_ids")
+_LOOKUPS, _HITS, _FETCHED, _EVICTED, _WRITTEN_BACK, _FROM_HOST, _DROPPED = range(len(COUNTED))
+
+
+def window_width(distinct: int) -> int:
+    """The width of a lookahead window's rows for batches of ``distinct`` ids outside the static
+    rows: room for batches half as large again, at least 64."""
+    return max(64, -(-3 * distinct // 2))
+
+
+def device_window_bytes(window_batches: int, distinct: int) -> int:
+    """Device memory of a lookahead window of ``window_batches`` for batches of at most
+    ``distinct`` ids: its rows of 32-bit ids and their announcement numbers."""
+    rows = window_batches + WINDOW_SLACK
+    return rows * (4 * window_width(distinct) + 8)
 
 
 @dataclass
@@ -75,7 +112,7 @@ class DeviceDirectory:
         static_ids: the rows held in slots ``[0, S)``, in that order (sorted, distinct).
         num_dynamic: the dynamic slots after them (the cache uses the largest multiple of the
             ways within them, or fewer ways where they are fewer than `WAYS`).
-        policy: ``lfu``, ``lru`` or ``static`` (see the module's docstring).
+        policy: ``lfu``, ``lru``, ``static`` or ``lookahead`` (see the module's docstring).
         slots: the cache's arrays on the device (``weight`` and each optimizer state), rows
             ``[0, S + num_dynamic)``, read and written in place.
         host: the same arrays, a row per id of the table, where the kernels can reach them (mapped
@@ -83,6 +120,7 @@ class DeviceDirectory:
         ways: slots a set holds.
         segment_ends: where each segment of the ids ends (exclusive, ascending: a stack's tables),
             for counts per segment; None: one segment.
+        window_batches: under ``lookahead``, the batches announced ahead of their admission.
     """
 
     def __init__(
@@ -94,9 +132,14 @@ class DeviceDirectory:
         host: dict[str, Tensor],
         ways: int = WAYS,
         segment_ends: Tensor | None = None,
+        window_batches: int = 0,
     ) -> None:
         if policy not in DEVICE_POLICIES:
             raise ValueError(f"The device directory keeps the {', '.join(DEVICE_POLICIES)} policies, not {policy!r}.")
+        if (policy == "lookahead") != (window_batches > 0):
+            raise ValueError(f"window_batches={window_batches}: the lookahead policy, and only it, needs a window of at least one batch.")
+        if policy == "lookahead" and host["weight"].shape[0] >= WINDOW_PAD:
+            raise ValueError(f"The lookahead window keeps ids in 32 bits: {host['weight'].shape[0]} rows are too many; use cache_policy='lfu'.")
         if set(slots) != set(host):
             raise ValueError(f"The slots hold {sorted(slots)} and the host rows {sorted(host)}: they must hold the same arrays.")
         device = slots["weight"].device
@@ -122,6 +165,14 @@ class DeviceDirectory:
         num_segments = 1 if segment_ends is None else len(segment_ends)
         self.counts = torch.zeros(len(COUNTED), num_segments, dtype=torch.int64, device=device)
         self._way = torch.arange(self.ways, device=device)
+        # The lookahead window (see the module's docstring); its rows are allocated at the first
+        # announcement, whose distinct ids size them.
+        self.window_rows = window_batches + WINDOW_SLACK if window_batches else 0
+        self.window: Tensor | None = None
+        self.window_steps = torch.full((self.window_rows,), -1, dtype=torch.int64, device=device)
+        self.next_read = torch.full((cells + 1 if window_batches else 0,), NO_READ, dtype=torch.int64, device=device)
+        self.retired = torch.zeros((), dtype=torch.int64, device=device)
+        self.announced = 0  # announcements so far (the host's count: `announce` runs eagerly)
 
     @property
     def num_cells(self) -> int:
@@ -192,6 +243,9 @@ class DeviceDirectory:
         # score, lowest first; held ways (this batch's hits too) are never taken.
         miss = dynamic & ~hit
         score = torch.where(in_cells < 0, -1, self.score[cells])
+        if self.window_rows:  # a row an announced batch reads goes after the others, farthest read first
+            ahead = self.next_read[cells]
+            score = torch.where((in_cells >= 0) & (ahead != NO_READ), _WINDOW_TIER + _FAR - ahead, score)
         score = torch.where(self.holders[cells] > 0, _HELD, score)
         by_score = score.argsort(dim=1, stable=True)
         free = (score < _HELD).sum(1)
@@ -217,7 +271,9 @@ class DeviceDirectory:
         if training:
             self.dirty[hit_cell] = True
         self.dirty[new_cell] = training
-        if self.policy == "lfu":
+        if self.window_rows:
+            self._note_next_reads(distinct, hit | admitted, hit_cell, new_cell, training)
+        if self.policy in ("lfu", "lookahead"):
             reads = (self.score.index_select(0, hit_cell) >> _READS_SHIFT) + 1
             self.score[hit_cell] = (reads << _READS_SHIFT) + self.tick
             self.score[new_cell] = (1 << _READS_SHIFT) + self.tick
@@ -225,6 +281,72 @@ class DeviceDirectory:
             self.score[hit_cell] = self.tick
             self.score[new_cell] = self.tick
         return hit, hit_cell, admitted, new_cell
+
+    def _note_next_reads(self, distinct: Tensor, cached: Tensor, hit_cell: Tensor, new_cell: Tensor, training: bool) -> None:
+        """Each cached one of ``distinct`` gets its next announced read after this batch; a
+        training batch retires the oldest announcement where it is pending (fixed-size ops)."""
+        pending = self.window_steps.index_select(0, self.retired.remainder(self.window_rows).view(1)).squeeze(0) == self.retired
+        retiring = pending.to(torch.int64) if training else torch.zeros_like(self.retired)
+        ahead = torch.where(cached, self._next_reads(distinct, self.retired + retiring), NO_READ)
+        self.next_read[hit_cell] = ahead
+        self.next_read[new_cell] = ahead
+        self.retired += retiring
+
+    def _next_reads(self, distinct: Tensor, since: Tensor) -> Tensor:
+        """Each of ``distinct`` (ascending, then -1s)'s first read by an announced batch numbered
+        ``since`` (a device count) or later, else `NO_READ`: each window row's ids are searched
+        among them (a batch's distinct ids stay in cache memory while the window streams past),
+        a few rows at a time."""
+        best = torch.full_like(distinct, NO_READ)
+        if self.window is None or distinct.numel() == 0:
+            return best
+        key = torch.where(distinct >= 0, distinct, NO_READ)  # still ascending
+        for start in range(0, self.window_rows, _ROWS_PER_PASS):
+            rows = self.window[start : start + _ROWS_PER_PASS].to(torch.int64)
+            steps = self.window_steps[start : start + _ROWS_PER_PASS, None]
+            place = torch.searchsorted(key, rows).clamp_(max=key.numel() - 1)
+            read = (key.take(place) == rows) & (steps >= since)
+            best.scatter_reduce_(0, place.reshape(-1), torch.where(read, steps, NO_READ).reshape(-1), reduce="amin")
+        return best
+
+    def announce(self, ids: Tensor) -> None:
+        """A training batch admitted later, in announcing order, reads ``ids`` (on the device, in
+        range): its distinct ids outside the static rows fill the window's next row, and the
+        cached rows it reads take it as their next read where none comes sooner. Device ops of
+        fixed sizes, except at the first announcement, which reads its distinct ids' count to
+        size the window (1.5 times it)."""
+        if not self.window_rows:
+            raise RuntimeError(f"announce() keeps a lookahead window; the {self.policy!r} policy has none.")
+        ids = ids.reshape(-1).to(torch.int64)
+        sorted_ids = ids.sort().values
+        keep = torch.ones_like(sorted_ids, dtype=torch.bool)
+        keep[1:] = sorted_ids[1:] != sorted_ids[:-1]
+        if self.num_static:
+            place = torch.searchsorted(self.static_ids, sorted_ids).clamp_(max=self.num_static - 1)
+            keep &= self.static_ids.index_select(0, place) != sorted_ids
+        kept = torch.where(keep, sorted_ids, WINDOW_PAD).sort().values  # the kept ids first, ascending
+        if self.window is None:
+            self.window = torch.full((self.window_rows, window_width(int(keep.sum()))), WINDOW_PAD, dtype=torch.int32, device=self.device)
+        row, width = self.announced % self.window_rows, self.window.shape[1]
+        self.window[row, : min(width, len(kept))] = kept[:width]
+        self.window[row, len(kept) :] = WINDOW_PAD
+        if len(kept) > width:
+            self._count(_DROPPED, kept[width:], kept[width:] != WINDOW_PAD)
+        self.window_steps[row] = self.announced
+        stored = self.window[row].to(torch.int64)
+        if self.num_cells:
+            cells = self.set_of(stored)[:, None] * self.ways + self._way
+            match = (self.ids[cells] == stored[:, None]) & (stored != WINDOW_PAD)[:, None]
+            cell = torch.where(match.any(1), (cells * match).sum(1), self.trash)
+            self.next_read.scatter_reduce_(0, cell, torch.full_like(cell, self.announced), reduce="amin")
+        self.announced += 1
+
+    def clear_window(self) -> None:
+        """Forget the announced batches not yet admitted (an epoch cut short)."""
+        if self.window_rows:
+            self.window_steps.fill_(-1)
+            self.next_read.fill_(NO_READ)
+            self.retired.fill_(self.announced)
 
     def release(self, admission: Admission) -> None:
         """The batch's cells are no longer held (its step is done, or it was only looked up).
@@ -271,10 +393,12 @@ class DeviceDirectory:
         self.ids.fill_(-1)
         self.dirty.zero_()
         self.score.zero_()
+        self.next_read.fill_(NO_READ)
 
     def tensors(self) -> list[Tensor]:
         """The directory's own device tensors (for the device bytes it holds)."""
-        return [self.static_ids, self.ids, self.score, self.holders, self.dirty, self.counts]
+        window = [] if self.window is None else [self.window]
+        return [self.static_ids, self.ids, self.score, self.holders, self.dirty, self.counts, *window, self.window_steps, self.next_read]
 
     def num_held(self) -> int:
         """Cells a batch in flight holds (a host wait: for tests)."""

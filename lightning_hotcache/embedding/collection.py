@@ -61,6 +61,7 @@ from lightning_hotcache.kernels.triton_tbe import TRITON_RULES
 from lightning_hotcache.cache.group import TableInGroup
 from lightning_hotcache.cache.host_arrays import new_array
 from lightning_hotcache.cache.host_mapping import HostMappingError, map_all_for_devices
+from lightning_hotcache.cache.lookahead import DEFAULT_WINDOW_BATCHES
 from lightning_hotcache.cache.owned_rows import OwnedRows
 from lightning_hotcache.cache.side_by_side import check_staging_threads
 from lightning_hotcache.embedding.layout import Layout, build_layout
@@ -189,7 +190,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
         reason = self._why_not_fused(kernel, min(slot_counts.values()))
         self._triton = reason is not None and self._triton_runs(kernel)
         dynamic = {t.name: plan.table(t.name).cache_slots for t in self._tables}
-        directory_on_device = self._wants_device_directory(cache_policy)
+        # The split tables' caches keep their directory in device memory (`DeviceDirectory`,
+        # staged by `DirectoryStaging`) where it may serve and nothing in the configuration keeps
+        # it on the host; the log line names what does.
+        self._host_directory_reason = self._why_the_directory_stays_on_the_host(cache_policy) if self._device_directory_switched_on() else None
+        directory_on_device = self._device_directory_switched_on() and self._host_directory_reason is None
         parts = 1 if directory_on_device else staging_threads  # a width's host rows: one array for the kernels
         self.layout = build_layout(self._tables, slot_counts, split, reason is None, sharding.world, parts, dynamic)
         if directory_on_device and split and not self.layout.stacks:
@@ -251,6 +256,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
         self._caches = {key: self._caches[key] for key in self.layout.cache_keys}  # in layout order
         if self._mapping_refusal is not None:
             self.kernel_note += f", cache directory on the host ({self._mapping_refusal})"
+        elif self._host_directory_reason is not None and split:
+            self.kernel_note += f", cache directory on the host ({self._host_directory_reason})"
         if self._directories_on_device:
             if split:
                 self.kernel_note += ", cache directory in device memory (host rows read and stepped in place)"
@@ -282,18 +289,23 @@ class HotColdEmbeddingBagCollection(nn.Module):
         lookup = EmbeddingBagLookup(self.layout, weights, self._is_weighted, self.device, update.on_output_gradient, self._triton, host_weights)
         return lookup, update
 
-    def _wants_device_directory(self, policy: CachePolicy) -> bool:
-        """Whether the split tables' caches keep their directory in device memory
-        (`DeviceDirectory`, staged by `DirectoryStaging`): on the Triton path in one process, the
-        kernel applying the rule, host rows in memory, a policy the device keeps; on CUDA unless
-        switched off, elsewhere (a CPU under ``TRITON_INTERPRET=1``) only when switched on."""
+    def _device_directory_switched_on(self) -> bool:
+        """Whether the device directory may serve: on CUDA unless switched off, elsewhere (a CPU
+        under ``TRITON_INTERPRET=1``) only when switched on."""
         wanted = setting(Switch.DEVICE_DIRECTORY)
-        if wanted == "0" or (wanted is None and self.device.type != "cuda"):
-            return False
-        return (
-            self._triton and self._sharding.world == 1 and self.optimizer.name in TRITON_RULES
-            and self.host_directory is None and policy != "lookahead"
-        )  # fmt: skip
+        return wanted == "1" or (wanted is None and self.device.type == "cuda")
+
+    def _why_the_directory_stays_on_the_host(self, policy: CachePolicy) -> str | None:
+        """What in this configuration the device directory does not serve (None: nothing)."""
+        if not self._triton:
+            return "it needs the Triton kernels"
+        if self._sharding.world > 1:
+            return "several processes exchange rows through it"
+        if self.optimizer.name not in TRITON_RULES:
+            return f"the {self.optimizer.name} rule is not applied in the Triton kernel"
+        if self.host_directory is not None:
+            return "host_storage is a directory of memory-mapped files"
+        return None
 
     def _map_host_rows(self, stores: dict[str, HostStore]) -> None:
         """Map the stacks' host rows into the GPU's address space for the device directory's
@@ -415,6 +427,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             storage=self._region(key),
             segment_starts=starts,
             directory_on_device=self._directories_on_device,
+            window_batches=self.plan.lookahead_batches or DEFAULT_WINDOW_BATCHES,  # a plan made without the policy
         )
 
     def _owned_rows(self, table: int) -> OwnedRows:

@@ -14,6 +14,9 @@ that a step changes for good: the step can be recorded in a CUDA graph
 from its forward until its update is done (`finish`) or, without one, its lookup; batches are
 admitted one forward at a time, so a cell only ever has to stay with the batch in flight.
 
+Under the lookahead policy an announced batch's ids are also moved to the device (from pinned
+memory, without a wait) and handed to each directory's window (`DeviceDirectory.announce`).
+
 A forward of a batch that was not checked ahead (an evaluation batch, a direct call) checks it
 then, which copies its ids to the host; inside a step a graph records, the batch is a static
 copy of one its model checked before handing it to the graph (`HotColdEmbeddingBagCollection.check`).
@@ -53,7 +56,10 @@ class DirectoryStaging(Staging):
             self.directories[key] = directory
         self._starts = {key: layout.regions[key].start for key in self.directories}
         base = layout.value_base()
-        self._base = None if base is None else base.to(device)  # per feature, added to its ids
+        self._host_base = base  # per feature, added to its ids
+        self._base = None if base is None else base.to(device)
+        # The directories that keep a lookahead window: announced batches' ids go to them.
+        self._windows = {key: d for key, d in self.directories.items() if d.window_rows}
         # Batches checked ahead, by the memory of their values as forward will get them: their
         # values, weakly (an entry is gone with its batch, so a later batch at the same address
         # is never taken for it), and the batch on the host, whose sizes per feature it keeps.
@@ -63,6 +69,10 @@ class DirectoryStaging(Staging):
     def _check(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """``features`` on the host (a batch on the device is copied, which waits for it),
         its ids checked against their tables and the lookups of whole tables counted."""
+        return self._checked_in_our_order(features)[0]
+
+    def _checked_in_our_order(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
+        """`_check` of ``features``, and the host batch in the module's feature order."""
         host = features if features.values().device.type == "cpu" else features.to(torch.device("cpu"))
         check_not_empty(host)
         ours = in_feature_order(host, self.layout.features, self.layout.input_of, self.layout.table_of)
@@ -71,12 +81,22 @@ class DirectoryStaging(Staging):
         with self.lock:
             for key in self._counted_only:
                 self.caches[key].count_lookups(sum(per_key[k] for k in self._positions[key]))
-        return host
+        return host, ours
 
     def announce(self, features: KeyedJaggedTensor) -> None:
-        """A future training batch (on the host), prefetched later with ``announced=True``: checked now."""
-        self._check(features)
+        """A future training batch (on the host), prefetched later with ``announced=True``:
+        checked now, and under lookahead its ids handed to the directories' windows."""
+        _, ours = self._checked_in_our_order(features)
         self._announced_batches.append(features)
+        if not self._windows:
+            return
+        indices, bounds = self._stack_ids(ours, self._host_base), ours.offset_per_key()
+        for key, directory in self._windows.items():
+            ids = concat_spans(indices, [(bounds[a], bounds[b]) for a, b in self._runs[key]])
+            if self.device.type == "cuda":
+                ids = ids.pin_memory().to(self.device, non_blocking=True)
+            with self.lock:  # a reader thread announces while the training thread admits
+                directory.announce(ids)
 
     def prefetch(self, features: KeyedJaggedTensor, arrives_as: KeyedJaggedTensor | None = None, announced: bool = False) -> None:
         """Check ``features`` (on the host; the oldest batch announced where ``announced``) for
@@ -130,21 +150,29 @@ class DirectoryStaging(Staging):
             self.release_abandoned()
         host = self._checked_host_batch(features)
         ours = self._in_our_order(features, host)
-        values, bounds = ours.values(), ours.offset_per_key()
-        if self._base is None:
-            indices = values.to(torch.int64, copy=True)
-        else:
-            per_key = ours.lengths().view(len(self.layout.features), ours.stride()).sum(1)
-            indices = values.to(torch.int64) + self._base.repeat_interleave(per_key, output_size=len(values))
+        indices, bounds = self._stack_ids(ours, self._base), ours.offset_per_key()
         staged = StagedBatch(features, ours, indices, {}, [])
         for key, directory in self.directories.items():
             spans = [(bounds[a], bounds[b]) for a, b in self._runs[key]]
-            admission = directory.admit(concat_spans(indices, spans), training)
+            if directory.window_rows:
+                with self.lock:
+                    admission = directory.admit(concat_spans(indices, spans), training)
+            else:
+                admission = directory.admit(concat_spans(indices, spans), training)
             slots = admission.locations
             # Slots are the cache's; in the device table they start at its region.
             _put_spans(indices, spans, torch.where(slots >= 0, slots + self._starts[key], slots))
             staged.held[key] = admission
         return staged
+
+    def _stack_ids(self, ours: KeyedJaggedTensor, base: Tensor | None) -> Tensor:
+        """``ours``' ids (in the module's feature order) as the stacks' global ids: each
+        feature's plus its table's ``base``, sized by the host's counts (no wait)."""
+        values = ours.values()
+        if base is None:
+            return values.to(torch.int64, copy=True)
+        per_key = ours.lengths().view(len(self.layout.features), ours.stride()).sum(1)
+        return values.to(torch.int64) + base.repeat_interleave(per_key, output_size=len(values))
 
     def _in_our_order(self, features: KeyedJaggedTensor, host: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """``features`` in the module's feature order, its sizes per feature those of ``host``
@@ -179,6 +207,8 @@ class DirectoryStaging(Staging):
 
     def clear_window(self) -> None:
         self._announced_batches.clear()
+        for directory in self._windows.values():
+            directory.clear_window()
 
 
 def _put_spans(target: Tensor, spans: list[tuple[int, int]], values: Tensor) -> None:

@@ -39,7 +39,7 @@ from torchrec import EmbeddingBagConfig
 
 from lightning_hotcache.cache.device import check_cache_policy
 from lightning_hotcache.cache.lookahead import DEFAULT_WINDOW_BATCHES
-from lightning_hotcache.cache.device_directory import DEVICE_DIRECTORY_BYTES_PER_SLOT
+from lightning_hotcache.cache.device_directory import DEVICE_DIRECTORY_BYTES_PER_SLOT, NEXT_READ_BYTES_PER_SLOT, device_window_bytes
 from lightning_hotcache.cache.slot_map import sparse_map_bytes_per_resident
 from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig
 
@@ -492,6 +492,7 @@ class HotColdPlanner:
             on_device, split, required, fixed = {t.name for t in tables}, [], {}, sum(whole.values())
         else:
             on_device, split, required, fixed = self._smallest_layout(tables, stats)
+            fixed += self._device_window_bytes(split, stats)
         minimum = fixed
         if fixed > budget and self.grow_budget_to_minimum:
             self._check_growable(budget, fixed)
@@ -509,7 +510,7 @@ class HotColdPlanner:
         # Each round either settles the split tables or puts one more table whole, so at most
         # one round per table.
         while True:
-            room = budget - sum(whole[n] for n in on_device)
+            room = budget - sum(whole[n] for n in on_device) - self._device_window_bytes(split, stats)
             static_rows, slots = self._hot_rows_and_slots(split, stats, required, room)
             leftover = room - sum(self._split_bytes(t, static_rows[t.name], slots[t.name]) for t in split)
             whole_next = self._table_to_put_whole(split, stats, static_rows, slots, whole, leftover)
@@ -768,6 +769,14 @@ class HotColdPlanner:
     def _split_bytes(self, table: EmbeddingBagConfig, static_rows: int, cache_slots: int) -> int:
         return (static_rows + cache_slots) * (row_bytes(table, self.optimizer) + self._directory_bytes_per_slot(table))
 
+    def _device_window_bytes(self, split: Sequence[EmbeddingBagConfig], stats: "AccessStats | None") -> int:
+        """GPU memory the device directory's lookahead window takes on CUDA under lookahead
+        (`device_window_bytes`, its width from the profile's most distinct ids a batch of the
+        split tables), charged whichever directory the collection keeps; else 0."""
+        if torch.device(self.device).type != "cuda" or not self.lookahead_batches or not split or stats is None:
+            return 0
+        return device_window_bytes(self.lookahead_batches, sum(stats.unique_rows_per_batch(t.name)[1] for t in split))
+
     def _directory_bytes_per_slot(self, table: EmbeddingBagConfig) -> int:
         """What a split table's directory (id -> slot map and per-slot bookkeeping) costs the
         device budget per slot: on a CPU the host directory's, which lives on the device there
@@ -779,7 +788,7 @@ class HotColdPlanner:
             # Where the directory is in GPU memory (`DeviceDirectory`; the Triton path's default
             # there) each slot has a cell of it, or a static id: charged on every CUDA plan, so
             # that the budget holds whichever directory the collection keeps.
-            return DEVICE_DIRECTORY_BYTES_PER_SLOT
+            return DEVICE_DIRECTORY_BYTES_PER_SLOT + (NEXT_READ_BYTES_PER_SLOT if self.cache_policy == "lookahead" else 0)
         if torch.device(self.device).type != "cpu":
             return 0
         return sparse_map_bytes_per_resident(table.num_embeddings) + SLOT_BOOKKEEPING_BYTES
