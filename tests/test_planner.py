@@ -115,6 +115,25 @@ def test_split_tables_are_charged_the_directory_that_lives_on_the_device() -> No
     assert rows["cpu"] < rows["cuda"]
 
 
+def test_on_cuda_the_lookahead_window_in_device_memory_and_its_cells_next_reads_are_paid_by_the_budget() -> None:
+    from lightning_hotcache.cache.device_directory import DEVICE_DIRECTORY_BYTES_PER_SLOT, NEXT_READ_BYTES_PER_SLOT, device_window_bytes
+    from lightning_hotcache.planner.plan import row_bytes
+
+    st = stats()
+    options = {"prefetch_depth": 1, "device": "cuda", "prefetch_thread": False}
+    lfu = HotColdPlanner(0.1, SGD, **options).plan(TABLES, st)
+    plan = HotColdPlanner(0.1, SGD, cache_policy="lookahead", lookahead_batches=8, **options).plan(TABLES, st)
+    split = [c for c in TABLES if not plan.table(c.name).on_device]
+    assert split
+    for config in split:
+        t = plan.table(config.name)
+        assert t.device_bytes == (len(t.static_ids) + t.cache_slots) * (row_bytes(config, SGD) + DEVICE_DIRECTORY_BYTES_PER_SLOT + NEXT_READ_BYTES_PER_SLOT)
+    window = device_window_bytes(8, sum(st.unique_rows_per_batch(c.name)[1] for c in split))
+    assert plan.device_bytes + window <= plan.budget_bytes  # the window's memory is the budget's
+    rows = [sum(len(t.static_ids) + t.cache_slots for t in p.tables if not t.on_device) for p in (plan, lfu)]
+    assert rows[0] < rows[1]
+
+
 def test_split_prefers_coverage_per_byte_and_respects_budget() -> None:
     st = stats()
     plan = HotColdPlanner(0.1, SGD, prefetch_depth=1).plan(TABLES, st)
