@@ -9,10 +9,13 @@ maps them, on CUDA) and its cache in device memory; the hottest ids (ids are dra
 by rank, so the hottest are the lowest) take half the cache as static rows, as a plan gives
 them, the rest are dynamic slots. Reported: the median milliseconds of an admission with its
 release, timed with events on the device (a host sync only around each timed batch), rows
-fetched and written back a batch, and the hit rate of the timed batches. On a CPU it runs only
-under ``TRITON_INTERPRET=1`` (a check that the script works, not a speed).
+fetched and written back a batch, and the hit rate of the timed batches. Under ``--policy
+lookahead`` each batch is announced ``--window`` batches ahead of its admission, and the time is
+that of an announcement with an admission and its release (what the window adds a step). On a
+CPU it runs only under ``TRITON_INTERPRET=1`` (a check that the script works, not a speed).
 
     python benchmarks/device_directory.py [--rows 4000000] [--budget 0.01] [--dim 128] [--ids 212992] [--batches 60] [--warmup 20]
+    python benchmarks/device_directory.py --policy lookahead --window 64   # the lookahead window's cost
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 from report import write_report
 
-from lightning_hotcache.cache.device_directory import DeviceDirectory
+from lightning_hotcache.cache.device_directory import DEVICE_POLICIES, DeviceDirectory
 from lightning_hotcache.cache.host_mapping import map_for_devices
 from lightning_hotcache.kernels import triton_tbe
 
@@ -52,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--zipf", type=float, default=1.05)
     parser.add_argument("--batches", type=int, default=60, help="timed batches")
     parser.add_argument("--warmup", type=int, default=20, help="batches admitted first, untimed (the cache fills)")
-    parser.add_argument("--policy", default="lfu", choices=("lfu", "lru", "static"))
+    parser.add_argument("--policy", default="lfu", choices=DEVICE_POLICIES)
+    parser.add_argument("--window", type=int, default=64, help="under lookahead, batches announced ahead (the default at batches of 8,192)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=RESULTS / "device_directory.json")
     args = parser.parse_args(argv)
@@ -67,12 +71,15 @@ def main(argv: list[str] | None = None) -> None:
         for array in host.values():
             map_for_devices(array)
     slots = {key: torch.zeros(slots_total, array.shape[1], device=device) for key, array in host.items()}
-    directory = DeviceDirectory(torch.arange(num_static), slots_total - num_static, args.policy, slots, host)
+    window = args.window if args.policy == "lookahead" else 0
+    directory = DeviceDirectory(torch.arange(num_static), slots_total - num_static, args.policy, slots, host, window_batches=window)
     rng = np.random.default_rng(0)
-    batches = [torch.from_numpy(_zipf_ids(args.rows, args.ids, args.zipf, rng)).to(device) for _ in range(args.warmup + args.batches)]
+    batches = [torch.from_numpy(_zipf_ids(args.rows, args.ids, args.zipf, rng)).to(device) for _ in range(args.warmup + args.batches + window)]
+    for ids in batches[:window]:
+        directory.announce(ids)
     before: dict[str, int] = {}
     times = []
-    for b, ids in enumerate(batches):
+    for b, ids in enumerate(batches[: args.warmup + args.batches]):
         if b == args.warmup:
             before = directory.counters()
         if device.type == "cuda":
@@ -80,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
             began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             began.record()
         started = time.perf_counter()
+        if window:  # the loader announces the batch a window ahead as this one is admitted
+            directory.announce(batches[b + window])
         directory.release(directory.admit(ids, training=True))
         if device.type == "cuda":
             ended.record()
@@ -97,9 +106,11 @@ def main(argv: list[str] | None = None) -> None:
         "fetched_rows_per_batch": moved["fetched_rows"],
         "written_back_rows_per_batch": moved["written_back_rows"],
         "from_host_rows_per_batch": moved["from_host_rows"],
-        "distinct_ids_per_batch": float(np.mean([len(torch.unique(ids)) for ids in batches[args.warmup :]])),
+        "distinct_ids_per_batch": float(np.mean([len(torch.unique(ids)) for ids in batches[args.warmup : args.warmup + args.batches]])),
+        "window_bytes": 0 if directory.window is None else directory.window.numel() * 4,
     }
-    print(f"{'admit+release ms':>17} {'hit rate':>9} {'fetched':>9} {'written back':>13} {'from host':>10}   "
+    timed = "announce+admit+release ms" if window else "admit+release ms"
+    print(f"{timed:>17} {'hit rate':>9} {'fetched':>9} {'written back':>13} {'from host':>10}   "
           f"({args.rows:,} rows x dim {args.dim}, {args.budget:g} cached, {args.ids:,} ids a batch, zipf {args.zipf}, {args.policy}, {device})")  # fmt: skip
     print(f"{results['admit_and_release_ms']:17.3f} {results['hit_rate']:9.3f} {moved['fetched_rows']:9.0f} "
           f"{moved['written_back_rows']:13.0f} {moved['from_host_rows']:10.0f}")  # fmt: skip

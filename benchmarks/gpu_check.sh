@@ -16,7 +16,7 @@
 #      step in one CUDA graph), at 1% eagerly (+eager) and with the directory on the host
 #      (+hostdir, the prefetch thread staging), against all tables in GPU memory (auto: its step
 #      in one CUDA graph, and eagerly as auto+eager; last, where time is left, under bf16-mixed
-#      and with fp32 matmuls), one process, the batches drawn before fit
+#      and with fp32 matmuls, then hotcache at 1% under lookahead, its window in GPU memory), one process, the batches drawn before fit
 #      and served from memory (gpu.py's --data; share 260 s: four runs took 160 s on an H200 at
 #      861bd68), with the prefetch thread's pieces timed (benchmarks/pieces.py);
 #   4. tables larger than the GPU: the same tables with each run's GPU memory capped at 8 GiB,
@@ -28,7 +28,8 @@
 #      (32-42 s on an H200; share 60 s with the two scripts after it): at 1% the H100's steps waited 55 ms each for
 #      staging, whose ops (the prefetch thread's too) this shows; last, rows read and stepped
 #      in place from host memory and from a registered file mapping (benchmarks/host_rows_in_place.py),
-#      and a batch's admission into the device directory alone (benchmarks/device_directory.py).
+#      and a batch's admission into the device directory alone, then with the lookahead window's
+#      announcement (benchmarks/device_directory.py).
 # Each stage writes $OUT/stage<k>.log as it goes and appends "stage <k> <name>: rc <rc>,
 # <seconds> s (limit <seconds> s)" to $OUT/stages.txt when it ends; stages 3 and 4 write gpu.json and
 # beyond_gpu.json there: 8 files in all.
@@ -68,7 +69,7 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   PYTHON=.venv/bin/python
   ACCELERATOR=cpu
   SMALL="--device cpu --scale 0.001 --batch-size 64"
-  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01 hotcache@0.01+eager hotcache@0.01+hostdir auto+bf16-mixed auto+fp32"  # stage 3's
+  BENCH_ARGS="$SMALL --steps 5 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01 hotcache@0.01+eager hotcache@0.01+hostdir auto+bf16-mixed auto+fp32 hotcache@0.01+lookahead"  # stage 3's
   BEYOND_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1 hotcache@0.01"  # no cap on a CPU
   PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 0.02 --rows 2000 --copies 3 --threads 1 2"
@@ -85,7 +86,7 @@ else
   # its caches); with 20 the timed steps were all filling (no row evicted in any 10% run before
   # 2026-11-29), measuring neither victims nor write-backs. --pieces: where the prefetch
   # thread's time goes (compiled loops and row copies, which torch.profiler does not see).
-  BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 120 --warmup 80 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01 hotcache@0.01+eager hotcache@0.01+hostdir auto+bf16-mixed auto+fp32"}
+  BENCH_ARGS=${GPU_BENCH_ARGS:-"--scale 1.0 --steps 120 --warmup 80 --rounds 1 --pieces --strategies auto auto+eager hotcache@0.1 hotcache@0.01 hotcache@0.01+eager hotcache@0.01+hostdir auto+bf16-mixed auto+fp32 hotcache@0.01+lookahead"}
   BEYOND_ARGS="--scale 1.0 --steps 120 --warmup 80 --rounds 1 --device-memory 8 --strategies auto hotcache@0.1 hotcache@0.01"
   PROFILE_ARGS="--scale 0.1 --steps 30 --warmup 20 --profile-steps 5 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 8 --copies 40 --threads 1 2 4 8"
@@ -156,8 +157,9 @@ fourth=$?
 # The Triton TBE's own time against embedding_bag + the PyTorch row step goes to stage5.log too,
 # and, last, what rows read and stepped in place in host memory cost the kernels (anonymous and
 # memory-mapped file, each registered: benchmarks/host_rows_in_place.py) and what the device
-# directory's admission of a batch costs on its own (benchmarks/device_directory.py).
-stage 5 profile bash -c '"$0" benchmarks/row_copy.py $1 --out "$2"; copies=$?; "$0" benchmarks/triton_tbe.py $4 --out "$2.tbe"; tbe=$?; "$0" benchmarks/gpu.py $3; profile=$?; "$0" benchmarks/host_rows_in_place.py $5 --out "$2.in_place"; in_place=$?; "$0" benchmarks/device_directory.py $6 --out "$2.directory"; exit $((copies || tbe || profile || in_place || $?))' \
+# directory's admission of a batch costs on its own, and with the lookahead window's announcement
+# (benchmarks/device_directory.py).
+stage 5 profile bash -c '"$0" benchmarks/row_copy.py $1 --out "$2"; copies=$?; "$0" benchmarks/triton_tbe.py $4 --out "$2.tbe"; tbe=$?; "$0" benchmarks/gpu.py $3; profile=$?; "$0" benchmarks/host_rows_in_place.py $5 --out "$2.in_place"; in_place=$?; "$0" benchmarks/device_directory.py $6 --out "$2.directory"; directory=$?; "$0" benchmarks/device_directory.py $6 --policy lookahead --out "$2.window"; exit $((copies || tbe || profile || in_place || directory || $?))' \
   "$PYTHON" "$ROW_COPY_ARGS" "${TMPDIR:-/tmp}/row_copy.json" "$PROFILE_ARGS" "$TBE_ARGS" "$IN_PLACE_ARGS" "$DIRECTORY_ARGS"
 fifth=$?
 exit $((first || second || third || fourth || fifth))

@@ -357,9 +357,9 @@ def test_auto_on_cuda_hands_its_gradient_rows_over_and_learns_what_the_cpu_learn
 
 
 def _graphed_fit(
-    graphed: bool, counter: pl.Callback | None = None, hotcache: bool = False, precision: str = "32-true"
+    graphed: bool, counter: pl.Callback | None = None, hotcache: bool = False, precision: str = "32-true", policy: str = "lfu"
 ) -> tuple[pl.LightningModule, dict]:
-    """A DLRM fit under `auto`, or ``hotcache`` at 2% (the caches' directory in GPU memory)."""
+    """A DLRM fit under `auto`, or ``hotcache`` at 2% under ``policy`` (the caches' directory in GPU memory)."""
     pl.seed_everything(0)
     dm = tiny_synthetic(num_train_samples=64 * 60 + 40, batch_size=64)  # 60 full batches and a short one
     model = DLRM(dm.tables, dm.num_dense_features, cuda_graph=graphed, **({"embedding_optimizer": OPTIMIZER} if hotcache else {}))
@@ -371,7 +371,7 @@ def _graphed_fit(
             counts.update({} if graph is None else {"captures": graph.captures, "replays": graph.replays, "refused": graph.eager_reason})
 
     callbacks = [Counts()] + ([counter] if counter is not None else [])
-    strategy = HotCacheStrategy(device_budget=0.02, profile_batches=4, grow_budget_to_minimum=True) if hotcache else "auto"
+    strategy = HotCacheStrategy(device_budget=0.02, profile_batches=4, grow_budget_to_minimum=True, cache_policy=policy) if hotcache else "auto"
     cpu_trainer(strategy=strategy, max_epochs=1, log_every_n_steps=1000, callbacks=callbacks, precision=precision, **CUDA).fit(model, dm)
     return model, counts
 
@@ -460,17 +460,21 @@ def test_gpu_path_keeps_the_host_directory_where_host_rows_cannot_be_mapped(monk
         module(batch.to(torch.device("cuda"))).values().sum().backward()
 
 
-def test_the_graphed_hotcache_step_on_cuda_trains_what_its_eager_step_trains() -> None:
-    eager, _ = _graphed_fit(False, hotcache=True)
-    graphed, counts = _graphed_fit(True, hotcache=True)
+@pytest.mark.parametrize("policy", ["lfu", "lookahead"])
+def test_the_graphed_hotcache_step_on_cuda_trains_what_its_eager_step_trains(policy: str) -> None:
+    # Under lookahead the loader announces each batch to the window in GPU memory outside the
+    # graph (its ids from pinned memory, without a wait), and each replay reads the window.
+    eager, _ = _graphed_fit(False, hotcache=True, policy=policy)
+    graphed, counts = _graphed_fit(True, hotcache=True, policy=policy)
     print(f"hotcache's step CUDA graph over 61 steps: {counts}")
     assert counts == {"captures": 1, "replays": 60 - WARMUP_STEPS, "refused": None}
     torch.testing.assert_close(graphed.state_dict(), eager.state_dict(), rtol=1e-6, atol=1e-6)
 
 
-def test_the_graphed_hotcache_step_on_cuda_waits_for_no_later_step() -> None:
+@pytest.mark.parametrize("policy", ["lfu", "lookahead"])
+def test_the_graphed_hotcache_step_on_cuda_waits_for_no_later_step(policy: str) -> None:
     counting = CountsPerStep(_CountCudaSyncs)
-    _graphed_fit(True, counting, hotcache=True)
+    _graphed_fit(True, counting, hotcache=True, policy=policy)
     steady = counting.counts[5:-2]
     print(f"host syncs per replayed hotcache step on CUDA: {steady}")
     assert steady and max(steady) <= 1, steady

@@ -60,6 +60,7 @@ def test_the_device_directory_learns_what_torchrec_learns(optimizer, budget, pol
     assert counters.lookups == 8 * 32  # every value of the table's feature, per table of the stack
     if budget == "minimum":
         assert counters.fetched_rows > 0 and counters.evicted_rows > 0  # the cache really cycled
+    assert ("its lookahead window of 3 batches there too" in module.kernel_note) == (policy == "lookahead")
     if policy == "lookahead" and depth:  # batches announced ahead reached the window
         directory = module._caches[next(iter(module.layout.stacks))].on_device
         assert directory.window is not None and directory.announced == len(zipf_batches())

@@ -75,7 +75,7 @@ def make_plan(batches, fraction: float | None, depth: int, policy: str, tables=T
         static = torch.argsort(counts, descending=True, stable=True)[:k].numpy()
         slots = (depth + 1) * max_unique
         plans.append(TablePlan(table.name, table.num_embeddings, table.embedding_dim, static, slots, 0, 0.0))
-    return HotColdPlan(plans, budget_bytes=1, prefetch_depth=depth, cache_policy=policy)
+    return HotColdPlan(plans, budget_bytes=1, prefetch_depth=depth, cache_policy=policy, lookahead_batches=LOOKAHEAD if policy == "lookahead" else 0)
 
 
 def train_reference(config: RowWiseOptimizerConfig, batches, upstream, tables=TABLES, weighted=False) -> EmbeddingBagCollection:

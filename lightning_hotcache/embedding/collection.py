@@ -261,6 +261,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
         if self._directories_on_device:
             if split:
                 self.kernel_note += ", cache directory in device memory (host rows read and stepped in place)"
+                if cache_policy == "lookahead":
+                    self.kernel_note += f", its lookahead window of {self.plan.lookahead_batches or DEFAULT_WINDOW_BATCHES} batches there too"
             if staging_threads > 1:
                 self.kernel_note += f" (staging_threads={staging_threads} has no effect: the device stages the caches)"
             self._staging: Staging = DirectoryStaging(self.layout, self._caches, self.device)
