@@ -13,7 +13,7 @@ if triton_tbe.why_unavailable(torch.device("cuda" if torch.cuda.is_available() e
     pytest.skip("Triton cannot run here (not installed, or a CPU without TRITON_INTERPRET=1)", allow_module_level=True)
 
 from lightning_hotcache._ops.step_graph import HostReadInGraph, _OpTrace  # noqa: E402
-from lightning_hotcache.cache.device_directory import DeviceDirectory  # noqa: E402
+from lightning_hotcache.cache.device_directory import NO_READ, DeviceDirectory  # noqa: E402
 from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig  # noqa: E402
 from test_triton_tbe import reference_step  # noqa: E402
 
@@ -259,6 +259,23 @@ def test_announced_ids_beyond_the_window_width_are_counted_not_kept():
     directory.release(directory.admit(torch.arange(1, 101, device=DEVICE), training=True))
     directory.release(directory.admit(torch.arange(1, 101, device=DEVICE), training=True))
     assert int(directory.retired) == 2
+
+
+def test_a_cleared_window_forgets_the_batches_never_admitted_and_numbers_the_next_ones_on():
+    """An epoch cut short leaves announced batches never admitted: `clear_window` drops them, so
+    that the next batch announced is the next one admitted (it retires its own announcement, and
+    rows only the dropped batches read are no longer kept for them)."""
+    host = arrays(ROWS, "sgd", torch.Generator().manual_seed(0))
+    directory = directory_over(host, torch.tensor([], dtype=torch.int64), dynamic=8, policy="lookahead", ways=8)
+    for ids in ([1, 2], [3, 4], [5, 6]):
+        directory.announce(torch.tensor(ids, device=DEVICE))
+    directory.release(directory.admit(torch.tensor([1, 2, 3], device=DEVICE), training=True))
+    assert int(directory.retired) == 1 and directory.next_read[directory.ids[:-1] == 3].tolist() == [1]  # batch 1 reads row 3
+    directory.clear_window()
+    assert int(directory.retired) == 3 and directory.next_read.eq(NO_READ).all()
+    directory.announce(torch.tensor([7], device=DEVICE))
+    directory.release(directory.admit(torch.tensor([7], device=DEVICE), training=True))
+    assert int(directory.retired) == 4  # its own announcement, numbered after the dropped ones
 
 
 def test_bad_directories_are_refused_with_the_reason():
