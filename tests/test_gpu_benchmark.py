@@ -152,7 +152,7 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
     results = json.loads((tmp_path / "gpu.json").read_text())["results"]
     assert list(results) == [
         "auto", "auto+eager", "hotcache@0.1", "hotcache@0.01", "hotcache@0.01+eager", "hotcache@0.01+hostdir",
-        "auto+bf16-mixed", "auto+fp32",
+        "auto+bf16-mixed", "auto+fp32", "hotcache@0.01+lookahead",
     ]  # what stage 3 runs on the GPU  # fmt: skip
     assert results["auto"]["step_graph"] is None  # a CPU records no graph
     assert results["hotcache@0.01"]["pieces_ms_per_batch"]["stage"] > 0  # where the prefetch thread's time goes
@@ -164,6 +164,7 @@ def test_gpu_check_dry_run_runs_every_stage_and_reports_each(tmp_path) -> None:
     assert '"benchmark": "triton_tbe"' in profiles and "forward+backward" in profiles  # the Triton TBE against what it replaces
     assert '"benchmark": "host_rows_in_place"' in profiles and "host file" in profiles  # rows stepped where they live
     assert '"benchmark": "device_directory"' in profiles and "admit+release ms" in profiles  # a batch's bookkeeping alone
+    assert "announce+admit+release ms" in profiles  # and with the lookahead window's
     assert len(list(tmp_path.iterdir())) <= 8  # what one device call brings back, with room to read
 
 
