@@ -324,14 +324,17 @@ class DeviceDirectory:
         if self.num_static:
             place = torch.searchsorted(self.static_ids, sorted_ids).clamp_(max=self.num_static - 1)
             keep &= self.static_ids.index_select(0, place) != sorted_ids
-        kept = torch.where(keep, sorted_ids, WINDOW_PAD).sort().values  # the kept ids first, ascending
         if self.window is None:
             self.window = torch.full((self.window_rows, window_width(int(keep.sum()))), WINDOW_PAD, dtype=torch.int32, device=self.device)
         row, width = self.announced % self.window_rows, self.window.shape[1]
-        self.window[row, : min(width, len(kept))] = kept[:width]
-        self.window[row, len(kept) :] = WINDOW_PAD
-        if len(kept) > width:
-            self._count(_DROPPED, kept[width:], kept[width:] != WINDOW_PAD)
+        # The kept ids packed to the row's front, still ascending; those past its width go to a
+        # spare place and are counted.
+        place = keep.cumsum(0) - 1
+        fits = keep & (place < width)
+        packed = torch.full((width + 1,), WINDOW_PAD, dtype=torch.int64, device=self.device)
+        packed.scatter_(0, torch.where(fits, place, width), sorted_ids)
+        self.window[row] = packed[:width]
+        self._count(_DROPPED, sorted_ids, keep & ~fits)
         self.window_steps[row] = self.announced
         stored = self.window[row].to(torch.int64)
         if self.num_cells:
