@@ -233,7 +233,7 @@ def test_a_non_finite_loss_under_the_graph_stops_the_fit_before_a_checkpoint_has
 
 def dlrm_fit(strategy, **trainer_options) -> tuple[CTRModel, pl.Trainer]:
     pl.seed_everything(0)
-    dm = tiny_synthetic(num_train_samples=104, batch_size=16, num_val_samples=16, num_embeddings_cap=800)  # a short last batch
+    dm = tiny_synthetic(num_train_samples=52, batch_size=8, num_val_samples=8, num_embeddings_cap=800)  # a short last batch
     model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
     trainer = cpu_trainer(strategy=strategy, max_epochs=1, log_every_n_steps=4, **trainer_options)
     trainer.fit(model, dm)
