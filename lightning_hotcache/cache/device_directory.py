@@ -232,11 +232,7 @@ class DeviceDirectory:
         back and their rows read in), all others left on the host."""
         ways, trash = self.ways, self.trash
         sets = self.set_of(distinct.clamp(min=0))
-        cells = sets[:, None] * ways + self._way  # (n, ways): each id's set's cells
-        in_cells = self.ids[cells]
-        match = (in_cells == distinct[:, None]) & dynamic[:, None]
-        hit = match.any(1)
-        hit_cell = torch.where(hit, (cells * match).sum(1), trash)
+        cells, in_cells, hit, hit_cell = self._lookup(distinct, dynamic, sets)
         self.holders.index_add_(0, hit_cell, torch.ones_like(hit_cell, dtype=torch.int32))
         self.tick += 1
         # Victims: per set, its misses in turn take its empty ways, then its unheld ways by
@@ -281,6 +277,15 @@ class DeviceDirectory:
             self.score[hit_cell] = self.tick
             self.score[new_cell] = self.tick
         return hit, hit_cell, admitted, new_cell
+
+    def _lookup(self, ids: Tensor, looked_up: Tensor, sets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Where ``ids`` (those ``looked_up``) are cached: each id's set's cells ``(n, ways)`` and
+        the ids they hold, whether it is there, and its cell (the trash cell where not)."""
+        cells = sets[:, None] * self.ways + self._way
+        in_cells = self.ids[cells]
+        match = (in_cells == ids[:, None]) & looked_up[:, None]
+        hit = match.any(1)
+        return cells, in_cells, hit, torch.where(hit, (cells * match).sum(1), self.trash)
 
     def _note_next_reads(self, distinct: Tensor, cached: Tensor, hit_cell: Tensor, new_cell: Tensor, training: bool) -> None:
         """Each cached one of ``distinct`` gets its next announced read after this batch; a
@@ -338,9 +343,7 @@ class DeviceDirectory:
         self.window_steps[row] = self.announced
         stored = self.window[row].to(torch.int64)
         if self.num_cells:
-            cells = self.set_of(stored)[:, None] * self.ways + self._way
-            match = (self.ids[cells] == stored[:, None]) & (stored != WINDOW_PAD)[:, None]
-            cell = torch.where(match.any(1), (cells * match).sum(1), self.trash)
+            cell = self._lookup(stored, stored != WINDOW_PAD, self.set_of(stored))[3]
             self.next_read.scatter_reduce_(0, cell, torch.full_like(cell, self.announced), reduce="amin")
         self.announced += 1
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import weakref
-from typing import Callable, Iterable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -42,8 +42,7 @@ def why_unmappable(array: Tensor) -> str | None:
 def map_for_devices(array: Tensor) -> Callable[[], None]:
     """Page-lock ``array``'s memory and map it into the CUDA devices' address space, until the
     array is freed or the returned call unmaps it (once per array: a view of a mapped array is
-    mapped already). Raises
-    `HostMappingError` naming the reason where the driver refuses. The driver alone decides
+    mapped already). Raises `HostMappingError` naming the reason where the driver refuses. The driver alone decides
     what it can lock (whether ``ulimit -l`` bounds it is the driver's to say: torch's pinned
     buffers are not held to it), so nothing is refused ahead of it."""
     why = why_unmappable(array)
@@ -64,7 +63,7 @@ def map_for_devices(array: Tensor) -> Callable[[], None]:
     return weakref.finalize(array, cudart.cudaHostUnregister, pointer)
 
 
-def map_all_for_devices(arrays: Iterable[Tensor], device: torch.device) -> None:
+def map_all_for_devices(arrays: Sequence[Tensor], device: torch.device) -> None:
     """`map_for_devices` each of ``arrays`` and `check_the_kernels_read` the first on
     ``device``: all mapped, or, where any step fails, none (those already mapped are unmapped,
     so that arrays kept for a host directory do not stay page-locked), and the
@@ -73,10 +72,8 @@ def map_all_for_devices(arrays: Iterable[Tensor], device: torch.device) -> None:
     try:
         for array in arrays:
             unmaps.append(map_for_devices(array))
-            if len(unmaps) == 1:
-                first = array
-        if unmaps:  # one read answers for every array: the same driver and launcher
-            check_the_kernels_read(first, device)
+        if arrays:  # one read answers for every array: the same driver and launcher
+            check_the_kernels_read(arrays[0], device)
     except HostMappingError:
         for unmap in unmaps:
             unmap()

@@ -193,8 +193,11 @@ class HotColdEmbeddingBagCollection(nn.Module):
         # The split tables' caches keep their directory in device memory (`DeviceDirectory`,
         # staged by `DirectoryStaging`) where it may serve and nothing in the configuration keeps
         # it on the host; the log line names what does.
-        self._host_directory_reason = self._why_the_directory_stays_on_the_host(cache_policy) if self._device_directory_switched_on() else None
-        directory_on_device = self._device_directory_switched_on() and self._host_directory_reason is None
+        switched_on = self._device_directory_switched_on()
+        self._host_directory_reason = self._why_the_directory_stays_on_the_host(cache_policy) if switched_on else None
+        directory_on_device = switched_on and self._host_directory_reason is None
+        # Under lookahead the device directory's window: the plan's (a plan made without the policy: the default).
+        self._window_batches = plan.lookahead_batches or DEFAULT_WINDOW_BATCHES
         parts = 1 if directory_on_device else staging_threads  # a width's host rows: one array for the kernels
         self.layout = build_layout(self._tables, slot_counts, split, reason is None, sharding.world, parts, dynamic)
         if directory_on_device and split and not self.layout.stacks:
@@ -262,7 +265,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             if split:
                 self.kernel_note += ", cache directory in device memory (host rows read and stepped in place)"
                 if cache_policy == "lookahead":
-                    self.kernel_note += f", its lookahead window of {self.plan.lookahead_batches or DEFAULT_WINDOW_BATCHES} batches there too"
+                    self.kernel_note += f", its lookahead window of {self._window_batches} batches there too"
             if staging_threads > 1:
                 self.kernel_note += f" (staging_threads={staging_threads} has no effect: the device stages the caches)"
             self._staging: Staging = DirectoryStaging(self.layout, self._caches, self.device)
@@ -429,7 +432,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             storage=self._region(key),
             segment_starts=starts,
             directory_on_device=self._directories_on_device,
-            window_batches=self.plan.lookahead_batches or DEFAULT_WINDOW_BATCHES,  # a plan made without the policy
+            window_batches=self._window_batches,
         )
 
     def _owned_rows(self, table: int) -> OwnedRows:

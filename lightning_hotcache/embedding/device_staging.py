@@ -24,6 +24,7 @@ copy of one its model checked before handing it to the graph (`HotColdEmbeddingB
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import deque
 
@@ -154,10 +155,8 @@ class DirectoryStaging(Staging):
         staged = StagedBatch(features, ours, indices, {}, [])
         for key, directory in self.directories.items():
             spans = [(bounds[a], bounds[b]) for a, b in self._runs[key]]
-            if directory.window_rows:
-                with self.lock:
-                    admission = directory.admit(concat_spans(indices, spans), training)
-            else:
+            # A window is announced to from a reader thread too.
+            with self.lock if directory.window_rows else contextlib.nullcontext():
                 admission = directory.admit(concat_spans(indices, spans), training)
             slots = admission.locations
             # Slots are the cache's; in the device table they start at its region.
