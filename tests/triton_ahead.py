@@ -1,0 +1,73 @@
+"""Triton kernels compiled ahead of time for a CUDA target, on a machine without a GPU.
+
+Triton's compiler (front end, MLIR passes, LLVM, and the ``ptxas`` its package ships) needs no
+device: given a kernel's argument types and constexpr values it produces the machine code a GPU
+of the target's compute capability runs. The interpreter (``TRITON_INTERPRET=1``), which the
+kernels' other tests run in, executes a kernel as Python over NumPy arrays and accepts code the
+compiler refuses, so a kernel right in the interpreter can still fail at its first launch on a
+GPU. This module must be imported with the interpreter off (a fresh process: Triton reads the
+switch when a kernel is defined).
+
+A launch is described by its kernel's name and, per argument, ``["tensor", dtype]``,
+``["int", value]``, ``["float", value]``, ``["bool", value]`` or ``["none"]``; `signature_of`
+types it as Triton's launcher does (`triton.runtime.jit`): an int is ``i32`` where it fits,
+else ``i64``, and an int of 1 is specialized as a constant.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+_POINTER_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
+
+
+def signature_of(kernel: Any, arguments: dict[str, list]) -> tuple[dict[str, str], dict[str, Any]]:
+    """Triton's ``signature`` and ``constexprs`` of a launch of ``kernel`` (a `JITFunction`)
+    with ``arguments`` (its parameters' names to descriptions, as the module's docstring says)."""
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        kind, *value = arguments[param.name]
+        if param.is_constexpr or kind == "none" or (kind == "int" and value[0] == 1):
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = None if kind == "none" else value[0]
+        elif kind == "tensor":
+            signature[param.name] = "*" + _POINTER_TYPES[value[0]]
+        elif kind == "int":
+            signature[param.name] = "i32" if -(2**31) <= value[0] < 2**31 else "i64"
+        elif kind == "float":
+            signature[param.name] = "fp32"
+        elif kind == "bool":
+            signature[param.name] = "i1"
+        else:
+            raise ValueError(f"argument {param.name} of {kernel.__name__}: no Triton type for {kind!r}")
+    return signature, constexprs
+
+
+def compile_launches(launches: list[tuple[str, dict[str, list]]], capabilities: list[int]) -> list[str]:
+    """Compile each launch (a kernel of `lightning_hotcache.kernels.triton_tbe` by name, and its
+    arguments) for CUDA GPUs of each compute capability (90: H100, H200; 80: A100); the error
+    of each one that does not compile."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lightning_hotcache.kernels import triton_tbe
+
+    failures = []
+    for name, arguments in launches:
+        kernel = getattr(triton_tbe, name)
+        signature, constexprs = signature_of(kernel, arguments)
+        for capability in capabilities:
+            try:
+                compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", capability, 32))
+                if not compiled.asm.get("cubin"):
+                    failures.append(f"{name} for sm_{capability} {signature} {constexprs}: no machine code")
+            except Exception as error:  # the compiler's own errors have no common base class
+                failures.append(f"{name} for sm_{capability} {signature} {constexprs}: {type(error).__name__}: {error}")
+    return failures
+
+
+if __name__ == "__main__":  # launches as JSON on stdin, capabilities as arguments; failures as JSON on stdout
+    print(json.dumps(compile_launches(json.load(sys.stdin), [int(c) for c in sys.argv[1:]])))
