@@ -73,7 +73,7 @@ if [ -n "${GPU_DRY_RUN:-}" ]; then
   BEYOND_ARGS="$SMALL --steps 5 --rounds 1 --strategies auto hotcache@0.1 hotcache@0.01"  # no cap on a CPU
   PROFILE_ARGS="$SMALL --steps 6 --warmup 2 --profile-steps 2 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 0.02 --rows 2000 --copies 3 --threads 1 2"
-  TBE_ARGS="--tables 3 --rows-per-table 100 --dim 8 --batch-size 16 --calls 2"  # Triton's interpreter: a check, not a speed
+  TBE_ARGS="--kaggle-scale 0.0001 --dim 8 --batch-size 16 --calls 2"  # Triton's interpreter: a check, not a speed
   IN_PLACE_ARGS="--tables 3 --rows-per-table 100 --dim 8 --batch-size 16 --calls 2"
   DIRECTORY_ARGS="--rows 2000 --ids 256 --dim 8 --batches 2 --warmup 1"
   export TRITON_INTERPRET=1
@@ -90,7 +90,7 @@ else
   BEYOND_ARGS="--scale 1.0 --steps 120 --warmup 80 --rounds 1 --device-memory 8 --strategies auto hotcache@0.1 hotcache@0.01"
   PROFILE_ARGS="--scale 0.1 --steps 30 --warmup 20 --profile-steps 5 --strategies auto hotcache@0.1 hotcache@0.01"
   ROW_COPY_ARGS="--table-gib 8 --copies 40 --threads 1 2 4 8"
-  TBE_ARGS="--tables 26 --rows-per-table 1000000 --dim 128 --batch-size 8192 --calls 50"  # 27 GB of rows and state in GPU memory
+  TBE_ARGS="--kaggle-scale 1.0 --dim 128 --batch-size 8192 --calls 50"  # the Kaggle tables twice: 35 GB of rows and state in GPU memory
   IN_PLACE_ARGS="--tables 26 --rows-per-table 100000 --dim 128 --batch-size 8192 --calls 10"  # 1.3 GB of rows in each place
   DIRECTORY_ARGS="--rows 8000000 --budget 0.01 --dim 128 --batches 60 --warmup 20"  # 4 GB of host rows, registered
   rm -rf .gpu_site

@@ -31,7 +31,7 @@ from lightning_hotcache import RowWiseOptimizerConfig  # noqa: E402
 from lightning_hotcache._ops.switches import Switch  # noqa: E402
 
 pytestmark = pytest.mark.kernels
-KERNELS = ["_pooled_kernel", "_backward_step_kernel", "_move_rows_kernel"]
+KERNELS = ["_pooled_kernel", "_backward_chunks_kernel", "_long_runs_kernel", "_move_rows_kernel"]
 CAPABILITIES = [90, 80]
 TESTS = Path(__file__).resolve().parent
 

@@ -127,6 +127,46 @@ def test_every_id_repeated_steps_its_row_once_from_the_sum() -> None:
     torch.testing.assert_close(stepped.cpu(), expected, rtol=1e-6, atol=1e-5)
 
 
+CHUNK, SPAN = triton_tbe._CHUNK, triton_tbe._SPAN
+
+
+@pytest.mark.parametrize(
+    "hot", [CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK, (SPAN + 2) * CHUNK + 5], ids=lambda n: f"{n}-values"
+)  # fmt: skip
+@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("tiers", ["device", "device-and-host"])
+def test_runs_across_chunks_step_their_row_once_from_the_sum(hot, rule, tiers) -> None:
+    """A hot row read by ``hot`` values beside rows read once and a row read a chunk's worth:
+    runs that start and end inside chunks, on their edges and across more chunks than the
+    second launch sums at a time; with two tiers, some of them rows of the host array."""
+    generator = torch.Generator().manual_seed(hot)
+    counts = {0: 1, 1: hot, 2: 2, 3: CHUNK, 4: 1, 5: 3}
+    rows = torch.cat([torch.full((n,), row) for row, n in counts.items()])
+    rows = rows[torch.randperm(len(rows), generator=generator)]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.randint(1, 3, (len(rows),), generator=generator).cumsum(0)])
+    offsets = offsets[offsets <= len(rows)]
+    offsets[-1] = len(rows)  # bags of one or two values
+    grad = torch.randn(offsets.numel() - 1, 8, generator=generator)
+    weight = torch.randn(6, 8, generator=generator)
+    momentum = torch.rand(6, generator=generator)
+    expected_weight, expected_momentum = weight.clone(), momentum.clone()
+    reference_step(rule, expected_weight, expected_momentum, grad, rows, offsets, None, None)
+    if tiers == "device":
+        stepped, state = weight.to(DEVICE), momentum.to(DEVICE)
+        triton_tbe.backward_step(stepped, grad.to(DEVICE), rows.to(DEVICE), offsets.to(DEVICE), rule, 0.05, 1e-10, momentum=state)
+    else:  # rows 1, 3 and 5 live in the host array, as rows 0, 1 and 2 there
+        on_host = rows % 2 == 1
+        locations = torch.where(on_host, triton_tbe.location_of_host_row(rows // 2), rows)
+        slots, slot_state = weight.clone().to(DEVICE), momentum.clone().to(DEVICE)
+        host, host_state = weight[1::2].clone().to(DEVICE), momentum[1::2].clone().to(DEVICE)  # any memory the kernel reaches
+        triton_tbe.backward_step(slots, grad.to(DEVICE), locations.to(DEVICE), offsets.to(DEVICE), rule, 0.05, 1e-10,
+                                 momentum=slot_state, host_weight=host, host_momentum=host_state)  # fmt: skip
+        stepped, state = slots.cpu(), slot_state.cpu()
+        stepped[1::2], state[1::2] = host.cpu(), host_state.cpu()
+    torch.testing.assert_close(stepped.cpu(), expected_weight, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(state.cpu(), expected_momentum, rtol=1e-6, atol=1e-6)
+
+
 def test_the_module_trains_in_its_backward_as_the_pytorch_path() -> None:
     table_rows, dim, batch = [40, 9], 8, 5
     weight = torch.randn(sum(table_rows), dim, generator=torch.Generator().manual_seed(7))
@@ -163,7 +203,8 @@ def test_backward_reads_no_count_from_the_device(monkeypatch) -> None:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launched.append(grid)
 
-    monkeypatch.setattr(triton_tbe, "_backward_step_kernel", Kernel())
+    monkeypatch.setattr(triton_tbe, "_backward_chunks_kernel", Kernel())
+    monkeypatch.setattr(triton_tbe, "_long_runs_kernel", Kernel())
 
     for name in ("item", "tolist", "nonzero", "__bool__", "__int__"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
@@ -172,7 +213,8 @@ def test_backward_reads_no_count_from_the_device(monkeypatch) -> None:
     grad = torch.ones(offsets.numel() - 1, 8, device=DEVICE)
     momentum = torch.zeros(25, device=DEVICE)
     triton_tbe.backward_step(weight, grad, indices.to(DEVICE), offsets.to(DEVICE), "rowwise_adagrad", 0.1, 1e-10, momentum)
-    assert launched == [(indices.numel(),)]  # a grid the host knew: the batch's values
+    chunks = -(-indices.numel() // triton_tbe._CHUNK)
+    assert launched == [(chunks,), (chunks,)]  # grids the host knew: the batch's values in chunks
 
 
 # ------------------------------------------------- the zoo's plain tables on the Triton TBE

@@ -11,13 +11,16 @@ bags are feature-major (bag ``f * batch + b``). The output is one pooled row per
 ``(num_bags, dim)``. Each bag pools by sum, or by mean where ``bag_mean`` says so (mixed
 pooling in one launch), with optional per-sample weights. An empty bag pools to zeros.
 
-The backward sorts the batch's rows once (a fixed-size sort: no count reaches the host) and
-runs one program per position: the first position of each run of one row sums the run's
-gradient rows (each bag's output gradient, scaled by the value's weight and, for mean bags,
-by one over the bag's length) and steps that row with SGD or row-wise Adagrad
-(``acc += mean(g**2)``, ``w -= lr * g / (sqrt(acc) + eps)``, as `RowWiseOptimizerConfig`);
-the other positions return. No ``.item()``, ``nonzero`` or ``unique`` whose size the host
-must learn, so the step can be captured in a CUDA graph.
+The backward sorts the batch's rows once (a fixed-size sort: no count reaches the host), so
+that each row's values form a run, and sums each run's gradient rows (each bag's output
+gradient, scaled by the value's weight and, for mean bags, by one over the bag's length)
+before stepping the row once with SGD or row-wise Adagrad (``acc += mean(g**2)``,
+``w -= lr * g / (sqrt(acc) + eps)``, as `RowWiseOptimizerConfig`). The sorted positions go to
+programs in fixed chunks (a segmented scan sums each run's piece in a chunk), and a second
+launch sums and steps the runs that cross a chunk's edge: in CTR data a few rows are read by
+thousands of a batch's values (a table of three rows, the head of a power law), and one program
+summing such a run alone would hold the whole step up. No ``.item()``, ``nonzero`` or
+``unique`` whose size the host must learn, so the step can be captured in a CUDA graph.
 
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (slowly): the tests compare them
 there against ``embedding_bag`` and the PyTorch row step.
@@ -61,25 +64,24 @@ def _block(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
+# The backward's sorted positions go to programs in chunks of _CHUNK: a run of one row within a
+# chunk is summed and stepped there, and a run across chunks' edges by a second launch that adds
+# its chunks' pieces, _SPAN chunks at a time. A hot row read by thousands of a batch's values
+# thus costs a few loads of summed pieces, not thousands of loads in one program.
+_CHUNK = 32
+_SPAN = 16
+
+
 if triton is not None:
 
     @triton.jit
     def _row_address(weight, host, at, weight_stride, host_stride, TWO_TIERS: tl.constexpr):
-        """Where row ``at`` starts: in ``weight``, or with ``TWO_TIERS`` where ``at < 0`` row
-        ``-at - 1`` of ``host``."""
+        """Where the row at location ``at`` (a scalar or a vector of them) starts: in ``weight``,
+        or with ``TWO_TIERS`` where ``at < 0`` row ``-at - 1`` of ``host``."""
         address = weight + at * weight_stride
         if TWO_TIERS:
-            if at < 0:
-                address = host + (-at - 1) * host_stride
+            address = tl.where(at < 0, host + (-at - 1) * host_stride, address)
         return address
-
-    @triton.jit
-    def _row_at(weight, host, at, cols, mask, weight_stride, host_stride, TWO_TIERS: tl.constexpr):
-        return tl.load(_row_address(weight, host, at, weight_stride, host_stride, TWO_TIERS) + cols, mask=mask, other=0.0)
-
-    @triton.jit
-    def _put_row_at(weight, host, at, cols, values, mask, weight_stride, host_stride, TWO_TIERS: tl.constexpr):
-        tl.store(_row_address(weight, host, at, weight_stride, host_stride, TWO_TIERS) + cols, values, mask=mask)
 
     @triton.jit
     def _pooled_kernel(
@@ -94,7 +96,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in range(start, end):
             at = tl.load(indices + j).to(tl.int64)
-            values = _row_at(weight, host, at, cols, mask, weight_stride, host_stride, TWO_TIERS).to(tl.float32)
+            values = tl.load(_row_address(weight, host, at, weight_stride, host_stride, TWO_TIERS) + cols, mask=mask, other=0.0)
+            values = values.to(tl.float32)
             if HAS_WEIGHTS:
                 values = values * tl.load(per_sample + j).to(tl.float32)
             acc += values
@@ -104,40 +107,101 @@ if triton is not None:
         tl.store(out + bag.to(tl.int64) * out_stride + cols, acc, mask=mask)
 
     @triton.jit
-    def _backward_step_kernel(
-        weight, momentum, host, host_momentum, sorted_rows, order, bag_of_value, scale, grad, num_values, dim,
-        weight_stride, host_stride, grad_stride, lr, eps,
-        ADAGRAD: tl.constexpr, TWO_TIERS: tl.constexpr, BLOCK: tl.constexpr,
+    def _step_rows(
+        weight, momentum, host, host_momentum, at, g, take, cols, mask, dim, weight_stride, host_stride, lr, eps,
+        ADAGRAD: tl.constexpr, TWO_TIERS: tl.constexpr,
     ):  # fmt: skip
-        p = tl.program_id(0)
-        row = tl.load(sorted_rows + p)
-        first = True
-        if p > 0:
-            first = tl.load(sorted_rows + p - 1) != row
-        if first:
+        """Step the rows at locations ``at`` (a vector) where ``take`` holds, each from its
+        summed gradient, a row of ``g`` (SGD, or row-wise Adagrad with its one momentum a row)."""
+        both = take[:, None] & mask[None, :]
+        address = _row_address(weight, host, at, weight_stride, host_stride, TWO_TIERS)[:, None] + cols[None, :]
+        w = tl.load(address, mask=both, other=0.0)
+        if ADAGRAD:
+            state = _row_address(momentum, host_momentum, at, 1, 1, TWO_TIERS)
+            acc = tl.load(state, mask=take, other=0.0) + tl.sum(g * g, axis=1) / dim
+            tl.store(state, acc, mask=take)
+            w = w - lr * g / (tl.sqrt(acc)[:, None] + eps)
+        else:
+            w = w - lr * g
+        tl.store(address, w, mask=both)
+
+    @triton.jit
+    def _chunk_runs(sorted_rows, first, num_values, CHUNK: tl.constexpr):
+        """The positions ``first + [0, CHUNK)`` of the sorted locations: each one's location,
+        whether it is a position at all, and whether it starts or ends a run of one location."""
+        q = first + tl.arange(0, CHUNK)
+        valid = q < num_values
+        rows = tl.load(sorted_rows + q, mask=valid, other=0)
+        starts = valid & ((q == 0) | (rows != tl.load(sorted_rows + q - 1, mask=valid & (q > 0), other=0)))
+        last = q + 1 >= num_values
+        ends = valid & (last | (rows != tl.load(sorted_rows + q + 1, mask=valid & ~last, other=0)))
+        return q, valid, rows, starts, ends
+
+    @triton.jit
+    def _sum_within_runs(started_a, sum_a, started_b, sum_b):
+        """The combination of a scan whose running sums restart where a run starts."""
+        return started_a | started_b, tl.where(started_b != 0, sum_b, sum_a + sum_b)
+
+    @triton.jit
+    def _backward_chunks_kernel(
+        weight, momentum, host, host_momentum, sorted_rows, order, bag_of_value, scale, grad, heads, tails,
+        num_values, dim, weight_stride, host_stride, grad_stride, lr, eps,
+        ADAGRAD: tl.constexpr, TWO_TIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        c = tl.program_id(0).to(tl.int64)
+        first = c * CHUNK
+        q, valid, rows, starts, ends = _chunk_runs(sorted_rows, first, num_values, CHUNK)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < dim
+        value = tl.load(order + q, mask=valid, other=0)
+        bag = tl.load(bag_of_value + value, mask=valid, other=0).to(tl.int64)
+        both = valid[:, None] & mask[None, :]
+        g = tl.load(grad + bag[:, None] * grad_stride + cols[None, :], mask=both, other=0.0).to(tl.float32)
+        g = g * tl.load(scale + value, mask=valid, other=0.0)[:, None]
+        # Each position's gradient summed over its run up to it, within the chunk.
+        restarts = (starts[:, None] & (cols[None, :] >= 0)).to(tl.int32)
+        _, sums = tl.associative_scan((restarts, g), 0, _sum_within_runs)
+        begun_here = tl.cumsum(starts.to(tl.int32), 0) > 0
+        piece_ends = valid & (ends | (q == first + CHUNK - 1))
+        # A run wholly in the chunk is stepped here; the pieces of a run that crosses a chunk's
+        # edge wait for `_long_runs_kernel`: its first chunk's in ``tails``, the others' in ``heads``.
+        _step_rows(weight, momentum, host, host_momentum, rows, sums, begun_here & ends, cols, mask, dim,
+                   weight_stride, host_stride, lr, eps, ADAGRAD, TWO_TIERS)  # fmt: skip
+        head = piece_ends & ~begun_here
+        tail = piece_ends & begun_here & ~ends
+        tl.store(heads + c * dim + cols, tl.sum(tl.where(head[:, None], sums, 0.0), axis=0), mask=mask)
+        tl.store(tails + c * dim + cols, tl.sum(tl.where(tail[:, None], sums, 0.0), axis=0), mask=mask)
+
+    @triton.jit
+    def _long_runs_kernel(
+        weight, momentum, host, host_momentum, sorted_rows, heads, tails, num_values, num_chunks, dim,
+        weight_stride, host_stride, lr, eps,
+        ADAGRAD: tl.constexpr, TWO_TIERS: tl.constexpr, CHUNK: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        c = tl.program_id(0).to(tl.int64)
+        _, _, _, starts, ends = _chunk_runs(sorted_rows, c * CHUNK, num_values, CHUNK)
+        last = tl.minimum(c * CHUNK + CHUNK, num_values) - 1
+        # The chunk's last run crosses into the next chunk and began in this one: this program
+        # sums its pieces (later chunks' pieces while they start with its location) and steps it.
+        at_last = tl.arange(0, CHUNK) == last - c * CHUNK
+        crosses = tl.sum(tl.where(at_last & ~ends, 1, 0), 0) > 0
+        if crosses & (tl.sum(starts.to(tl.int32), 0) > 0):
+            row = tl.load(sorted_rows + last)
             cols = tl.arange(0, BLOCK)
             mask = cols < dim
-            g = tl.zeros([BLOCK], dtype=tl.float32)
-            q = p
-            same = True
-            while same:
-                value = tl.load(order + q)
-                bag = tl.load(bag_of_value + value).to(tl.int64)
-                g += tl.load(grad + bag * grad_stride + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(scale + value)
-                q += 1
-                same = False
-                if q < num_values:
-                    same = tl.load(sorted_rows + q) == row
-            at = row.to(tl.int64)
-            w = _row_at(weight, host, at, cols, mask, weight_stride, host_stride, TWO_TIERS)
-            if ADAGRAD:
-                one = cols < 1  # the momentum: one value a row
-                acc = tl.sum(_row_at(momentum, host_momentum, at, cols, one, 1, 1, TWO_TIERS), axis=0) + tl.sum(g * g, axis=0) / dim
-                _put_row_at(momentum, host_momentum, at, cols, tl.zeros([BLOCK], dtype=tl.float32) + acc, one, 1, 1, TWO_TIERS)
-                w = w - lr * g / (tl.sqrt(acc) + eps)
-            else:
-                w = w - lr * g
-            _put_row_at(weight, host, at, cols, w, mask, weight_stride, host_stride, TWO_TIERS)
+            g = tl.load(tails + c * dim + cols, mask=mask, other=0.0)
+            k = c + 1
+            more = True
+            while more:
+                span = k + tl.arange(0, SPAN)
+                inside = (span < num_chunks) & (tl.load(sorted_rows + span * CHUNK, mask=span < num_chunks, other=0) == row)
+                pieces = tl.load(heads + span[:, None] * dim + cols[None, :], mask=inside[:, None] & mask[None, :], other=0.0)
+                g += tl.sum(pieces, axis=0)
+                more = tl.sum(inside.to(tl.int32), 0) == SPAN
+                k += SPAN
+            one = tl.arange(0, 1) == 0
+            _step_rows(weight, momentum, host, host_momentum, row + tl.zeros([1], dtype=row.dtype), g[None, :], one, cols, mask, dim,
+                       weight_stride, host_stride, lr, eps, ADAGRAD, TWO_TIERS)  # fmt: skip
 
     @triton.jit
     def _move_rows_kernel(slots_array, host_array, slots, write_rows, fill_rows, width, slot_stride, host_stride, BLOCK: tl.constexpr):
@@ -235,11 +299,19 @@ def backward_step(
     sorted_rows, order = torch.sort(indices.to(torch.int64), stable=True)
     grad = grad.contiguous()
     host = weight if host_weight is None else host_weight
-    _backward_step_kernel[(num_values,)](
-        weight, momentum if momentum is not None else weight, host, host_momentum if host_momentum is not None else host,
-        sorted_rows, order, bag_of_value, scale, grad, num_values, weight.shape[1],
-        weight.stride(0), host.stride(0), grad.stride(0), float(lr), float(eps),
-        ADAGRAD=rule == "rowwise_adagrad", TWO_TIERS=host_weight is not None, BLOCK=_block(weight.shape[1]),
+    dim = weight.shape[1]
+    num_chunks = triton.cdiv(num_values, _CHUNK)
+    heads = torch.empty(num_chunks, dim, dtype=torch.float32, device=weight.device)
+    tails = torch.empty_like(heads)
+    arrays = (weight, momentum if momentum is not None else weight, host, host_momentum if host_momentum is not None else host)
+    switches = dict(ADAGRAD=rule == "rowwise_adagrad", TWO_TIERS=host_weight is not None, CHUNK=_CHUNK, BLOCK=_block(dim))
+    _backward_chunks_kernel[(num_chunks,)](
+        *arrays, sorted_rows, order, bag_of_value, scale, grad, heads, tails, num_values, dim,
+        weight.stride(0), host.stride(0), grad.stride(0), float(lr), float(eps), **switches,
+    )  # fmt: skip
+    _long_runs_kernel[(num_chunks,)](
+        *arrays, sorted_rows, heads, tails, num_values, num_chunks, dim, weight.stride(0), host.stride(0), float(lr), float(eps),
+        SPAN=_SPAN, **switches,
     )  # fmt: skip
 
 
