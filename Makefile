@@ -25,7 +25,7 @@ demo: setup
 
 # The full products of the exactness matrices are marked `full`: `make test-all` runs them too.
 test: setup
-	$(PY) -m pytest -q -m "not full" tests
+	$(PY) -m pytest -q -m "not full" --durations=25 tests
 
 test-all: setup
 	$(PY) -m pytest -q tests

@@ -48,8 +48,8 @@ def trained(optimizer: str, budget: str, policy: str, depth: int, steps: int | N
     ("optimizer", "budget", "policy", "depth"),
     exactness_matrix(
         ["optimizer", "budget", "policy", "depth"],
-        together={"budget": ["10%", "minimum"], "policy": ["lfu", "lookahead", "lru", "static"]},
-        apart={"optimizer": ["sgd", "rowwise_adagrad"], "depth": [0, 2]},
+        together={"policy": ["lfu", "lookahead", "lru", "static"]},
+        apart={"budget": ["10%", "minimum"], "optimizer": ["sgd", "rowwise_adagrad"], "depth": [0, 2]},
     ),
 )
 def test_the_device_directory_learns_what_torchrec_learns(optimizer, budget, policy, depth) -> None:

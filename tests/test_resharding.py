@@ -42,7 +42,7 @@ DEFERRED_SAVED_AT_STEP_3 = planned(
 
 @pytest.mark.parametrize(
     ("before", "after"),
-    [(2, 1), pytest.param(1, 2, marks=pytest.mark.full), pytest.param(2, 4, marks=pytest.mark.full), (2, 2)],
+    [(2, 1), pytest.param(1, 2, marks=pytest.mark.full), pytest.param(2, 4, marks=pytest.mark.full), pytest.param(2, 2, marks=pytest.mark.full)],
     ids=["2to1", "1to2", "2to4", "2to2"],
 )
 def test_sharded_checkpoint_resumes_on_another_number_of_processes(tmp_path: Path, trained, before: int, after: int) -> None:

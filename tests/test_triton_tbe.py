@@ -130,11 +130,8 @@ def test_every_id_repeated_steps_its_row_once_from_the_sum() -> None:
 CHUNK, SPAN = triton_tbe._CHUNK, triton_tbe._SPAN
 
 
-@pytest.mark.parametrize(
-    "hot", [CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK, (SPAN + 2) * CHUNK + 5], ids=lambda n: f"{n}-values"
-)  # fmt: skip
-@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
-@pytest.mark.parametrize("tiers", ["device", "device-and-host"])
+@pytest.mark.parametrize("hot", [CHUNK - 1, CHUNK, CHUNK + 1, (SPAN + 2) * CHUNK + 5], ids=lambda n: f"{n}-values")
+@pytest.mark.parametrize(("rule", "tiers"), [("sgd", "device"), ("rowwise_adagrad", "device"), ("rowwise_adagrad", "device-and-host")])
 def test_runs_across_chunks_step_their_row_once_from_the_sum(hot, rule, tiers) -> None:
     """A hot row read by ``hot`` values beside rows read once and a row read a chunk's worth:
     runs that start and end inside chunks, on their edges and across more chunks than the

@@ -283,7 +283,7 @@ def backward_step(
     """Step the rows of ``weight`` the bags read, in place, from ``grad`` (the pooled output's
     gradient, one row per bag): each distinct row once, from its summed gradient, by ``rule``
     (``sgd``, or ``rowwise_adagrad`` with its per-row ``momentum``, shape ``(rows,)`` or
-    ``(rows, 1)``). One sort and one launch for the whole stack. With ``host_weight`` (and
+    ``(rows, 1)``). One sort and two launches for the whole stack. With ``host_weight`` (and
     ``host_momentum``) the indices are locations, as for `pooled`: a row read from the host is
     stepped there, in place. A row must have one location in a batch."""
     if rule not in TRITON_RULES:
