@@ -70,6 +70,11 @@ def _block(dim: int) -> int:
 # thus costs a few loads of summed pieces, not thousands of loads in one program.
 _CHUNK = 32
 _SPAN = 16
+# The forward pools _BAGS bags a program, side by side: their j-th values are read together
+# while a bag has one, so a program has a row of each bag in flight at once (one-hot bags: one
+# load of eight rows). Bags are feature-major, so a program's bags are one feature's, whose
+# lengths are alike; it runs to its longest.
+_BAGS = 8
 
 
 if triton is not None:
@@ -85,26 +90,28 @@ if triton is not None:
 
     @triton.jit
     def _pooled_kernel(
-        weight, host, indices, offsets, per_sample, bag_mean, out, dim, weight_stride, host_stride, out_stride,
-        HAS_WEIGHTS: tl.constexpr, HAS_MEAN: tl.constexpr, TWO_TIERS: tl.constexpr, BLOCK: tl.constexpr,
+        weight, host, indices, offsets, per_sample, bag_mean, out, num_bags, dim, weight_stride, host_stride, out_stride,
+        HAS_WEIGHTS: tl.constexpr, HAS_MEAN: tl.constexpr, TWO_TIERS: tl.constexpr, BAGS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        bag = tl.program_id(0)
-        start = tl.load(offsets + bag)
-        end = tl.load(offsets + bag + 1)
+        bags = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
+        real = bags < num_bags
+        start = tl.load(offsets + bags, mask=real, other=0)
+        length = tl.load(offsets + bags + 1, mask=real, other=0) - start
         cols = tl.arange(0, BLOCK)
         mask = cols < dim
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in range(start, end):
-            at = tl.load(indices + j).to(tl.int64)
-            values = tl.load(_row_address(weight, host, at, weight_stride, host_stride, TWO_TIERS) + cols, mask=mask, other=0.0)
-            values = values.to(tl.float32)
+        acc = tl.zeros([BAGS, BLOCK], dtype=tl.float32)
+        for j in range(0, tl.max(length, 0)):  # each bag's j-th value, while it has one
+            has = j < length
+            at = tl.load(indices + start + j, mask=has, other=0).to(tl.int64)
+            address = _row_address(weight, host, at, weight_stride, host_stride, TWO_TIERS)[:, None] + cols[None, :]
+            values = tl.load(address, mask=has[:, None] & mask[None, :], other=0.0).to(tl.float32)
             if HAS_WEIGHTS:
-                values = values * tl.load(per_sample + j).to(tl.float32)
+                values = values * tl.load(per_sample + start + j, mask=has, other=0.0).to(tl.float32)[:, None]
             acc += values
         if HAS_MEAN:
-            if tl.load(bag_mean + bag) != 0:
-                acc = acc / tl.maximum(end - start, 1).to(tl.float32)
-        tl.store(out + bag.to(tl.int64) * out_stride + cols, acc, mask=mask)
+            mean = tl.load(bag_mean + bags, mask=real, other=0) != 0
+            acc = tl.where(mean[:, None], acc / tl.maximum(length, 1).to(tl.float32)[:, None], acc)
+        tl.store(out + bags[:, None] * out_stride + cols[None, :], acc, mask=real[:, None] & mask[None, :])
 
     @triton.jit
     def _step_rows(
@@ -237,11 +244,11 @@ def pooled(
         return out
     bag_mean = None if bag_mean is None else bag_mean.to(torch.int32)
     host = weight if host_weight is None else host_weight
-    _pooled_kernel[(num_bags,)](
+    _pooled_kernel[(triton.cdiv(num_bags, _BAGS),)](
         weight, host, indices, offsets, per_sample_weights if per_sample_weights is not None else out,
-        bag_mean if bag_mean is not None else offsets, out, dim, weight.stride(0), host.stride(0), out.stride(0),
+        bag_mean if bag_mean is not None else offsets, out, num_bags, dim, weight.stride(0), host.stride(0), out.stride(0),
         HAS_WEIGHTS=per_sample_weights is not None, HAS_MEAN=bag_mean is not None, TWO_TIERS=host_weight is not None,
-        BLOCK=_block(dim),
+        BAGS=_BAGS, BLOCK=_block(dim),
     )  # fmt: skip
     return out
 
