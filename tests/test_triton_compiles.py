@@ -128,7 +128,8 @@ def test_a_launch_the_compiler_refuses_is_reported() -> None:
     arguments = {
         "slots_array": describe(slots), "host_array": describe(slots), "slots": describe(torch.zeros(2, dtype=torch.int64)),
         "write_rows": describe(torch.zeros(2, dtype=torch.int64)), "fill_rows": describe(torch.zeros(2, dtype=torch.int64)),
-        "width": describe(8), "slot_stride": describe(8), "host_stride": describe(8), "BLOCK": describe(16),
+        "count": describe(2), "width": describe(8), "slot_stride": describe(8), "host_stride": describe(8),
+        "ROWS": describe(8), "BLOCK": describe(16),
     }  # fmt: skip
     good, bad = arguments, {**arguments, "slot_stride": describe(8.0)}
     failures = compiled_ahead([("_move_rows_kernel", good), ("_move_rows_kernel", bad)], [90])

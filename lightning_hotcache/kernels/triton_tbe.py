@@ -70,11 +70,11 @@ def _block(dim: int) -> int:
 # thus costs a few loads of summed pieces, not thousands of loads in one program.
 _CHUNK = 32
 _SPAN = 16
-# The forward pools _BAGS bags a program, side by side: their j-th values are read together
-# while a bag has one, so a program has a row of each bag in flight at once (one-hot bags: one
-# load of eight rows). Bags are feature-major, so a program's bags are one feature's, whose
-# lengths are alike; it runs to its longest.
-_BAGS = 8
+# The forward pools _PER_PROGRAM bags a program, side by side: their j-th values are read
+# together while a bag has one, so a program has a row of each bag in flight at once (one-hot
+# bags: one load of eight rows). Bags are feature-major, so a program's bags are one feature's,
+# whose lengths are alike; it runs to its longest. `move_rows` moves as many slots a program.
+_PER_PROGRAM = 8
 
 
 if triton is not None:
@@ -211,18 +211,22 @@ if triton is not None:
                        weight_stride, host_stride, lr, eps, ADAGRAD, TWO_TIERS)  # fmt: skip
 
     @triton.jit
-    def _move_rows_kernel(slots_array, host_array, slots, write_rows, fill_rows, width, slot_stride, host_stride, BLOCK: tl.constexpr):
-        i = tl.program_id(0)
-        slot = tl.load(slots + i).to(tl.int64)
-        written = tl.load(write_rows + i).to(tl.int64)
-        filled = tl.load(fill_rows + i).to(tl.int64)
+    def _move_rows_kernel(
+        slots_array, host_array, slots, write_rows, fill_rows, count, width, slot_stride, host_stride,
+        ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        real = i < count
+        slot = tl.load(slots + i, mask=real, other=0).to(tl.int64)
+        written = tl.load(write_rows + i, mask=real, other=-1).to(tl.int64)
+        filled = tl.load(fill_rows + i, mask=real, other=-1).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < width
-        at_slot = slots_array + slot * slot_stride + cols
-        if written >= 0:
-            tl.store(host_array + written * host_stride + cols, tl.load(at_slot, mask=mask), mask=mask)
-        if filled >= 0:
-            tl.store(at_slot, tl.load(host_array + filled * host_stride + cols, mask=mask), mask=mask)
+        at_slot = slots_array + slot[:, None] * slot_stride + cols[None, :]
+        writes = (written >= 0)[:, None] & mask[None, :]
+        tl.store(host_array + written[:, None] * host_stride + cols[None, :], tl.load(at_slot, mask=writes), mask=writes)
+        fills = (filled >= 0)[:, None] & mask[None, :]  # after its write-back: the same program, the same slot
+        tl.store(at_slot, tl.load(host_array + filled[:, None] * host_stride + cols[None, :], mask=fills), mask=fills)
 
 
 def pooled(
@@ -244,11 +248,11 @@ def pooled(
         return out
     bag_mean = None if bag_mean is None else bag_mean.to(torch.int32)
     host = weight if host_weight is None else host_weight
-    _pooled_kernel[(triton.cdiv(num_bags, _BAGS),)](
+    _pooled_kernel[(triton.cdiv(num_bags, _PER_PROGRAM),)](
         weight, host, indices, offsets, per_sample_weights if per_sample_weights is not None else out,
         bag_mean if bag_mean is not None else offsets, out, num_bags, dim, weight.stride(0), host.stride(0), out.stride(0),
         HAS_WEIGHTS=per_sample_weights is not None, HAS_MEAN=bag_mean is not None, TWO_TIERS=host_weight is not None,
-        BAGS=_BAGS, BLOCK=_block(dim),
+        BAGS=_PER_PROGRAM, BLOCK=_block(dim),
     )  # fmt: skip
     return out
 
@@ -325,15 +329,15 @@ def backward_step(
 def move_rows(slots_array: Tensor, host_array: Tensor, slots: Tensor, write_rows: Tensor, fill_rows: Tensor) -> None:
     """For each ``i``: where ``write_rows[i] >= 0``, slot ``slots[i]`` of ``slots_array`` is
     written to that row of ``host_array``; then, where ``fill_rows[i] >= 0``, that host row is
-    copied into the slot. One launch, one program a slot; ``-1`` skips (a fixed-size input
+    copied into the slot. One launch, eight slots a program; ``-1`` skips (a fixed-size input
     with its counts on the device). The slots must be distinct, and no row both written and
     filled."""
     width = slots_array.shape[1] if slots_array.dim() > 1 else 1
     if slots.numel() == 0 or width == 0:  # nothing to move (a directory of rows of no width: hit rates alone)
         return
-    _move_rows_kernel[(slots.numel(),)](
-        slots_array, host_array, slots, write_rows, fill_rows, width,
-        slots_array.stride(0), host_array.stride(0), BLOCK=_block(width),
+    _move_rows_kernel[(triton.cdiv(slots.numel(), _PER_PROGRAM),)](
+        slots_array, host_array, slots, write_rows, fill_rows, slots.numel(), width,
+        slots_array.stride(0), host_array.stride(0), ROWS=_PER_PROGRAM, BLOCK=_block(width),
     )  # fmt: skip
 
 
