@@ -13,6 +13,7 @@ if triton_tbe.why_unavailable(torch.device("cuda" if torch.cuda.is_available() e
     pytest.skip("Triton cannot run here (not installed, or a CPU without TRITON_INTERPRET=1)", allow_module_level=True)
 
 from lightning_hotcache._ops.step_graph import HostReadInGraph, _OpTrace  # noqa: E402
+from lightning_hotcache._ops.switches import Switch  # noqa: E402
 from lightning_hotcache.cache.device_directory import NO_READ, DeviceDirectory  # noqa: E402
 from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig  # noqa: E402
 from test_triton_tbe import reference_step  # noqa: E402
@@ -116,14 +117,19 @@ class ReferenceCache:
                         ways[w] = None
 
 
+@pytest.mark.parametrize("victims", ["kernel", "kernel-3-ways", "torch-ops"])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "static", "lookahead"])
-def test_the_directory_places_rows_as_a_plain_set_associative_cache_does(policy):
+def test_the_directory_places_rows_as_a_plain_set_associative_cache_does(policy, victims, monkeypatch):
     """Under lookahead each training batch is announced three batches ahead, and every fifth
-    batch is an evaluation batch, announced never (its admission retires nothing)."""
+    batch is an evaluation batch, announced never (its admission retires nothing). Victims
+    chosen by `victim_ways`'s kernel (also with sets of 3 ways: fewer than its block of ways), or
+    by the torch ops it replaces (`Switch.VICTIM_WAYS_KERNEL`)."""
+    monkeypatch.setenv(Switch.VICTIM_WAYS_KERNEL.variable, "0" if victims == "torch-ops" else "1")
     generator = torch.Generator().manual_seed(3)
     host = arrays(ROWS, "sgd", generator)
     static_ids = torch.tensor([0, 1, 5])
-    directory = directory_over(host, static_ids, dynamic=12, policy=policy, ways=4)
+    directory = directory_over(host, static_ids, dynamic=12, policy=policy, ways=3 if victims == "kernel-3-ways" else 4)
+    assert directory.victims_by_kernel == (victims != "torch-ops")
     reference = ReferenceCache(static_ids, directory.num_sets, directory.ways, policy, directory.set_of)
     in_flight = []
     saw_host = saw_hit = False

@@ -10,6 +10,7 @@ own compiler, in a fresh process with the interpreter off (`triton_ahead`). No G
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -31,7 +32,9 @@ from lightning_hotcache import RowWiseOptimizerConfig  # noqa: E402
 from lightning_hotcache._ops.switches import Switch  # noqa: E402
 
 pytestmark = pytest.mark.kernels
-KERNELS = ["_pooled_kernel", "_backward_chunks_kernel", "_long_runs_kernel", "_move_rows_kernel"]
+TBE = "lightning_hotcache.kernels.triton_tbe"
+KERNELS = [f"{TBE}:_pooled_kernel", f"{TBE}:_backward_chunks_kernel", f"{TBE}:_long_runs_kernel", f"{TBE}:_move_rows_kernel",
+           "lightning_hotcache.kernels.victim_ways:_victim_ways_kernel"]  # fmt: skip
 CAPABILITIES = [90, 80]
 TESTS = Path(__file__).resolve().parent
 
@@ -84,7 +87,8 @@ def _typed(description: list) -> list:
 def launches(monkeypatch) -> dict[str, tuple[str, dict[str, list]]]:
     seen: dict[str, tuple[str, dict[str, list]]] = {}
     for name in KERNELS:
-        monkeypatch.setattr(triton_tbe, name, Recorded(getattr(triton_tbe, name), name, seen))
+        module, function = name.split(":")
+        monkeypatch.setattr(f"{module}.{function}", Recorded(getattr(importlib.import_module(module), function), name, seen))
     return seen
 
 
@@ -116,8 +120,9 @@ def test_every_kernel_launch_of_a_training_step_compiles_for_the_gpus(launches, 
     recorded = list(launches.values())
     assert {name for name, _ in recorded} == set(KERNELS)
     tiers = {arguments["TWO_TIERS"][1] for name, arguments in recorded if "TWO_TIERS" in arguments}
-    weighted = {arguments["HAS_WEIGHTS"][1] for name, arguments in recorded if name == "_pooled_kernel"}
-    assert tiers == {True, False} and weighted == {True, False}
+    weighted = {arguments["HAS_WEIGHTS"][1] for name, arguments in recorded if name.endswith(":_pooled_kernel")}
+    windows = {arguments["LOOKAHEAD"][1] for name, arguments in recorded if name.endswith(":_victim_ways_kernel")}
+    assert tiers == {True, False} and weighted == {True, False} and windows == {True, False}
     assert compiled_ahead(recorded, CAPABILITIES) == []
 
 
@@ -132,5 +137,6 @@ def test_a_launch_the_compiler_refuses_is_reported() -> None:
         "ROWS": describe(8), "BLOCK": describe(16),
     }  # fmt: skip
     good, bad = arguments, {**arguments, "slot_stride": describe(8.0)}
-    failures = compiled_ahead([("_move_rows_kernel", good), ("_move_rows_kernel", bad)], [90])
-    assert len(failures) == 1 and failures[0].startswith("_move_rows_kernel for sm_90"), failures
+    move_rows = f"{TBE}:_move_rows_kernel"
+    failures = compiled_ahead([(move_rows, good), (move_rows, bad)], [90])
+    assert len(failures) == 1 and failures[0].startswith(f"{move_rows} for sm_90"), failures

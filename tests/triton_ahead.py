@@ -46,18 +46,19 @@ def signature_of(kernel: Any, arguments: dict[str, list]) -> tuple[dict[str, str
 
 
 def compile_launches(launches: list[tuple[str, dict[str, list]]], capabilities: list[int]) -> list[str]:
-    """Compile each launch (a kernel of `lightning_hotcache.kernels.triton_tbe` by name, and its
+    """Compile each launch (a kernel by its module's and its own name, ``module:kernel``, and its
     arguments) for CUDA GPUs of each compute capability (90: H100, H200; 80: A100); the error
     of each one that does not compile."""
+    import importlib
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from lightning_hotcache.kernels import triton_tbe
-
     failures = []
     for name, arguments in launches:
-        kernel = getattr(triton_tbe, name)
+        module, function = name.split(":")
+        kernel = getattr(importlib.import_module(module), function)
         signature, constexprs = signature_of(kernel, arguments)
         for capability in capabilities:
             try:

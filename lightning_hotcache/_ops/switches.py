@@ -22,6 +22,11 @@ class Switch(enum.Enum):
         "LIGHTNING_HOTCACHE_PLAIN_TABLES_TRITON",
         "on CUDA, the zoo's plain tables pooled and stepped by the Triton TBE (0: embedding_bag and the PyTorch row step)",
     )
+    VICTIM_WAYS_KERNEL = (
+        "LIGHTNING_HOTCACHE_VICTIM_WAYS_KERNEL",
+        "the device directory's victims chosen by one Triton kernel over the misses' sets (0: torch ops that gather "
+        "and sort every id's set)",
+    )
     DEVICE_DIRECTORY = (
         "LIGHTNING_HOTCACHE_DEVICE_DIRECTORY",
         "the Triton path's cache directory in device memory, host rows read and stepped in place (0: the host "

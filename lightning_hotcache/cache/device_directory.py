@@ -49,7 +49,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_hotcache._ops.switches import Switch, enabled
 from lightning_hotcache.kernels.triton_tbe import location_of_host_row, move_rows
+from lightning_hotcache.kernels.victim_ways import victim_ways
 
 DevicePolicy = Literal["lfu", "lru", "static", "lookahead"]
 DEVICE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static", "lookahead")
@@ -159,6 +161,9 @@ class DeviceDirectory:
         self.holders = torch.zeros(cells + 1, dtype=torch.int32, device=device)
         self.dirty = torch.zeros(cells + 1, dtype=torch.bool, device=device)
         self.tick = torch.zeros((), dtype=torch.int64, device=device)
+        # Victims chosen by one kernel over the misses' sets, else by torch ops over every id's
+        # set (`Switch.VICTIM_WAYS_KERNEL`; benchmarks/device_directory.py times both).
+        self.victims_by_kernel = enabled(Switch.VICTIM_WAYS_KERNEL)
         # Running totals per segment (`COUNTED`), on the device: read them only where a reader
         # waits anyway (`counters`).
         self.segment_ends = None if segment_ends is None else segment_ends.to(device, torch.int64)
@@ -238,21 +243,17 @@ class DeviceDirectory:
         # Victims: per set, its misses in turn take its empty ways, then its unheld ways by
         # score, lowest first; held ways (this batch's hits too) are never taken.
         miss = dynamic & ~hit
-        score = torch.where(in_cells < 0, -1, self.score[cells])
-        if self.window_rows:  # a row an announced batch reads goes after the others, farthest read first
-            ahead = self.next_read[cells]
-            score = torch.where((in_cells >= 0) & (ahead != NO_READ), _WINDOW_TIER + _FAR - ahead, score)
-        score = torch.where(self.holders[cells] > 0, _HELD, score)
-        by_score = score.argsort(dim=1, stable=True)
-        free = (score < _HELD).sum(1)
         key = torch.where(miss, sets, self.num_sets)
         sorted_key, key_order = key.sort(stable=True)
         starts = torch.ones_like(miss)
         starts[1:] = sorted_key[1:] != sorted_key[:-1]
         first_of_set = torch.where(starts, positions, 0).cummax(0).values
         rank = torch.empty_like(positions).scatter_(0, key_order, positions - first_of_set)
-        admitted = miss & (rank < free)
-        way = by_score.gather(1, rank.clamp(max=ways - 1)[:, None]).squeeze(1)
+        if self.victims_by_kernel:
+            way, admitted = victim_ways(self.ids, self.score, self.holders, self.next_read if self.window_rows else None,
+                                        sets, rank, miss, key_order, ways, _HELD, _WINDOW_TIER + _FAR, NO_READ)  # fmt: skip
+        else:
+            way, admitted = self._victim_ways(cells, in_cells, rank, miss)
         new_cell = torch.where(admitted, sets * ways + way, trash)
         leaving = self.ids.index_select(0, new_cell)
         write_rows = torch.where(admitted & (leaving >= 0) & self.dirty.index_select(0, new_cell), leaving, -1)
@@ -277,6 +278,18 @@ class DeviceDirectory:
             self.score[hit_cell] = self.tick
             self.score[new_cell] = self.tick
         return hit, hit_cell, admitted, new_cell
+
+    def _victim_ways(self, cells: Tensor, in_cells: Tensor, rank: Tensor, miss: Tensor) -> tuple[Tensor, Tensor]:
+        """`victim_ways` in torch ops: every id's set's scores gathered and sorted."""
+        score = torch.where(in_cells < 0, -1, self.score[cells])
+        if self.window_rows:  # a row an announced batch reads goes after the others, farthest read first
+            ahead = self.next_read[cells]
+            score = torch.where((in_cells >= 0) & (ahead != NO_READ), _WINDOW_TIER + _FAR - ahead, score)
+        score = torch.where(self.holders[cells] > 0, _HELD, score)
+        by_score = score.argsort(dim=1, stable=True)
+        free = (score < _HELD).sum(1)
+        way = by_score.gather(1, rank.clamp(max=self.ways - 1)[:, None]).squeeze(1)
+        return way, miss & (rank < free)
 
     def _lookup(self, ids: Tensor, looked_up: Tensor, sets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Where ``ids`` (those ``looked_up``) are cached: each id's set's cells ``(n, ways)`` and
