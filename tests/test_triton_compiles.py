@@ -108,6 +108,7 @@ def test_every_kernel_launch_of_a_training_step_compiles_for_the_gpus(launches, 
     from test_triton_tbe import _zoo_fit
 
     monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1")
+    monkeypatch.setenv(Switch.VICTIM_WAYS_KERNEL.variable, "1")  # as on CUDA
     trained("rowwise_adagrad", "10%", "lookahead", 2, steps=2)  # the device directory: both tiers, admissions, mean bags
     batches = zipf_batches(steps=2, weighted=True, seed=3)
     plan = make_plan(batches, None, 2, "lfu", tables=SUM_TABLES)

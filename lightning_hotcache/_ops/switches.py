@@ -25,7 +25,7 @@ class Switch(enum.Enum):
     VICTIM_WAYS_KERNEL = (
         "LIGHTNING_HOTCACHE_VICTIM_WAYS_KERNEL",
         "the device directory's victims chosen by one Triton kernel over the misses' sets (0: torch ops that gather "
-        "and sort every id's set)",
+        "and sort every id's set; 1: also on a CPU under TRITON_INTERPRET=1, where it is slow, for tests; unset: on CUDA)",
     )
     DEVICE_DIRECTORY = (
         "LIGHTNING_HOTCACHE_DEVICE_DIRECTORY",

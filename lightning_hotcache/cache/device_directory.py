@@ -49,7 +49,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_hotcache._ops.switches import Switch, enabled
+from lightning_hotcache._ops.switches import Switch, setting
 from lightning_hotcache.kernels.triton_tbe import location_of_host_row, move_rows
 from lightning_hotcache.kernels.victim_ways import victim_ways
 
@@ -162,8 +162,10 @@ class DeviceDirectory:
         self.dirty = torch.zeros(cells + 1, dtype=torch.bool, device=device)
         self.tick = torch.zeros((), dtype=torch.int64, device=device)
         # Victims chosen by one kernel over the misses' sets, else by torch ops over every id's
-        # set (`Switch.VICTIM_WAYS_KERNEL`; benchmarks/device_directory.py times both).
-        self.victims_by_kernel = enabled(Switch.VICTIM_WAYS_KERNEL)
+        # set: the same victims (`Switch.VICTIM_WAYS_KERNEL`; benchmarks/device_directory.py
+        # times both). In Triton's interpreter the kernel runs only where the switch asks.
+        choice = setting(Switch.VICTIM_WAYS_KERNEL)
+        self.victims_by_kernel = choice == "1" or (choice is None and device.type == "cuda")
         # Running totals per segment (`COUNTED`), on the device: read them only where a reader
         # waits anyway (`counters`).
         self.segment_ends = None if segment_ends is None else segment_ends.to(device, torch.int64)
