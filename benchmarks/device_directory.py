@@ -9,8 +9,8 @@ maps them, on CUDA) and its cache in device memory; the hottest ids (ids are dra
 by rank, so the hottest are the lowest) take half the cache as static rows, as a plan gives
 them, the rest are dynamic slots. Reported: the median milliseconds of an admission with its
 release, timed with events on the device (a host sync only around each timed batch), with its
-victims chosen by `victim_ways`'s kernel and, batch by batch in turns, by the torch ops it
-replaces (both choose the same victims, so the cache goes on alike), rows
+ids found and victims chosen by the `set_kernels` and, batch by batch in turns, by the torch ops
+they replace (both give the same cells, so the cache goes on alike), rows
 fetched and written back a batch, and the hit rate of the timed batches. Under ``--policy
 lookahead`` each batch is announced ``--window`` batches ahead of its admission, and the time is
 that of an announcement with an admission and its release (what the window adds a step). On a
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     for ids in batches[:window]:
         directory.announce(ids)
     before: dict[str, int] = {}
-    times: dict[bool, list[float]] = {True: [], False: []}  # by whether the kernel chose the victims
+    times: dict[bool, list[float]] = {True: [], False: []}  # by whether the set kernels ran
     for b, ids in enumerate(batches[: args.warmup + args.batches]):
         if b == args.warmup:
             before = directory.counters()
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.synchronize(device)
             began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             began.record()
-        directory.victims_by_kernel = b % 2 == 0
+        directory.set_kernels = b % 2 == 0
         started = time.perf_counter()
         if window:  # the loader announces the batch a window ahead as this one is admitted
             directory.announce(batches[b + window])
@@ -100,12 +100,12 @@ def main(argv: list[str] | None = None) -> None:
         else:
             elapsed = (time.perf_counter() - started) * 1e3
         if b >= args.warmup:
-            times[directory.victims_by_kernel].append(elapsed)
+            times[directory.set_kernels].append(elapsed)
     after = directory.counters()
     moved = {key: (after[key] - before[key]) / args.batches for key in after}
     results = {
         "admit_and_release_ms": statistics.median(times[True]),
-        "admit_and_release_torch_victims_ms": statistics.median(times[False]),
+        "admit_and_release_torch_sets_ms": statistics.median(times[False]),
         "hit_rate": moved["hits"] / moved["lookups"],
         "fetched_rows_per_batch": moved["fetched_rows"],
         "written_back_rows_per_batch": moved["written_back_rows"],
@@ -114,9 +114,9 @@ def main(argv: list[str] | None = None) -> None:
         "window_bytes": 0 if directory.window is None else directory.window.numel() * 4,
     }
     timed = "announce+admit+release ms" if window else "admit+release ms"
-    print(f"{timed:>26} {'(torch victims)':>16} {'hit rate':>9} {'fetched':>9} {'written back':>13} {'from host':>10}   "
+    print(f"{timed:>26} {'(torch set ops)':>16} {'hit rate':>9} {'fetched':>9} {'written back':>13} {'from host':>10}   "
           f"({args.rows:,} rows x dim {args.dim}, {args.budget:g} cached, {args.ids:,} ids a batch, zipf {args.zipf}, {args.policy}, {device})")  # fmt: skip
-    print(f"{results['admit_and_release_ms']:26.3f} {results['admit_and_release_torch_victims_ms']:16.3f} {results['hit_rate']:9.3f} "
+    print(f"{results['admit_and_release_ms']:26.3f} {results['admit_and_release_torch_sets_ms']:16.3f} {results['hit_rate']:9.3f} "
           f"{moved['fetched_rows']:9.0f} {moved['written_back_rows']:13.0f} {moved['from_host_rows']:10.0f}")  # fmt: skip
     write_report("device_directory", args, results, interpreted=triton_tbe.interpreted())
 

@@ -428,10 +428,10 @@ def test_gpu_path_triton_reads_and_steps_mapped_host_rows_as_it_does_device_rows
 def test_gpu_path_device_directory_reads_and_steps_host_rows_in_place_as_the_host_directory_trains(monkeypatch) -> None:
     # The directory in GPU memory, host rows mapped (cudaHostRegister) and read and stepped in
     # place by the Triton kernels, against the host directory's staged copies on the same GPU; its
-    # victims chosen by the compiled `victim_ways` kernel, and by the torch ops it replaces.
-    def trained(directory: str, victims_kernel: bool = True) -> tuple[dict, dict]:
+    # ids found and victims chosen by the compiled `set_kernels`, and by the torch ops they replace.
+    def trained(directory: str, set_kernels: bool = True) -> tuple[dict, dict]:
         monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1" if directory == "device" else "0")
-        monkeypatch.setenv(Switch.VICTIM_WAYS_KERNEL.variable, "1" if victims_kernel else "0")
+        monkeypatch.setenv(Switch.SET_KERNELS.variable, "1" if set_kernels else "0")
         module = _module(8, kernel="triton", device="cuda")
         assert ("cache directory in device memory" in module.kernel_note) == (directory == "device")
         for batch in _batches(8, steps=12, seed=0):
@@ -440,11 +440,11 @@ def test_gpu_path_device_directory_reads_and_steps_host_rows_in_place_as_the_hos
         return module.state_dict() | {f"{n}.momentum": a["momentum"] for n, a in module.optimizer_state().items()}, counts
 
     on_device, counts = trained("device")
-    by_torch_ops, torch_ops_counts = trained("device", victims_kernel=False)
+    by_torch_ops, torch_ops_counts = trained("device", set_kernels=False)
     on_host, _ = trained("host")
     print(f"device directory over 12 steps: {counts}")
     assert counts["from_host_rows"] > 0 and counts["written_back_rows"] > 0  # host rows read in place, victims written back
-    assert counts == torch_ops_counts  # the same victims: the same hits, reads and write-backs
+    assert counts == torch_ops_counts  # the same cells: the same hits, reads and write-backs
     torch.testing.assert_close(by_torch_ops, on_device, rtol=0, atol=0)
     for key, value in on_host.items():
         torch.testing.assert_close(on_device[key], value, rtol=1e-6, atol=1e-6, msg=key)

@@ -117,19 +117,19 @@ class ReferenceCache:
                         ways[w] = None
 
 
-@pytest.mark.parametrize("victims", ["kernel", "kernel-3-ways", "torch-ops"])
+@pytest.mark.parametrize("sets", ["kernels", "kernels-3-ways", "torch-ops"])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "static", "lookahead"])
-def test_the_directory_places_rows_as_a_plain_set_associative_cache_does(policy, victims, monkeypatch):
+def test_the_directory_places_rows_as_a_plain_set_associative_cache_does(policy, sets, monkeypatch):
     """Under lookahead each training batch is announced three batches ahead, and every fifth
-    batch is an evaluation batch, announced never (its admission retires nothing). Victims
-    chosen by `victim_ways`'s kernel (also with sets of 3 ways: fewer than its block of ways), or
-    by the torch ops it replaces (`Switch.VICTIM_WAYS_KERNEL`)."""
-    monkeypatch.setenv(Switch.VICTIM_WAYS_KERNEL.variable, "0" if victims == "torch-ops" else "1")
+    batch is an evaluation batch, announced never (its admission retires nothing). Ids found and
+    victims chosen by `set_kernels` (also with sets of 3 ways: fewer than their block of ways), or
+    by the torch ops they replace (`Switch.SET_KERNELS`)."""
+    monkeypatch.setenv(Switch.SET_KERNELS.variable, "0" if sets == "torch-ops" else "1")
     generator = torch.Generator().manual_seed(3)
     host = arrays(ROWS, "sgd", generator)
     static_ids = torch.tensor([0, 1, 5])
-    directory = directory_over(host, static_ids, dynamic=12, policy=policy, ways=3 if victims == "kernel-3-ways" else 4)
-    assert directory.victims_by_kernel == (victims != "torch-ops")
+    directory = directory_over(host, static_ids, dynamic=12, policy=policy, ways=3 if sets == "kernels-3-ways" else 4)
+    assert directory.set_kernels == (sets != "torch-ops")
     reference = ReferenceCache(static_ids, directory.num_sets, directory.ways, policy, directory.set_of)
     in_flight = []
     saw_host = saw_hit = False

@@ -34,7 +34,7 @@ from lightning_hotcache._ops.switches import Switch  # noqa: E402
 pytestmark = pytest.mark.kernels
 TBE = "lightning_hotcache.kernels.triton_tbe"
 KERNELS = [f"{TBE}:_pooled_kernel", f"{TBE}:_backward_chunks_kernel", f"{TBE}:_long_runs_kernel", f"{TBE}:_move_rows_kernel",
-           "lightning_hotcache.kernels.victim_ways:_victim_ways_kernel"]  # fmt: skip
+           "lightning_hotcache.kernels.set_kernels:_find_in_sets_kernel", "lightning_hotcache.kernels.set_kernels:_victim_ways_kernel"]  # fmt: skip
 CAPABILITIES = [90, 80]
 TESTS = Path(__file__).resolve().parent
 
@@ -108,7 +108,7 @@ def test_every_kernel_launch_of_a_training_step_compiles_for_the_gpus(launches, 
     from test_triton_tbe import _zoo_fit
 
     monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1")
-    monkeypatch.setenv(Switch.VICTIM_WAYS_KERNEL.variable, "1")  # as on CUDA
+    monkeypatch.setenv(Switch.SET_KERNELS.variable, "1")  # as on CUDA
     trained("rowwise_adagrad", "10%", "lookahead", 2, steps=2)  # the device directory: both tiers, admissions, mean bags
     batches = zipf_batches(steps=2, weighted=True, seed=3)
     plan = make_plan(batches, None, 2, "lfu", tables=SUM_TABLES)

@@ -22,10 +22,10 @@ class Switch(enum.Enum):
         "LIGHTNING_HOTCACHE_PLAIN_TABLES_TRITON",
         "on CUDA, the zoo's plain tables pooled and stepped by the Triton TBE (0: embedding_bag and the PyTorch row step)",
     )
-    VICTIM_WAYS_KERNEL = (
-        "LIGHTNING_HOTCACHE_VICTIM_WAYS_KERNEL",
-        "the device directory's victims chosen by one Triton kernel over the misses' sets (0: torch ops that gather "
-        "and sort every id's set; 1: also on a CPU under TRITON_INTERPRET=1, where it is slow, for tests; unset: on CUDA)",
+    SET_KERNELS = (
+        "LIGHTNING_HOTCACHE_SET_KERNELS",
+        "the device directory's ids found and victims chosen by Triton kernels over their sets (0: torch ops that "
+        "gather every id's set; 1: also on a CPU under TRITON_INTERPRET=1, where they are slow, for tests; unset: on CUDA)",
     )
     DEVICE_DIRECTORY = (
         "LIGHTNING_HOTCACHE_DEVICE_DIRECTORY",

@@ -51,7 +51,7 @@ from torch import Tensor
 
 from lightning_hotcache._ops.switches import Switch, setting
 from lightning_hotcache.kernels.triton_tbe import location_of_host_row, move_rows
-from lightning_hotcache.kernels.victim_ways import victim_ways
+from lightning_hotcache.kernels.set_kernels import find_in_sets, victim_ways
 
 DevicePolicy = Literal["lfu", "lru", "static", "lookahead"]
 DEVICE_POLICIES: tuple[str, ...] = ("lfu", "lru", "static", "lookahead")
@@ -161,11 +161,12 @@ class DeviceDirectory:
         self.holders = torch.zeros(cells + 1, dtype=torch.int32, device=device)
         self.dirty = torch.zeros(cells + 1, dtype=torch.bool, device=device)
         self.tick = torch.zeros((), dtype=torch.int64, device=device)
-        # Victims chosen by one kernel over the misses' sets, else by torch ops over every id's
-        # set: the same victims (`Switch.VICTIM_WAYS_KERNEL`; benchmarks/device_directory.py
-        # times both). In Triton's interpreter the kernel runs only where the switch asks.
-        choice = setting(Switch.VICTIM_WAYS_KERNEL)
-        self.victims_by_kernel = choice == "1" or (choice is None and device.type == "cuda")
+        # Ids found and victims chosen by kernels over the sets (`set_kernels`), else by torch ops
+        # that gather every id's whole set: the same cells (`Switch.SET_KERNELS`;
+        # benchmarks/device_directory.py times both). In Triton's interpreter the kernels run
+        # only where the switch asks.
+        choice = setting(Switch.SET_KERNELS)
+        self.set_kernels = choice == "1" or (choice is None and device.type == "cuda")
         # Running totals per segment (`COUNTED`), on the device: read them only where a reader
         # waits anyway (`counters`).
         self.segment_ends = None if segment_ends is None else segment_ends.to(device, torch.int64)
@@ -239,7 +240,7 @@ class DeviceDirectory:
         back and their rows read in), all others left on the host."""
         ways, trash = self.ways, self.trash
         sets = self.set_of(distinct.clamp(min=0))
-        cells, in_cells, hit, hit_cell = self._lookup(distinct, dynamic, sets)
+        hit, hit_cell, sets_held = self._lookup(distinct, dynamic, sets)
         self.holders.index_add_(0, hit_cell, torch.ones_like(hit_cell, dtype=torch.int32))
         self.tick += 1
         # Victims: per set, its misses in turn take its empty ways, then its unheld ways by
@@ -251,11 +252,11 @@ class DeviceDirectory:
         starts[1:] = sorted_key[1:] != sorted_key[:-1]
         first_of_set = torch.where(starts, positions, 0).cummax(0).values
         rank = torch.empty_like(positions).scatter_(0, key_order, positions - first_of_set)
-        if self.victims_by_kernel:
+        if sets_held is None:
             way, admitted = victim_ways(self.ids, self.score, self.holders, self.next_read if self.window_rows else None,
                                         sets, rank, miss, key_order, ways, _HELD, _WINDOW_TIER + _FAR, NO_READ)  # fmt: skip
         else:
-            way, admitted = self._victim_ways(cells, in_cells, rank, miss)
+            way, admitted = self._victim_ways(*sets_held, rank, miss)
         new_cell = torch.where(admitted, sets * ways + way, trash)
         leaving = self.ids.index_select(0, new_cell)
         write_rows = torch.where(admitted & (leaving >= 0) & self.dirty.index_select(0, new_cell), leaving, -1)
@@ -282,7 +283,8 @@ class DeviceDirectory:
         return hit, hit_cell, admitted, new_cell
 
     def _victim_ways(self, cells: Tensor, in_cells: Tensor, rank: Tensor, miss: Tensor) -> tuple[Tensor, Tensor]:
-        """`victim_ways` in torch ops: every id's set's scores gathered and sorted."""
+        """`victim_ways` in torch ops: every id's set's scores gathered and sorted (``cells``
+        and the ids ``in_cells`` from `_lookup`)."""
         score = torch.where(in_cells < 0, -1, self.score[cells])
         if self.window_rows:  # a row an announced batch reads goes after the others, farthest read first
             ahead = self.next_read[cells]
@@ -293,14 +295,17 @@ class DeviceDirectory:
         way = by_score.gather(1, rank.clamp(max=self.ways - 1)[:, None]).squeeze(1)
         return way, miss & (rank < free)
 
-    def _lookup(self, ids: Tensor, looked_up: Tensor, sets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Where ``ids`` (those ``looked_up``) are cached: each id's set's cells ``(n, ways)`` and
-        the ids they hold, whether it is there, and its cell (the trash cell where not)."""
+    def _lookup(self, ids: Tensor, looked_up: Tensor, sets: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+        """Where ``ids`` (those ``looked_up``) are cached: whether each is, its cell (the trash
+        cell where not) and, in torch ops, each id's set's cells ``(n, ways)`` with the ids they
+        hold, which `_victim_ways` reuses (None from `find_in_sets`)."""
+        if self.set_kernels:
+            return (*find_in_sets(self.ids, ids, looked_up, sets, self.ways, self.trash), None)
         cells = sets[:, None] * self.ways + self._way
         in_cells = self.ids[cells]
         match = (in_cells == ids[:, None]) & looked_up[:, None]
         hit = match.any(1)
-        return cells, in_cells, hit, torch.where(hit, (cells * match).sum(1), self.trash)
+        return hit, torch.where(hit, (cells * match).sum(1), self.trash), (cells, in_cells)
 
     def _note_next_reads(self, distinct: Tensor, cached: Tensor, hit_cell: Tensor, new_cell: Tensor, training: bool) -> None:
         """Each cached one of ``distinct`` gets its next announced read after this batch; a
@@ -358,7 +363,7 @@ class DeviceDirectory:
         self.window_steps[row] = self.announced
         stored = self.window[row].to(torch.int64)
         if self.num_cells:
-            cell = self._lookup(stored, stored != WINDOW_PAD, self.set_of(stored))[3]
+            cell = self._lookup(stored, stored != WINDOW_PAD, self.set_of(stored))[1]
             self.next_read.scatter_reduce_(0, cell, torch.full_like(cell, self.announced), reduce="amin")
         self.announced += 1
 

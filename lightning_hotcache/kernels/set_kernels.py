@@ -1,17 +1,20 @@
-"""The device directory's choice of victims in one Triton kernel: for each missed id, the way of
-its set it takes.
+"""The device directory's set operations in Triton kernels: where each id of a batch is cached
+(`find_in_sets`), and for each missed id the way of its set it takes (`victim_ways`).
 
-A miss of rank ``r`` among its batch's misses of one set takes the way of ``r``-th lowest score
-among the set's ways, held ways (score `HELD`) never, and is admitted where the set has more
-than ``r`` unheld ways. In torch ops that is a gather of every id's whole set (ids, scores,
-holders, next reads: ``(n, ways)`` each, for every id of the batch, hit or not) and a sort of
-each row; here one program reads the sets of a few misses (taken in the order that groups them
-by set, so that the programs past the misses return at once), ranks each set's ways by comparing
-them pairwise in registers (score, then way: the order of a stable sort), and writes the way
-and whether it is admitted. Ids that did not miss read nothing.
+In torch ops both gather every id's whole set, ``(n, ways)`` elements an array and a batch of
+``n`` ids (FBGEMM's 32 ways: 32 times the batch), and compare or sort each row. Here a program
+reads the sets of a few ids and keeps them in registers.
 
-Written by hand because no library chooses victims in a set-associative cache for torch
-tensors (FBGEMM's ``lru_cache_populate`` is CUDA code of its own build).
+`find_in_sets`: an id is cached where a way of its set holds it; its cell is that way's.
+
+`victim_ways`: a miss of rank ``r`` among its batch's misses of one set takes the way of the
+``r``-th lowest score among the set's ways, a held way never, and is admitted where the set has
+more than ``r`` unheld ways. A program reads the sets of a few misses (taken in the order that
+groups them by set, so that the programs past the misses return at once) and ranks each set's
+ways by comparing them pairwise (score, then way: the order of a stable sort).
+
+Written by hand because no library finds ids or chooses victims in a set-associative cache
+for torch tensors (FBGEMM's ``lru_cache_populate`` is CUDA code of its own build).
 """
 
 from __future__ import annotations
@@ -21,11 +24,26 @@ from torch import Tensor
 
 from lightning_hotcache.kernels.triton_tbe import tl, triton
 
-# Misses a program ranks the sets of.
+# Ids a program finds, and misses a program ranks the sets of.
+_IDS_PER_PROGRAM = 8
 _MISSES_PER_PROGRAM = 8
 
 
 if triton is not None:
+
+    @triton.jit
+    def _find_in_sets_kernel(cell_ids, ids, looked_up, sets, hit_out, cell_out, n, ways, IDS: tl.constexpr, WAYS: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * IDS + tl.arange(0, IDS)
+        look = tl.load(looked_up + i, mask=i < n, other=0) != 0
+        if tl.max(look.to(tl.int32), 0) == 0:  # none of these ids is looked up
+            return
+        way = tl.arange(0, WAYS)
+        cell = tl.load(sets + i, mask=look, other=0)[:, None] * ways + way[None, :]
+        there = look[:, None] & (way[None, :] < ways)
+        match = there & (tl.load(cell_ids + cell, mask=there, other=-1) == tl.load(ids + i, mask=look, other=0)[:, None])
+        hit = tl.max(match.to(tl.int32), axis=1) > 0
+        tl.store(hit_out + i, hit, mask=look & hit)
+        tl.store(cell_out + i, tl.sum(tl.where(match, cell, 0), axis=1), mask=look & hit)
 
     @triton.jit
     def _victim_ways_kernel(
@@ -60,6 +78,23 @@ if triton is not None:
         tl.store(admitted_out + i, rank < free, mask=miss)
 
 
+def find_in_sets(cell_ids: Tensor, ids: Tensor, looked_up: Tensor, sets: Tensor, ways: int, trash: int) -> tuple[Tensor, Tensor]:
+    """Whether each of ``ids`` (those ``looked_up``; each with its set) is held by a way of its
+    set, ``cell_ids`` holding each cell's id, and its cell (``trash`` where not)."""
+    n = ids.numel()
+    hit = torch.zeros(n, dtype=torch.bool, device=ids.device)
+    cell = torch.full((n,), trash, dtype=torch.int64, device=ids.device)
+    if n:
+        _find_in_sets_kernel[(triton.cdiv(n, _IDS_PER_PROGRAM),)](
+            cell_ids, ids, looked_up, sets, hit, cell, n, ways, IDS=_IDS_PER_PROGRAM, WAYS=_ways_block(ways)
+        )
+    return hit, cell
+
+
+def _ways_block(ways: int) -> int:
+    return max(2, triton.next_power_of_2(ways))
+
+
 def victim_ways(
     cell_ids: Tensor,
     scores: Tensor,
@@ -89,6 +124,6 @@ def victim_ways(
     _victim_ways_kernel[(triton.cdiv(n, _MISSES_PER_PROGRAM),)](
         cell_ids, scores, holders, next_reads if next_reads is not None else scores, sets, ranks, misses, order, way, admitted,
         n, ways, held, window_top, no_read,
-        LOOKAHEAD=next_reads is not None, MISSES=_MISSES_PER_PROGRAM, WAYS=max(2, triton.next_power_of_2(ways)),
+        LOOKAHEAD=next_reads is not None, MISSES=_MISSES_PER_PROGRAM, WAYS=_ways_block(ways),
     )  # fmt: skip
     return way, admitted
