@@ -11,6 +11,7 @@ own compiler, in a fresh process with the interpreter off (`triton_ahead`). No G
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ if triton_tbe.triton is None or not triton_tbe.interpreted():
     pytest.skip("records launches in Triton's interpreter (a CPU under TRITON_INTERPRET=1)", allow_module_level=True)
 
 from test_device_directory_collection import trained  # noqa: E402
+from triton_ahead import int_type  # noqa: E402
 from test_embedding_exactness import SUM_TABLES, UPSTREAM, make_plan, train_hotcache, zipf_batches  # noqa: E402
 
 from lightning_hotcache import RowWiseOptimizerConfig  # noqa: E402
@@ -56,11 +58,13 @@ def describe(value: Any) -> list:
 
 class Recorded:
     """A kernel that, launched as ``kernel[grid](*args, **kwargs)``, notes each distinct
-    signature into ``seen`` (ints by the Triton type they get, so that sizes and strides do not
-    make every launch distinct) and runs the kernel."""
+    signature into ``seen`` (runtime ints by the Triton type they get, so that sizes and strides
+    do not make every launch distinct; constexprs by their values) and runs the kernel."""
 
     def __init__(self, kernel: Any, name: str, seen: dict[str, tuple[str, dict[str, list]]]) -> None:
         self.kernel, self.name, self.seen = kernel, name, seen
+        parameters = inspect.signature(kernel.fn).parameters.items()  # the interpreter's kernel keeps its function
+        self.constexprs = {name for name, parameter in parameters if "constexpr" in str(parameter.annotation)}
 
     def __getitem__(self, grid: Any):
         launch = self.kernel[grid]
@@ -68,7 +72,8 @@ class Recorded:
         def run(*args: Any, **kwargs: Any) -> Any:
             arguments = {name: describe(value) for name, value in zip(self.kernel.arg_names, args)}
             arguments.update({name: describe(value) for name, value in kwargs.items()})
-            key = json.dumps([self.name, {n: _typed(d) for n, d in arguments.items()}], sort_keys=True)
+            typed = {n: d if n in self.constexprs else _typed(d) for n, d in arguments.items()}
+            key = json.dumps([self.name, typed], sort_keys=True)
             self.seen.setdefault(key, (self.name, arguments))
             return launch(*args, **kwargs)
 
@@ -77,7 +82,7 @@ class Recorded:
 
 def _typed(description: list) -> list:
     if description[0] == "int" and description[1] != 1:
-        return ["int", "i32" if -(2**31) <= description[1] < 2**31 else "i64"]
+        return ["int", int_type(description[1])]
     if description[0] == "float":
         return ["float"]
     return description

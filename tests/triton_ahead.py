@@ -23,6 +23,12 @@ from typing import Any
 _POINTER_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
 
 
+def int_type(value: int) -> str:
+    """The Triton type of an int argument: ``i32`` where it fits, else ``i64`` (1 is specialized
+    as a constant: see `signature_of`)."""
+    return "i32" if -(2**31) <= value < 2**31 else "i64"
+
+
 def signature_of(kernel: Any, arguments: dict[str, list]) -> tuple[dict[str, str], dict[str, Any]]:
     """Triton's ``signature`` and ``constexprs`` of a launch of ``kernel`` (a `JITFunction`)
     with ``arguments`` (its parameters' names to descriptions, as the module's docstring says)."""
@@ -35,7 +41,7 @@ def signature_of(kernel: Any, arguments: dict[str, list]) -> tuple[dict[str, str
         elif kind == "tensor":
             signature[param.name] = "*" + _POINTER_TYPES[value[0]]
         elif kind == "int":
-            signature[param.name] = "i32" if -(2**31) <= value[0] < 2**31 else "i64"
+            signature[param.name] = int_type(value[0])
         elif kind == "float":
             signature[param.name] = "fp32"
         elif kind == "bool":

@@ -112,8 +112,7 @@ def victim_ways(
     """For each id (``sets``, ``ranks`` and ``misses`` one an id, on the device): the way of its
     set it takes and whether it is admitted (only for misses; 0 and False elsewhere). ``order``
     lists the ids with the misses first (a set's misses side by side, which then share the
-    loads of their set). A way's
-    score is ``scores[cell]``, -1 where ``cell_ids[cell] < 0`` (empty); with ``next_reads``
+    loads of their set). A way's score is ``scores[cell]``, -1 where ``cell_ids[cell] < 0`` (empty); with ``next_reads``
     ``window_top - next_reads[cell]`` where that is not ``no_read``; ``held`` where its
     ``holders`` are above 0."""
     n = sets.numel()
