@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
             triton_tbe.pooled(slots, locations, offsets, host_weight=weights[place])
             synchronize(device)
             forward = time.perf_counter()
-            triton_tbe.backward_step(slots, grad, locations, offsets, "rowwise_adagrad", 0.01, 1e-8, slot_momenta,
-                                     host_weight=weights[place], host_momentum=momenta[place])  # fmt: skip
+            triton_tbe.backward_step(slots, grad, locations, offsets, "rowwise_adagrad", 0.01, 1e-8, {"momentum": slot_momenta},
+                                     host_weight=weights[place], host_state={"momentum": momenta[place]})  # fmt: skip
             synchronize(device)
             if call >= 3:
                 times[f"{place} forward"].append(forward - started)

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
             synchronize(device)
             forward = time.perf_counter()
             if path == "triton":
-                triton_tbe.backward_step(weights[path], grad, indices, offsets, "rowwise_adagrad", config.lr, config.eps, momenta[path])
+                triton_tbe.backward_step(weights[path], grad, indices, offsets, "rowwise_adagrad", config.lr, config.eps,
+                                         {"momentum": momenta[path]})
             else:
                 pytorch_step(weights[path], momenta[path], indices, offsets, grad, config)
             synchronize(device)

@@ -417,27 +417,29 @@ def test_gpu_path_triton_reads_and_steps_mapped_host_rows_as_it_does_device_rows
         for _ in range(3):
             locations = triton_tbe.location_of_host_row(ids)
             out = triton_tbe.pooled(slots, locations, offsets, host_weight=rows["weight"])
-            triton_tbe.backward_step(slots, grad, locations, offsets, "rowwise_adagrad", 0.05, 1e-8, slot_momentum,
-                                     host_weight=rows["weight"], host_momentum=rows["momentum"])  # fmt: skip
+            triton_tbe.backward_step(slots, grad, locations, offsets, "rowwise_adagrad", 0.05, 1e-8, {"momentum": slot_momentum},
+                                     host_weight=rows["weight"], host_state=rows)  # fmt: skip
         rows["out"] = out.cpu()
     torch.cuda.synchronize()
     for key in ("out", "weight", "momentum"):
         torch.testing.assert_close(host[key], device[key].cpu(), rtol=1e-6, atol=1e-6)
 
 
-def test_gpu_path_device_directory_reads_and_steps_host_rows_in_place_as_the_host_directory_trains(monkeypatch) -> None:
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+def test_gpu_path_device_directory_reads_and_steps_host_rows_in_place_as_the_host_directory_trains(optimizer, monkeypatch) -> None:
     # The directory in GPU memory, host rows mapped (cudaHostRegister) and read and stepped in
     # place by the Triton kernels, against the host directory's staged copies on the same GPU; its
     # ids found and victims chosen by the compiled `set_kernels`, and by the torch ops they replace.
     def trained(directory: str, set_kernels: bool = True) -> tuple[dict, dict]:
         monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1" if directory == "device" else "0")
         monkeypatch.setenv(Switch.SET_KERNELS.variable, "1" if set_kernels else "0")
-        module = _module(8, kernel="triton", device="cuda")
+        module = _module(8, kernel="triton", device="cuda", optimizer=optimizer)
         assert ("cache directory in device memory" in module.kernel_note) == (directory == "device")
         for batch in _batches(8, steps=12, seed=0):
             module(batch.to(torch.device("cuda"))).values().square().sum().backward()
         counts = {} if directory == "host" else next(iter(module._caches.values())).on_device.counters()
-        return module.state_dict() | {f"{n}.momentum": a["momentum"] for n, a in module.optimizer_state().items()}, counts
+        state = {f"{n}.{k}": array for n, arrays in module.optimizer_state().items() for k, array in arrays.items()}
+        return module.state_dict() | state, counts
 
     on_device, counts = trained("device")
     by_torch_ops, torch_ops_counts = trained("device", set_kernels=False)

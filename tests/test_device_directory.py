@@ -16,7 +16,7 @@ from lightning_hotcache._ops.step_graph import HostReadInGraph, _OpTrace  # noqa
 from lightning_hotcache._ops.switches import Switch  # noqa: E402
 from lightning_hotcache.cache.device_directory import NO_READ, DeviceDirectory  # noqa: E402
 from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig  # noqa: E402
-from test_triton_tbe import reference_step  # noqa: E402
+from test_triton_tbe import initial_state, reference_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.kernels
@@ -33,10 +33,7 @@ def zipf_ids(n: int, generator: torch.Generator, rows: int = ROWS) -> torch.Tens
 
 
 def arrays(rows: int, rule: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    out = {"weight": torch.randn(rows, DIM, generator=generator)}
-    if rule == "rowwise_adagrad":
-        out["momentum"] = torch.rand(rows, 1, generator=generator)
-    return out
+    return {"weight": torch.randn(rows, DIM, generator=generator), **initial_state(rule, rows, DIM, generator)}
 
 
 def directory_over(host: dict[str, torch.Tensor], static_ids: torch.Tensor, dynamic: int, policy: str, ways: int, window: int = 0):
@@ -167,7 +164,7 @@ def test_the_directory_places_rows_as_a_plain_set_associative_cache_does(policy,
     assert saw_host and saw_hit
 
 
-@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "static", "lookahead"])
 def test_training_through_the_device_directory_equals_training_the_whole_table(rule, policy):
     """A cache of 8 dynamic slots in sets of 4 over a batch of about 20 distinct rows: rows
@@ -204,9 +201,10 @@ def test_training_through_the_device_directory_equals_training_the_whole_table(r
         if training:
             triton_tbe.backward_step(
                 directory.slots["weight"], grad.to(DEVICE), admission.locations, offsets.to(DEVICE), rule, config.lr, config.eps,
-                directory.slots.get("momentum"), bag_mean.to(DEVICE), per_sample.to(DEVICE), host["weight"], host.get("momentum"),
+                directory.slots, bag_mean.to(DEVICE), per_sample.to(DEVICE), host["weight"], host,
             )  # fmt: skip
-            reference_step(rule, whole["weight"], whole.get("momentum"), grad, indices, offsets, bag_mean, per_sample, config.lr)
+            reference_step(rule, whole["weight"], {k: v for k, v in whole.items() if k != "weight"}, grad, indices, offsets, bag_mean,
+                           per_sample, config.lr)  # fmt: skip
         directory.release(admission)
     counters = directory.counters()
     assert counters["fetched_rows"] > directory.num_cells and counters["written_back_rows"] > 0 and counters["from_host_rows"] > 0

@@ -49,7 +49,7 @@ def trained(optimizer: str, budget: str, policy: str, depth: int, steps: int | N
     exactness_matrix(
         ["optimizer", "budget", "policy", "depth"],
         together={"policy": ["lfu", "lookahead", "lru", "static"]},
-        apart={"budget": ["10%", "minimum"], "optimizer": ["sgd", "rowwise_adagrad"], "depth": [0, 2]},
+        apart={"budget": ["10%", "minimum"], "optimizer": ["sgd", "rowwise_adagrad", "adam"], "depth": [0, 2]},
     ),
 )
 def test_the_device_directory_learns_what_torchrec_learns(optimizer, budget, policy, depth) -> None:
@@ -209,7 +209,6 @@ def test_per_sample_weights_learn_what_torchrec_learns() -> None:
 @pytest.mark.parametrize(
     ("options", "why"),
     [({"kernel": "pytorch"}, "it needs the Triton kernels"),
-     ({"optimizer": RowWiseOptimizerConfig(name="adam", lr=0.05)}, "the adam rule is not applied in the Triton kernel"),
      ({"host_storage": "a directory"}, "host_storage is a directory of memory-mapped files")],
 )  # fmt: skip
 def test_configurations_the_device_directory_does_not_serve_keep_the_host_directory(options, why, tmp_path) -> None:

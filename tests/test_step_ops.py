@@ -180,7 +180,12 @@ def _batches(num_tables: int, steps: int, seed: int) -> list[KeyedJaggedTensor]:
 
 
 def _module(
-    num_tables: int, process_group: object = None, kernel: str = "auto", device: str = "cpu", whole_tables: bool = False
+    num_tables: int,
+    process_group: object = None,
+    kernel: str = "auto",
+    device: str = "cpu",
+    whole_tables: bool = False,
+    optimizer: str = "rowwise_adagrad",
 ) -> HotColdEmbeddingBagCollection:
     """``num_tables`` split tables, or with ``whole_tables`` every other one wholly on the device."""
     tables = [EmbeddingBagConfig(name=f"t{k}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{k}"]) for k in range(num_tables)]
@@ -189,7 +194,7 @@ def _module(
     plan = HotColdPlan(plans, budget_bytes=1, prefetch_depth=0, cache_policy="lfu")
     torch.manual_seed(0)
     return HotColdEmbeddingBagCollection.from_ebc(
-        EmbeddingBagCollection(tables=tables), plan, RowWiseOptimizerConfig("rowwise_adagrad"),
+        EmbeddingBagCollection(tables=tables), plan, RowWiseOptimizerConfig(optimizer),
         device=device, process_group=process_group, kernel=kernel,
     )  # fmt: skip
 

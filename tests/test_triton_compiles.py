@@ -117,14 +117,17 @@ def test_every_kernel_launch_of_a_training_step_compiles_for_the_gpus(launches, 
     trained("rowwise_adagrad", "10%", "lookahead", 2, steps=2)  # the device directory: both tiers, admissions, mean bags
     batches = zipf_batches(steps=2, weighted=True, seed=3)
     plan = make_plan(batches, None, 2, "lfu", tables=SUM_TABLES)
-    for optimizer in ("sgd", "rowwise_adagrad"):  # weighted, on the device directory, then on the host directory
-        config = RowWiseOptimizerConfig(name=optimizer, lr=0.05)
-        train_hotcache(config, batches, UPSTREAM[:2], plan, "lfu", "memory", 2, tables=SUM_TABLES, weighted=True, kernel="triton")
-        monkeypatch.delenv(Switch.DEVICE_DIRECTORY.variable, raising=False)
+    for directory in ("1", "0"):  # weighted, on the device directory (both tiers), then on the host directory (slots)
+        monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, directory)
+        for optimizer in ("sgd", "adam"):
+            config = RowWiseOptimizerConfig(name=optimizer, lr=0.05)
+            train_hotcache(config, batches, UPSTREAM[:2], plan, "lfu", "memory", 2, tables=SUM_TABLES, weighted=True, kernel="triton")
     _zoo_fit("dlrm", {"name": "rowwise_adagrad", "lr": 0.05}, True, monkeypatch)  # the zoo's tables under `auto`
 
     recorded = list(launches.values())
     assert {name for name, _ in recorded} == set(KERNELS)
+    steps = {(a["RULE"][1], a["TWO_TIERS"][1]) for name, a in recorded if name.endswith(":_backward_chunks_kernel")}
+    assert steps == {(rule, tiers) for rule in range(3) for tiers in (True, False)}  # every rule on one tier and on two
     tiers = {arguments["TWO_TIERS"][1] for name, arguments in recorded if "TWO_TIERS" in arguments}
     weighted = {arguments["HAS_WEIGHTS"][1] for name, arguments in recorded if name.endswith(":_pooled_kernel")}
     windows = {arguments["LOOKAHEAD"][1] for name, arguments in recorded if name.endswith(":_victim_ways_kernel")}

@@ -49,8 +49,22 @@ def reference_pooled(weight, indices, offsets, bag_mean, per_sample):
     return out
 
 
-def reference_step(rule, weight, momentum, grad, indices, offsets, bag_mean, per_sample, lr=0.05):
-    """The PyTorch path: each value's gradient row summed per distinct row, then `step_rows`."""
+def initial_state(rule: str, rows: int, dim: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """``rule``'s per-row state as a run part-way through training has it (Adam: rows stepped
+    zero to five times already)."""
+    widths = RowWiseOptimizerConfig(name=rule).state_widths(dim)
+    state = {name: torch.rand(rows, width, generator=generator) for name, width in widths.items()}
+    if "exp_avg" in state:
+        state["exp_avg"] = torch.randn(rows, dim, generator=generator) * 0.1
+        state["exp_avg_sq"] *= 0.01
+        state["step"] = torch.randint(0, 6, (rows, 1), generator=generator).float()
+        state["exp_avg"][state["step"][:, 0] == 0] = state["exp_avg_sq"][state["step"][:, 0] == 0] = 0.0
+    return state
+
+
+def reference_step(rule, weight, state, grad, indices, offsets, bag_mean, per_sample, lr=0.05):
+    """The PyTorch path: each value's gradient row summed per distinct row, then `step_rows`
+    (``state``: the rule's arrays by name, as `initial_state` makes them)."""
     lengths = offsets.diff()
     bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     scale = torch.ones(indices.numel()) if per_sample is None else per_sample.clone()
@@ -58,7 +72,6 @@ def reference_step(rule, weight, momentum, grad, indices, offsets, bag_mean, per
         scale *= torch.where(bag_mean.bool(), 1.0 / lengths.clamp(min=1), torch.ones_like(lengths, dtype=torch.float32))[bag_of_value]
     rows, inverse = torch.unique(indices, return_inverse=True)
     summed = torch.zeros(rows.numel(), weight.shape[1]).index_add_(0, inverse, grad[bag_of_value] * scale[:, None])
-    state = {"momentum": momentum.view(-1, 1)} if rule == "rowwise_adagrad" else {}
     step_rows(RowWiseOptimizerConfig(name=rule, lr=lr), weight, state, rows, summed)
 
 
@@ -87,16 +100,24 @@ def test_pooled_rows_are_embedding_bags(case, pooling, weighted) -> None:
         torch.testing.assert_close(got.cpu(), expected, rtol=1e-6, atol=1e-6)
 
 
+RULES = ["sgd", "rowwise_adagrad", "adam"]
+
+
+def test_the_kernels_keep_the_state_each_rule_keeps() -> None:
+    for rule in RULES:
+        assert triton_tbe._STATE_OF_RULE[rule] == tuple(RowWiseOptimizerConfig(name=rule).state_widths(8))
+
+
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("pooling", ["sum", "mixed"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 def test_backward_steps_each_distinct_row_as_the_pytorch_path(case, rule, pooling, weighted) -> None:
     table_rows, dim = CASES[case]["table_rows"], CASES[case]["dim"]
     batch = 6
     weight = torch.randn(sum(table_rows), dim, generator=torch.Generator().manual_seed(3))
-    momentum = torch.rand(sum(table_rows), generator=torch.Generator().manual_seed(4))
-    expected_weight, expected_momentum = weight.clone(), momentum.clone()
+    state = initial_state(rule, sum(table_rows), dim, torch.Generator().manual_seed(4))
+    expected_weight, expected_state = weight.clone(), {k: v.clone() for k, v in state.items()}
     features = torch.arange(len(table_rows)).repeat_interleave(batch)
     bag_mean = None if pooling == "sum" else features % 2
     for step in range(3):  # rows stepped again read their stepped values and state
@@ -104,14 +125,14 @@ def test_backward_steps_each_distinct_row_as_the_pytorch_path(case, rule, poolin
         per_sample = per_sample if weighted else None
         grad = torch.randn(offsets.numel() - 1, dim, generator=torch.Generator().manual_seed(20 + step))
         on = [t.to(DEVICE) if t is not None else None for t in (indices, offsets, bag_mean, per_sample, grad)]
-        triton_weight, triton_momentum = weight.to(DEVICE), momentum.to(DEVICE)
+        triton_weight, triton_state = weight.to(DEVICE), {k: v.to(DEVICE) for k, v in state.items()}
         triton_tbe.backward_step(
-            triton_weight, on[4], on[0], on[1], rule, lr=0.05, eps=1e-10, momentum=triton_momentum, bag_mean=on[2], per_sample_weights=on[3]
+            triton_weight, on[4], on[0], on[1], rule, lr=0.05, eps=1e-10, state=triton_state, bag_mean=on[2], per_sample_weights=on[3]
         )
-        weight, momentum = triton_weight.cpu(), triton_momentum.cpu()
-        reference_step(rule, expected_weight, expected_momentum, grad, indices, offsets, bag_mean, per_sample)
+        weight, state = triton_weight.cpu(), {k: v.cpu() for k, v in triton_state.items()}
+        reference_step(rule, expected_weight, expected_state, grad, indices, offsets, bag_mean, per_sample)
         torch.testing.assert_close(weight, expected_weight, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(momentum, expected_momentum, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(state, expected_state, rtol=1e-6, atol=1e-6)
 
 
 def test_every_id_repeated_steps_its_row_once_from_the_sum() -> None:
@@ -131,7 +152,10 @@ CHUNK, SPAN = triton_tbe._CHUNK, triton_tbe._SPAN
 
 
 @pytest.mark.parametrize("hot", [CHUNK - 1, CHUNK, CHUNK + 1, (SPAN + 2) * CHUNK + 5], ids=lambda n: f"{n}-values")
-@pytest.mark.parametrize(("rule", "tiers"), [("sgd", "device"), ("rowwise_adagrad", "device"), ("rowwise_adagrad", "device-and-host")])
+@pytest.mark.parametrize(
+    ("rule", "tiers"),
+    [("sgd", "device"), ("rowwise_adagrad", "device"), ("rowwise_adagrad", "device-and-host"), ("adam", "device-and-host")],
+)
 def test_runs_across_chunks_step_their_row_once_from_the_sum(hot, rule, tiers) -> None:
     """A hot row read by ``hot`` values beside rows read once and a row read a chunk's worth:
     runs that start and end inside chunks, on their edges and across more chunks than the
@@ -145,44 +169,57 @@ def test_runs_across_chunks_step_their_row_once_from_the_sum(hot, rule, tiers) -
     offsets[-1] = len(rows)  # bags of one or two values
     grad = torch.randn(offsets.numel() - 1, 8, generator=generator)
     weight = torch.randn(6, 8, generator=generator)
-    momentum = torch.rand(6, generator=generator)
-    expected_weight, expected_momentum = weight.clone(), momentum.clone()
-    reference_step(rule, expected_weight, expected_momentum, grad, rows, offsets, None, None)
+    state = initial_state(rule, 6, 8, generator)
+    expected_weight, expected_state = weight.clone(), {k: v.clone() for k, v in state.items()}
+    reference_step(rule, expected_weight, expected_state, grad, rows, offsets, None, None)
     if tiers == "device":
-        stepped, state = weight.to(DEVICE), momentum.to(DEVICE)
-        triton_tbe.backward_step(stepped, grad.to(DEVICE), rows.to(DEVICE), offsets.to(DEVICE), rule, 0.05, 1e-10, momentum=state)
+        stepped, stepped_state = weight.to(DEVICE), {k: v.to(DEVICE) for k, v in state.items()}
+        triton_tbe.backward_step(stepped, grad.to(DEVICE), rows.to(DEVICE), offsets.to(DEVICE), rule, 0.05, 1e-10, state=stepped_state)
     else:  # rows 1, 3 and 5 live in the host array, as rows 0, 1 and 2 there
         on_host = rows % 2 == 1
         locations = torch.where(on_host, triton_tbe.location_of_host_row(rows // 2), rows)
-        slots, slot_state = weight.clone().to(DEVICE), momentum.clone().to(DEVICE)
-        host, host_state = weight[1::2].clone().to(DEVICE), momentum[1::2].clone().to(DEVICE)  # any memory the kernel reaches
+        slots, slot_state = weight.clone().to(DEVICE), {k: v.clone().to(DEVICE) for k, v in state.items()}
+        host = weight[1::2].clone().to(DEVICE)  # any memory the kernel reaches
+        host_state = {k: v[1::2].clone().to(DEVICE) for k, v in state.items()}
         triton_tbe.backward_step(slots, grad.to(DEVICE), locations.to(DEVICE), offsets.to(DEVICE), rule, 0.05, 1e-10,
-                                 momentum=slot_state, host_weight=host, host_momentum=host_state)  # fmt: skip
-        stepped, state = slots.cpu(), slot_state.cpu()
-        stepped[1::2], state[1::2] = host.cpu(), host_state.cpu()
+                                 state=slot_state, host_weight=host, host_state=host_state)  # fmt: skip
+        stepped, stepped_state = slots.cpu(), {k: v.cpu() for k, v in slot_state.items()}
+        stepped[1::2] = host.cpu()
+        for key, value in host_state.items():
+            stepped_state[key][1::2] = value.cpu()
+    # The hot row's gradient is a sum of hundreds of rows, added in another order than the reference's.
     torch.testing.assert_close(stepped.cpu(), expected_weight, rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(state.cpu(), expected_momentum, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close({k: v.cpu() for k, v in stepped_state.items()}, expected_state, rtol=1e-6, atol=1e-5)
 
 
-def test_the_module_trains_in_its_backward_as_the_pytorch_path() -> None:
+@pytest.mark.parametrize("rule", ["rowwise_adagrad", "adam"])
+def test_the_module_trains_in_its_backward_as_the_pytorch_path(rule) -> None:
     table_rows, dim, batch = [40, 9], 8, 5
     weight = torch.randn(sum(table_rows), dim, generator=torch.Generator().manual_seed(7))
-    expected_weight, expected_momentum = weight.clone(), torch.zeros(sum(table_rows))
-    tbe = triton_tbe.TritonTableBatchedEmbedding(weight.clone().to(DEVICE), "rowwise_adagrad", lr=0.05, eps=1e-10)
+    widths = RowWiseOptimizerConfig(name=rule).state_widths(dim)
+    expected_weight, expected_state = weight.clone(), {k: torch.zeros(sum(table_rows), w) for k, w in widths.items()}
+    tbe = triton_tbe.TritonTableBatchedEmbedding(weight.clone().to(DEVICE), rule, lr=0.05, eps=1e-10)
     for step in range(2):
         indices, offsets, _ = stack_batch(table_rows, batch, max_len=4, seed=30 + step)
         upstream = torch.randn(offsets.numel() - 1, dim, generator=torch.Generator().manual_seed(40 + step))
         out = tbe(indices.to(DEVICE), offsets.to(DEVICE))
         torch.testing.assert_close(out.detach().cpu(), reference_pooled(expected_weight, indices, offsets, None, None), rtol=1e-6, atol=1e-6)
         (out * upstream.to(DEVICE)).sum().backward()
-        reference_step("rowwise_adagrad", expected_weight, expected_momentum, upstream, indices, offsets, None, None)
+        reference_step(rule, expected_weight, expected_state, upstream, indices, offsets, None, None)
     torch.testing.assert_close(tbe.weight.detach().cpu(), expected_weight, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(tbe.momentum.cpu(), expected_momentum, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close({k: v.cpu() for k, v in tbe.state().items()}, expected_state, rtol=1e-6, atol=1e-6)
 
 
-def test_rules_the_kernel_does_not_apply_are_refused_with_the_way_out() -> None:
-    with pytest.raises(ValueError, match=r"not 'adam': use kernel='pytorch'"):
-        triton_tbe.TritonTableBatchedEmbedding(torch.zeros(2, 4, device=DEVICE), "adam", lr=0.1, eps=1e-8)
+def test_unknown_rules_and_missing_state_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"apply sgd, rowwise_adagrad, adam, not 'adagrad'"):
+        triton_tbe.TritonTableBatchedEmbedding(torch.zeros(2, 4, device=DEVICE), "adagrad", lr=0.1, eps=1e-8)
+    weight, offsets = torch.zeros(2, 4, device=DEVICE), torch.tensor([0, 1], device=DEVICE)
+    ids, grad = torch.zeros(1, dtype=torch.int64, device=DEVICE), torch.ones(1, 4, device=DEVICE)
+    with pytest.raises(ValueError, match=r"adam needs the rows' exp_avg_sq and step"):
+        triton_tbe.backward_step(weight, grad, ids, offsets, "adam", 0.1, 1e-8, {"exp_avg": torch.zeros(2, 4, device=DEVICE)})
+    with pytest.raises(ValueError, match=r"rowwise_adagrad on rows read from the host needs the host rows' momentum"):
+        triton_tbe.backward_step(weight, grad, ids, offsets, "rowwise_adagrad", 0.1, 1e-8, {"momentum": torch.zeros(2, 1, device=DEVICE)},
+                                 host_weight=weight.clone())  # fmt: skip
 
 
 def test_backward_reads_no_count_from_the_device(monkeypatch) -> None:
@@ -209,7 +246,7 @@ def test_backward_reads_no_count_from_the_device(monkeypatch) -> None:
     monkeypatch.setattr(torch, "nonzero", refuse)
     grad = torch.ones(offsets.numel() - 1, 8, device=DEVICE)
     momentum = torch.zeros(25, device=DEVICE)
-    triton_tbe.backward_step(weight, grad, indices.to(DEVICE), offsets.to(DEVICE), "rowwise_adagrad", 0.1, 1e-10, momentum)
+    triton_tbe.backward_step(weight, grad, indices.to(DEVICE), offsets.to(DEVICE), "rowwise_adagrad", 0.1, 1e-10, {"momentum": momentum})
     chunks = -(-indices.numel() // triton_tbe._CHUNK)
     assert launched == [(chunks,), (chunks,)]  # grids the host knew: the batch's values in chunks
 
@@ -249,7 +286,7 @@ def _zoo_fit(name: str, optimizer: dict, triton: bool, monkeypatch, accumulate: 
     [
         ("dlrm", {"name": "rowwise_adagrad", "lr": 0.05}, 1, 6),
         pytest.param("deepfm", {"name": "sgd", "lr": 0.1}, 1, 12, marks=pytest.mark.full),  # two collections: dim 8, first-order weights
-        pytest.param("dlrm", {"name": "adam", "lr": 0.01}, 1, 0, marks=pytest.mark.full),  # pooled by Triton, stepped as gradient rows
+        pytest.param("dlrm", {"name": "adam", "lr": 0.01}, 1, 6, marks=pytest.mark.full),
         # Two batches' gradients in a step: stepped as gradient rows, summed.
         pytest.param("dlrm", {"name": "rowwise_adagrad", "lr": 0.05}, 2, 0, marks=pytest.mark.full),
     ],

@@ -16,8 +16,8 @@ processes:
 On CUDA the Triton path's caches keep their directory in device memory, their host rows mapped
 into the GPU's address space (`DirectoryStaging`: the batch's rows admitted at the step, host
 rows read and stepped in place, the step capturable in a CUDA graph); elsewhere, and for what
-the device directory does not serve (lookahead, memory-mapped host storage, several
-processes, lazy Adam), the host directory (`Staging`).
+the device directory does not serve (memory-mapped host storage, several processes), the host
+directory (`Staging`).
 
 | kernel  | processes | lookup               | update                                         |
 |---------|-----------|----------------------|------------------------------------------------|
@@ -28,8 +28,7 @@ processes, lazy Adam), the host directory (`Staging`).
 | triton  | 1         | `EmbeddingBagLookup` | `TritonUpdate`: the kernel steps each row      |
 | triton  | several   | `EmbeddingBagLookup` | `OwnersUpdate`, as FBGEMM's                    |
 
-(The Triton lookup pools with `triton_tbe.pooled`; with lazy Adam, which the kernel does not
-apply, its one-process update is `SummingUpdate`.)
+(The Triton lookup pools with `triton_tbe.pooled`.)
 
 Where the rows live (`Layout`) is decided alongside; nothing in a step tests the
 configuration again.
@@ -57,7 +56,6 @@ from lightning_hotcache.cache import CachePolicy, DeviceCache, HostDirectory, Ho
 from lightning_hotcache.cache.exchange import RowSharding
 from lightning_hotcache.cache.fused import FusedTables, KernelChoice, check_kernel_choice, fused_unavailable
 from lightning_hotcache.kernels import triton_tbe
-from lightning_hotcache.kernels.triton_tbe import TRITON_RULES
 from lightning_hotcache.cache.group import TableInGroup
 from lightning_hotcache.cache.host_arrays import new_array
 from lightning_hotcache.cache.host_mapping import HostMappingError, map_all_for_devices
@@ -194,7 +192,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         # staged by `DirectoryStaging`) where it may serve and nothing in the configuration keeps
         # it on the host; the log line names what does.
         switched_on = self._device_directory_switched_on()
-        self._host_directory_reason = self._why_the_directory_stays_on_the_host(cache_policy) if switched_on else None
+        self._host_directory_reason = self._why_the_directory_stays_on_the_host() if switched_on else None
         directory_on_device = switched_on and self._host_directory_reason is None
         # Under lookahead the device directory's window: the plan's (a plan made without the policy: the default).
         self._window_batches = plan.lookahead_batches or DEFAULT_WINDOW_BATCHES
@@ -287,7 +285,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
         if self._fused is not None:
             return LookupForOwners(self._fused, self._is_weighted, self.device, update.on_output_gradient), update
         hosts = self._host_rows_of_device_tables()
-        if self._triton and world == 1 and self.optimizer.name in TRITON_RULES:
+        if self._triton and world == 1:
             update = TritonUpdate(self.layout, self._device_tables, staging, self.optimizer, self._is_weighted, hosts)
         weights = [table["weight"] for table in self._device_tables]
         host_weights = [None if host is None else host["weight"] for host in hosts]
@@ -300,14 +298,12 @@ class HotColdEmbeddingBagCollection(nn.Module):
         wanted = setting(Switch.DEVICE_DIRECTORY)
         return wanted == "1" or (wanted is None and self.device.type == "cuda")
 
-    def _why_the_directory_stays_on_the_host(self, policy: CachePolicy) -> str | None:
+    def _why_the_directory_stays_on_the_host(self) -> str | None:
         """What in this configuration the device directory does not serve (None: nothing)."""
         if not self._triton:
             return "it needs the Triton kernels"
         if self._sharding.world > 1:
             return "several processes exchange rows through it"
-        if self.optimizer.name not in TRITON_RULES:
-            return f"the {self.optimizer.name} rule is not applied in the Triton kernel"
         if self.host_directory is not None:
             return "host_storage is a directory of memory-mapped files"
         return None
@@ -372,13 +368,8 @@ class HotColdEmbeddingBagCollection(nn.Module):
             return False
         if self._sharding.world > 1:
             self.kernel_note = "triton TBE lookup, each row's owner applies the ranks' mean gradient"
-        elif self.optimizer.name in triton_tbe.TRITON_RULES:
-            self.kernel_note = f"triton TBE, {self.optimizer.name} applied in its backward"
         else:
-            self.kernel_note = (
-                f"triton TBE lookup, {self.optimizer.name} on the PyTorch path (the kernel applies "
-                f"{' and '.join(triton_tbe.TRITON_RULES)})"
-            )
+            self.kernel_note = f"triton TBE, {self.optimizer.name} applied in its backward"
         if kernel == "auto":
             self.kernel_note += f" (FBGEMM's fused kernel does not run here: {self._fused_refusal})"
         return True

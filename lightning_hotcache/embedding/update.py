@@ -168,8 +168,8 @@ class TritonUpdate(_UpdateInBackward):
         host = self.host_tables[k] or {}
         triton_tbe.backward_step(
             table["weight"], per_bag, concat_spans(staged.indices, spans), torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)]),
-            config.name, config.lr, config.eps, table.get("momentum"), features.bag_mean(ours.stride()), weights,
-            host_weight=host.get("weight"), host_momentum=host.get("momentum"),
+            config.name, config.lr, config.eps, self._states[k], features.bag_mean(ours.stride()), weights,
+            host_weight=host.get("weight"), host_state=host, betas=(config.beta1, config.beta2),
         )  # fmt: skip
 
 

@@ -14,8 +14,9 @@ pooling in one launch), with optional per-sample weights. An empty bag pools to 
 The backward sorts the batch's rows once (a fixed-size sort: no count reaches the host), so
 that each row's values form a run, and sums each run's gradient rows (each bag's output
 gradient, scaled by the value's weight and, for mean bags, by one over the bag's length)
-before stepping the row once with SGD or row-wise Adagrad (``acc += mean(g**2)``,
-``w -= lr * g / (sqrt(acc) + eps)``, as `RowWiseOptimizerConfig`). The sorted positions go to
+before stepping the row once by the row-wise rule, as `RowWiseOptimizerConfig` writes it: SGD,
+row-wise Adagrad (``acc += mean(g**2)``, ``w -= lr * g / (sqrt(acc) + eps)``) or lazy Adam (the
+row's moments, and its bias correction by its own count of steps). The sorted positions go to
 programs in fixed chunks (a segmented scan sums each run's piece in a chunk), and a second
 launch sums and steps the runs that cross a chunk's edge: in CTR data a few rows are read by
 thousands of a batch's values (a table of three rows, the head of a power law), and one program
@@ -41,7 +42,14 @@ except ImportError:  # torch's CPU builds do not bring Triton
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
 
-TRITON_RULES = ("sgd", "rowwise_adagrad")  # applied in the kernel; lazy Adam stays on the PyTorch path
+# Each rule the kernels apply, and the per-row state arrays it reads and writes, in the order
+# the kernels take them (`RowWiseOptimizerConfig.state_widths` names the same arrays).
+_STATE_OF_RULE: dict[str, tuple[str, ...]] = {
+    "sgd": (),
+    "rowwise_adagrad": ("momentum",),
+    "adam": ("exp_avg", "exp_avg_sq", "step"),
+}
+_RULE_IDS = {rule: k for k, rule in enumerate(_STATE_OF_RULE)}  # the kernels' RULE
 
 
 def interpreted() -> bool:
@@ -115,22 +123,46 @@ if triton is not None:
 
     @triton.jit
     def _step_rows(
-        weight, momentum, host, host_momentum, at, g, take, cols, mask, dim, weight_stride, host_stride, lr, eps,
-        ADAGRAD: tl.constexpr, TWO_TIERS: tl.constexpr,
+        weight, host, s1, s2, s3, h1, h2, h3, at, g, take, cols, mask, dim, weight_stride, host_stride, state_stride,
+        host_state_stride, lr, eps, beta1, beta2, rest1, rest2, RULE: tl.constexpr, TWO_TIERS: tl.constexpr,
     ):  # fmt: skip
         """Step the rows at locations ``at`` (a vector) where ``take`` holds, each from its
-        summed gradient, a row of ``g`` (SGD, or row-wise Adagrad with its one momentum a row)."""
+        summed gradient, a row of ``g``, by ``RULE`` (`_RULE_IDS`): SGD; row-wise Adagrad, its
+        momentum in ``s1`` (one a row); or lazy Adam, its moments in ``s1`` and ``s2`` (rows of
+        ``dim``, ``state_stride`` apart), each row's count of steps in ``s3``. ``h1``-``h3`` are
+        the host rows' state. ``rest1`` and ``rest2`` are ``1 - beta1`` and ``1 - beta2``,
+        rounded as torch rounds them."""
         both = take[:, None] & mask[None, :]
         address = _row_address(weight, host, at, weight_stride, host_stride, TWO_TIERS)[:, None] + cols[None, :]
         w = tl.load(address, mask=both, other=0.0)
-        if ADAGRAD:
-            state = _row_address(momentum, host_momentum, at, 1, 1, TWO_TIERS)
+        if RULE == 1:
+            state = _row_address(s1, h1, at, 1, 1, TWO_TIERS)
             acc = tl.load(state, mask=take, other=0.0) + tl.sum(g * g, axis=1) / dim
             tl.store(state, acc, mask=take)
             w = w - lr * g / (tl.sqrt(acc)[:, None] + eps)
+        elif RULE == 2:
+            counts = _row_address(s3, h3, at, 1, 1, TWO_TIERS)
+            step = tl.load(counts, mask=take, other=0.0) + 1.0
+            tl.store(counts, step, mask=take)
+            first = _row_address(s1, h1, at, state_stride, host_state_stride, TWO_TIERS)[:, None] + cols[None, :]
+            second = _row_address(s2, h2, at, state_stride, host_state_stride, TWO_TIERS)[:, None] + cols[None, :]
+            m = tl.load(first, mask=both, other=0.0)
+            m = m + rest1 * (g - m)  # torch's lerp for a weight below one half
+            v = tl.load(second, mask=both, other=0.0) * beta2 + rest2 * g * g
+            tl.store(first, m, mask=both)
+            tl.store(second, v, mask=both)
+            w = w - lr * (m / _bias_correction(beta1, step)[:, None]) / (tl.sqrt(v / _bias_correction(beta2, step)[:, None]) + eps)
         else:
             w = w - lr * g
         tl.store(address, w, mask=both)
+
+    @triton.jit
+    def _bias_correction(beta, step):
+        """``1 - beta ** step`` as torch gives it for a float32 ``beta``: the power in float64
+        rounded to float32 (a correctly rounded float32 power), then the difference in float32,
+        whose cancellation at small ``step`` is torch's too."""
+        base = (tl.zeros_like(step) + beta).to(tl.float64)
+        return 1.0 - tl.exp2(step.to(tl.float64) * tl.log2(base)).to(tl.float32)
 
     @triton.jit
     def _chunk_runs(sorted_rows, first, num_values, CHUNK: tl.constexpr):
@@ -151,9 +183,9 @@ if triton is not None:
 
     @triton.jit
     def _backward_chunks_kernel(
-        weight, momentum, host, host_momentum, sorted_rows, order, bag_of_value, scale, grad, heads, tails,
-        num_values, dim, weight_stride, host_stride, grad_stride, lr, eps,
-        ADAGRAD: tl.constexpr, TWO_TIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+        weight, host, s1, s2, s3, h1, h2, h3, sorted_rows, order, bag_of_value, scale, grad, heads, tails,
+        num_values, dim, weight_stride, host_stride, state_stride, host_state_stride, grad_stride, lr, eps, beta1, beta2, rest1, rest2,
+        RULE: tl.constexpr, TWO_TIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         c = tl.program_id(0).to(tl.int64)
         first = c * CHUNK
@@ -172,8 +204,8 @@ if triton is not None:
         piece_ends = valid & (ends | (q == first + CHUNK - 1))
         # A run wholly in the chunk is stepped here; the pieces of a run that crosses a chunk's
         # edge wait for `_long_runs_kernel`: its first chunk's in ``tails``, the others' in ``heads``.
-        _step_rows(weight, momentum, host, host_momentum, rows, sums, begun_here & ends, cols, mask, dim,
-                   weight_stride, host_stride, lr, eps, ADAGRAD, TWO_TIERS)  # fmt: skip
+        _step_rows(weight, host, s1, s2, s3, h1, h2, h3, rows, sums, begun_here & ends, cols, mask, dim, weight_stride, host_stride,
+                   state_stride, host_state_stride, lr, eps, beta1, beta2, rest1, rest2, RULE, TWO_TIERS)  # fmt: skip
         head = piece_ends & ~begun_here
         tail = piece_ends & begun_here & ~ends
         tl.store(heads + c * dim + cols, tl.sum(tl.where(head[:, None], sums, 0.0), axis=0), mask=mask)
@@ -181,9 +213,9 @@ if triton is not None:
 
     @triton.jit
     def _long_runs_kernel(
-        weight, momentum, host, host_momentum, sorted_rows, heads, tails, num_values, num_chunks, dim,
-        weight_stride, host_stride, lr, eps,
-        ADAGRAD: tl.constexpr, TWO_TIERS: tl.constexpr, CHUNK: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr,
+        weight, host, s1, s2, s3, h1, h2, h3, sorted_rows, heads, tails, num_values, num_chunks, dim,
+        weight_stride, host_stride, state_stride, host_state_stride, lr, eps, beta1, beta2, rest1, rest2,
+        RULE: tl.constexpr, TWO_TIERS: tl.constexpr, CHUNK: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         c = tl.program_id(0).to(tl.int64)
         _, _, _, starts, ends = _chunk_runs(sorted_rows, c * CHUNK, num_values, CHUNK)
@@ -207,8 +239,9 @@ if triton is not None:
                 more = tl.sum(inside.to(tl.int32), 0) == SPAN
                 k += SPAN
             one = tl.arange(0, 1) == 0
-            _step_rows(weight, momentum, host, host_momentum, row + tl.zeros([1], dtype=row.dtype), g[None, :], one, cols, mask, dim,
-                       weight_stride, host_stride, lr, eps, ADAGRAD, TWO_TIERS)  # fmt: skip
+            _step_rows(weight, host, s1, s2, s3, h1, h2, h3, row + tl.zeros([1], dtype=row.dtype), g[None, :], one, cols, mask, dim,
+                       weight_stride, host_stride, state_stride, host_state_stride, lr, eps, beta1, beta2, rest1, rest2,
+                       RULE, TWO_TIERS)  # fmt: skip
 
     @triton.jit
     def _move_rows_kernel(
@@ -285,24 +318,28 @@ def backward_step(
     rule: str,
     lr: float,
     eps: float,
-    momentum: Tensor | None = None,
+    state: dict[str, Tensor] | None = None,
     bag_mean: Tensor | None = None,
     per_sample_weights: Tensor | None = None,
     host_weight: Tensor | None = None,
-    host_momentum: Tensor | None = None,
+    host_state: dict[str, Tensor] | None = None,
+    betas: tuple[float, float] = (0.9, 0.999),
 ) -> None:
     """Step the rows of ``weight`` the bags read, in place, from ``grad`` (the pooled output's
     gradient, one row per bag): each distinct row once, from its summed gradient, by ``rule``
-    (``sgd``, or ``rowwise_adagrad`` with its per-row ``momentum``, shape ``(rows,)`` or
-    ``(rows, 1)``). One sort and two launches for the whole stack. With ``host_weight`` (and
-    ``host_momentum``) the indices are locations, as for `pooled`: a row read from the host is
-    stepped there, in place. A row must have one location in a batch."""
-    if rule not in TRITON_RULES:
-        raise ValueError(f"the Triton kernels apply {' and '.join(TRITON_RULES)}, not {rule!r}: use kernel='pytorch' for it.")
-    if rule == "rowwise_adagrad" and momentum is None:
-        raise ValueError("rowwise_adagrad needs the rows' momentum.")
-    if rule == "rowwise_adagrad" and host_weight is not None and host_momentum is None:
-        raise ValueError("rowwise_adagrad on rows read from the host needs the host rows' momentum.")
+    (``sgd``; ``rowwise_adagrad``, ``state["momentum"]`` one value a row; ``adam`` with
+    ``betas``, ``state``'s ``exp_avg`` and ``exp_avg_sq`` rows of ``weight``'s width and
+    ``step`` one value a row). One sort and two launches for the whole stack. With
+    ``host_weight`` (and ``host_state``) the indices are locations, as for `pooled`: a row read
+    from the host is stepped there, in place. A row must have one location in a batch."""
+    names = _STATE_OF_RULE.get(rule)
+    if names is None:
+        raise ValueError(f"the Triton kernels apply {', '.join(_STATE_OF_RULE)}, not {rule!r}.")
+    state = state or {}
+    if missing := [name for name in names if name not in state]:
+        raise ValueError(f"{rule} needs the rows' {' and '.join(missing)}.")
+    if host_weight is not None and (missing := [name for name in names if name not in (host_state or {})]):
+        raise ValueError(f"{rule} on rows read from the host needs the host rows' {' and '.join(missing)}.")
     num_values = indices.numel()
     if num_values == 0:
         return
@@ -314,16 +351,34 @@ def backward_step(
     num_chunks = triton.cdiv(num_values, _CHUNK)
     heads = torch.empty(num_chunks, dim, dtype=torch.float32, device=weight.device)
     tails = torch.empty_like(heads)
-    arrays = (weight, momentum if momentum is not None else weight, host, host_momentum if host_momentum is not None else host)
-    switches = dict(ADAGRAD=rule == "rowwise_adagrad", TWO_TIERS=host_weight is not None, CHUNK=_CHUNK, BLOCK=_block(dim))
+    slot_arrays = [state[name] for name in names]
+    host_arrays = [host_state[name] for name in names] if host_weight is not None and host_state else slot_arrays
+    arrays = (weight, host, *_three(slot_arrays, weight), *_three(host_arrays, host))
+    strides = (weight.stride(0), host.stride(0), _moments_stride(slot_arrays), _moments_stride(host_arrays))
+    beta1, beta2 = betas
+    hyper = (float(lr), float(eps), float(beta1), float(beta2), 1.0 - beta1, 1.0 - beta2)
+    switches = dict(RULE=_RULE_IDS[rule], TWO_TIERS=host_weight is not None, CHUNK=_CHUNK, BLOCK=_block(dim))
     _backward_chunks_kernel[(num_chunks,)](
-        *arrays, sorted_rows, order, bag_of_value, scale, grad, heads, tails, num_values, dim,
-        weight.stride(0), host.stride(0), grad.stride(0), float(lr), float(eps), **switches,
+        *arrays, sorted_rows, order, bag_of_value, scale, grad, heads, tails, num_values, dim, *strides, grad.stride(0),
+        *hyper, **switches,
     )  # fmt: skip
     _long_runs_kernel[(num_chunks,)](
-        *arrays, sorted_rows, heads, tails, num_values, num_chunks, dim, weight.stride(0), host.stride(0), float(lr), float(eps),
-        SPAN=_SPAN, **switches,
+        *arrays, sorted_rows, heads, tails, num_values, num_chunks, dim, *strides, *hyper, SPAN=_SPAN, **switches,
     )  # fmt: skip
+
+
+def _three(arrays: list[Tensor], filler: Tensor) -> list[Tensor]:
+    """A rule's state arrays as the kernels' three state pointers (an unused one: ``filler``)."""
+    return [*arrays, *[filler] * (3 - len(arrays))]
+
+
+def _moments_stride(arrays: list[Tensor]) -> int:
+    """The row stride of Adam's two moments (both alike); 1 for the other rules, which read none."""
+    if len(arrays) < 2:
+        return 1
+    if arrays[0].stride(0) != arrays[1].stride(0):
+        raise ValueError(f"Adam's exp_avg and exp_avg_sq must have one row stride, not {arrays[0].stride(0)} and {arrays[1].stride(0)}.")
+    return arrays[0].stride(0)
 
 
 def move_rows(slots_array: Tensor, host_array: Tensor, slots: Tensor, write_rows: Tensor, fill_rows: Tensor) -> None:
@@ -344,25 +399,33 @@ def move_rows(slots_array: Tensor, host_array: Tensor, slots: Tensor, write_rows
 class TritonTableBatchedEmbedding(torch.nn.Module):
     """A stack of tables of one width as one ``weight``, looked up with `pooled` and trained in
     its backward with `backward_step` (no gradient reaches ``weight``: the rule is applied to
-    the rows read, as FBGEMM's fused TBE does).
+    the rows read, as FBGEMM's fused TBE does). The rule's state is a buffer per array, a row per
+    table row (``momentum``; ``exp_avg``, ``exp_avg_sq``, ``step``).
 
     Args:
         weight: the stack, ``(rows, dim)``, float32, on a CUDA device (or the CPU under
             ``TRITON_INTERPRET=1``).
-        rule, lr, eps: the row-wise rule (`TRITON_RULES`).
+        rule, lr, eps, betas: the row-wise rule (``sgd``, ``rowwise_adagrad`` or ``adam``).
     """
 
-    def __init__(self, weight: Tensor, rule: str, lr: float, eps: float) -> None:
+    def __init__(self, weight: Tensor, rule: str, lr: float, eps: float, betas: tuple[float, float] = (0.9, 0.999)) -> None:
         super().__init__()
-        if rule not in TRITON_RULES:
-            raise ValueError(f"the Triton kernels apply {' and '.join(TRITON_RULES)}, not {rule!r}: use kernel='pytorch' for it.")
+        if rule not in _STATE_OF_RULE:
+            raise ValueError(f"the Triton kernels apply {', '.join(_STATE_OF_RULE)}, not {rule!r}.")
         why = why_unavailable(weight.device)
         if why is not None:
             raise RuntimeError(f"kernel='triton' cannot run here: {why}.")
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.register_buffer("momentum", torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device))
-        self.rule, self.lr, self.eps = rule, lr, eps
+        rows, dim = weight.shape
+        for name in _STATE_OF_RULE[rule]:
+            width = dim if name.startswith("exp_avg") else 1
+            self.register_buffer(name, torch.zeros(rows, width, dtype=torch.float32, device=weight.device))
+        self.rule, self.lr, self.eps, self.betas = rule, lr, eps, betas
         self._anchor = torch.zeros((), requires_grad=True, device=weight.device)  # lets autograd reach the backward
+
+    def state(self) -> dict[str, Tensor]:
+        """The rule's state arrays by name."""
+        return {name: getattr(self, name) for name in _STATE_OF_RULE[self.rule]}
 
     def forward(self, indices: Tensor, offsets: Tensor, bag_mean: Tensor | None = None, per_sample_weights: Tensor | None = None) -> Tensor:
         if not torch.is_grad_enabled():
@@ -382,5 +445,6 @@ class _LookupAndStep(torch.autograd.Function):
         tbe = ctx.tbe
         indices, offsets, bag_mean, per_sample_weights = ctx.inputs
         with torch.no_grad():
-            backward_step(tbe.weight, grad, indices, offsets, tbe.rule, tbe.lr, tbe.eps, tbe.momentum, bag_mean, per_sample_weights)
+            backward_step(tbe.weight, grad, indices, offsets, tbe.rule, tbe.lr, tbe.eps, tbe.state(), bag_mean, per_sample_weights,
+                          betas=tbe.betas)  # fmt: skip
         return (None,) * 6

@@ -290,22 +290,23 @@ class RowWiseOptimizer(torch.optim.Optimizer):
         """Take the gradient of ``tables`` as their bags' (``grad[k]`` for the ids
         ``rows[offsets[k]:offsets[k + 1]]``, rows of the tables laid end to end as in
         `add_row_gradients`). Where it is a step's only gradient of those tables, the tables
-        are one stack in the state's order, the rule is one the Triton TBE applies and no
-        process reduces the rows, `step` applies it in Triton's kernel, one pass over the bags
+        are one stack in the state's order and no process reduces the rows, `step` applies
+        the rule in Triton's kernel, one pass over the bags
         (`triton_tbe.backward_step`); otherwise it steps it as gradient rows."""
         self._pooled.append(PooledGradients(tuple(tables), rows, offsets, grad, bag_mean, per_sample_weights))
 
     def _step_in_triton(self, piece: PooledGradients, others: int) -> bool:
         """Step ``piece`` in Triton's kernel where it can (see `add_pooled_gradients`)."""
-        if others or self.config.name not in triton_tbe.TRITON_RULES:
+        if others:
             return False
         stack = self._stacks[_width(piece.tables[0])]
         weights = stacked_rows(stack.tables)
         if weights is None or stack.first_row[piece.tables[0]] != 0 or len(piece.tables) != len(stack.tables):
             return False
+        config = self.config
         triton_tbe.backward_step(
-            weights, piece.grad, piece.rows, piece.offsets, self.config.name, self.config.lr, self.config.eps,
-            stack.arrays.get("momentum"), piece.bag_mean, piece.per_sample_weights,
+            weights, piece.grad, piece.rows, piece.offsets, config.name, config.lr, config.eps, stack.arrays, piece.bag_mean,
+            piece.per_sample_weights, betas=(config.beta1, config.beta2),
         )  # fmt: skip
         return True
 
