@@ -481,7 +481,8 @@ class CTRModel(pl.LightningModule, metaclass=_AssembledAfterInit):
             loss.backward()
             self._step_rows()
         except BaseException:
-            self.embedding_optimizer.zero_grad()  # the gradient rows a refused capture handed over
+            if self._fit_tables:  # the gradient rows a refused capture handed over (hotcache's collections step their own)
+                self.embedding_optimizer.zero_grad()
             raise
         return loss.detach(), torch.isfinite(loss).logical_not()
 

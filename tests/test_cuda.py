@@ -130,6 +130,16 @@ def test_gpu_path_step_of_a_staged_batch_waits_for_no_device() -> None:
     assert few == many == 0
 
 
+def test_gpu_path_device_directory_step_waits_for_no_device() -> None:
+    # The caches' directory in GPU memory (the Triton path's default): a checked batch's step (its
+    # rows found and admitted, read and stepped where they live, its cells released) reads nothing
+    # back, as its CUDA graph needs.
+    few = _ops_per_step(8, kernel="triton", counter_type=_CountCudaSyncs, device="cuda", staged_ahead=True)
+    many = _ops_per_step(26, kernel="triton", counter_type=_CountCudaSyncs, device="cuda", staged_ahead=True)
+    print(f"host syncs per steady-state step on CUDA (device directory, Triton): {few} for 8 tables, {many} for 26")
+    assert few == many == 0
+
+
 def test_whole_training_step_syncs_once() -> None:
     # The GPU issue's "host syncs a step, in all: <= 1": the non-finite-loss guard's copy of the
     # loss; the logged loss and the callbacks' figures reach the progress bar from the host.

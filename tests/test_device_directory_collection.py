@@ -282,8 +282,10 @@ def test_arrays_mapped_before_a_refusal_are_unmapped(fault, monkeypatch) -> None
 def test_the_kernels_reading_mapped_host_rows_is_checked_before_a_step() -> None:
     from lightning_hotcache.cache.host_mapping import check_the_kernels_read
 
-    rows = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    check_the_kernels_read(rows, torch.device("cpu"))  # the interpreter reads host rows as they are
+    for rows in (torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.zeros(3, 4)):  # drawn, and not yet
+        before = rows.clone()
+        check_the_kernels_read(rows, torch.device("cpu"))  # the interpreter reads host rows as they are
+        assert torch.equal(rows, before)  # the values it read put back
 
 
 @pytest.mark.parametrize("fault", ["refused", "wrong"])
@@ -297,5 +299,7 @@ def test_kernels_that_cannot_read_mapped_host_rows_are_a_clear_error(fault, monk
 
     monkeypatch.setattr(host_mapping.triton_tbe, "pooled", pooled)
     why = r"could not read the mapped host rows \(Pointer argument" if fault == "refused" else "read other values"
+    rows = torch.zeros(3, 4)  # rows not yet drawn: a read that returns zeros is still caught
     with pytest.raises(HostMappingError, match=why):
-        host_mapping.check_the_kernels_read(torch.ones(3, 4), torch.device("cpu"))
+        host_mapping.check_the_kernels_read(rows, torch.device("cpu"))
+    assert torch.equal(rows, torch.zeros(3, 4))

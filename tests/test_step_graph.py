@@ -119,6 +119,43 @@ def test_a_capture_the_step_refuses_changes_nothing_and_every_step_is_eager_afte
     assert graph.run(batch(torch.ones(2, 4), [1, 2])) is None and graph.captures == 0
 
 
+class Marks:
+    """A step that marks the rows its batch reads: by writing a Python value through an index
+    (on CUDA a copy from the host first), or with ``index_fill_`` (a kernel's argument)."""
+
+    def __init__(self, by_index_fill: bool) -> None:
+        self.weight, self.by_index_fill = torch.zeros(4), by_index_fill
+
+    def __call__(self, b: Batch) -> torch.Tensor:
+        if self.by_index_fill:
+            self.weight.index_fill_(0, b.sparse_features.values(), 1.0)
+        else:
+            self.weight[b.sparse_features.values()] = 1.0
+        return self.weight.sum().reshape(1)
+
+
+def test_a_python_value_written_by_indexing_is_refused_as_a_copy_from_the_host() -> None:
+    one = batch(torch.zeros(2, 4), [1, 2])
+    refused, _ = graph_of(Marks(by_index_fill=False), warmup=1)
+    assert refused.run(one) is None and "writes a host value into a tensor (aten::index_put_" in refused.eager_reason
+    assert "(at test_step_graph.py:" not in refused.eager_reason  # the line named is the project's, not a test's
+    recorded, _ = graph_of(Marks(by_index_fill=True), warmup=1)
+    assert recorded.run(one) is not None and recorded.eager_reason is None
+
+
+def test_a_refusal_names_the_first_error_and_the_project_line_that_raised_it() -> None:
+    from lightning_hotcache._ops.step_graph import refusal_reason
+
+    try:
+        try:
+            torch.zeros(2).reshape(3)  # the error inside the capture
+        except RuntimeError:
+            raise RuntimeError("operation failed due to a previous error during capture")  # what CUDA's capture_end raises then
+    except RuntimeError as error:
+        reason = refusal_reason(error)
+    assert reason.startswith("RuntimeError: shape '[3]' is invalid") and "previous error" not in reason
+
+
 def test_a_step_whose_ops_change_between_replays_is_caught() -> None:
     class Grows(Adder):
         calls = 0
@@ -231,10 +268,10 @@ def test_a_non_finite_loss_under_the_graph_stops_the_fit_before_a_checkpoint_has
     assert stand_in.replays >= 3  # it was a replayed step
 
 
-def dlrm_fit(strategy, **trainer_options) -> tuple[CTRModel, pl.Trainer]:
+def dlrm_fit(strategy, model_class: type[CTRModel] | None = None, **trainer_options) -> tuple[CTRModel, pl.Trainer]:
     pl.seed_everything(0)
     dm = tiny_synthetic(num_train_samples=52, batch_size=8, num_val_samples=8, num_embeddings_cap=800)  # a short last batch
-    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
+    model = (model_class or MODEL_REGISTRY["dlrm"])(dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
     trainer = cpu_trainer(strategy=strategy, max_epochs=1, log_every_n_steps=4, **trainer_options)
     trainer.fit(model, dm)
     return model, trainer
@@ -282,6 +319,40 @@ def test_a_graphed_hotcache_fit_trains_what_auto_trains(threads: bool, policy: s
         assert directory.announced == 7 and int(directory.retired) == 7
     torch.testing.assert_close(model.state_dict(), expected, rtol=1e-5, atol=1e-5)
     assert module._staging.in_flight == [] and len(module._staging._checked) <= 2  # no Python state a replay would miss
+
+
+class _ReadsTheHostWhenRecorded(torch.nn.BCEWithLogitsLoss):
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = super().forward(logits, labels)
+        if step_graph.recording():
+            float(loss.sum())  # a host read, which a capture refuses
+        return loss
+
+
+class ReadsItsLossWhenRecorded(MODEL_REGISTRY["dlrm"]):  # its step's hooks are CTRModel's: the graph records it
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.loss_fn = _ReadsTheHostWhenRecorded(reduction="none")
+
+
+def test_a_hotcache_recording_refused_after_its_rows_were_admitted_leaves_no_cell_held(stand_in: StandInGraphs, monkeypatch) -> None:
+    # The first recorded step admits its batch's rows on the device, then the loss reads the
+    # host and the capture is refused. What the recording admitted never ran (on CUDA; here the
+    # stand-in puts it back): the fit goes on eagerly, with no cell held for that batch.
+    monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1")
+    expected = _auto_fit_with_a_validation_mid_epoch()
+    captures = stand_in.captures
+    strategy = forced_staging(
+        reader_thread=False, prefetch_depth=1, device_budget=0.001, profile_batches=2, cache_policy="lfu", kernel="triton",
+        grow_budget_to_minimum=True,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"could not be recorded in a CUDA graph \(HostReadInGraph: .* \(at base.py:\d+, training_loss\)"):
+        model, _ = dlrm_fit(strategy, ReadsItsLossWhenRecorded, val_check_interval=0.5)
+    assert stand_in.captures == captures
+    module = next(iter(hot_cold_modules(model).values()))
+    directory = module._caches[next(iter(module.layout.stacks))].on_device
+    assert int(directory.holders.min()) == 0 and directory.num_held() == 0  # a release of cells never held would go below
+    torch.testing.assert_close(model.state_dict(), expected, rtol=1e-5, atol=1e-5)
 
 
 class SaysWhy(Callback):

@@ -30,6 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
+import traceback
+from pathlib import Path
 from typing import Any, Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 
 import torch
@@ -127,6 +130,13 @@ _HOST_READS = frozenset(
     }
 )
 
+# A tensor made of a host value inside the step (a literal, or a Python value written by indexing,
+# which torch makes a tensor first), then written into another: on CUDA a copy from pageable host
+# memory, which waits for the device and which a capture refuses; on a CPU it looks like any other
+# op. The ops that write a value, and where it is among their arguments.
+_HOST_VALUE = "aten::lift_fresh"
+_WRITTEN_VALUE = {"aten::index_put_": 2, "aten::index_put": 2, "aten::_index_put_impl_": 2, "aten::copy_": 1}
+
 
 class _OpTrace(TorchDispatchMode):
     """Records each op run and its outputs' shapes; refuses the ops of `_HOST_READS`."""
@@ -134,6 +144,7 @@ class _OpTrace(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
+        self._host_values: list[Tensor] = []  # tensors of host values made in the step
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func._schema.name
@@ -141,7 +152,16 @@ class _OpTrace(TorchDispatchMode):
             raise HostReadInGraph(
                 f"the graphed step calls {name}, which reads a device value on the host: a CUDA graph cannot record it."
             )
+        written = _WRITTEN_VALUE.get(name)
+        if written is not None and len(args) > written and any(args[written] is t for t in self._host_values):
+            raise HostReadInGraph(
+                f"the graphed step writes a host value into a tensor ({name}: a Python value written by indexing, as in "
+                "`t[i] = 0`, or a torch.tensor made in the step; use fill_, index_fill_ or masked_fill_): on CUDA that "
+                "copies it from the host, which a CUDA graph cannot record."
+            )
         out = func(*args, **(kwargs or {}))
+        if name == _HOST_VALUE:
+            self._host_values.append(out)
         shapes = tuple(tuple(t.shape) for t in _tensors(out))
         self.ops.append((name, shapes))
         return out
@@ -255,12 +275,33 @@ class StepGraph(Generic[Batch]):
             with _recorded():
                 graph, outputs = self.graphs.capture(lambda: self.step(static), self.touched)
         except Exception as error:  # noqa: BLE001 - any refusal: the caller steps eagerly, and says why
-            self.eager_reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+            self.eager_reason = refusal_reason(error)
             self.eager_steps += 1
             return None
         self._graph, self._signature, self._static, self._outputs = graph, signature, static, outputs
         self.captures += 1
         return outputs
+
+
+def refusal_reason(error: BaseException) -> str:
+    """What refused a capture, in one line: the first error raised (a CUDA capture that fails
+    inside raises again as it ends, "operation failed due to a previous error during capture",
+    with the first as its context) and where in this project's code, outside this module's
+    stand-in, it was raised."""
+    first = error
+    while first.__context__ is not None:
+        first = first.__context__
+    message = str(first).splitlines()[0] if str(first) else ""
+    reason = f"{type(first).__name__}: {message}".rstrip(": ")
+    frames = traceback.extract_tb(first.__traceback__)
+    ours = [frame for frame in frames if _OUR_CODE.search(frame.filename) and frame.filename != __file__]
+    if ours:
+        reason += f" (at {Path(ours[-1].filename).name}:{ours[-1].lineno}, {ours[-1].name})"
+    return reason
+
+
+# Where the project's code is (the package, the zoo), to name the line a capture was refused at.
+_OUR_CODE = re.compile(r"[/\\](lightning_hotcache|models)[/\\]")
 
 
 def graphs_for(device: torch.device) -> Graphs | None:

@@ -268,9 +268,11 @@ class DeviceDirectory:
         self._count(_WRITTEN_BACK, write_rows, write_rows >= 0)
         self.ids[new_cell] = distinct
         self.holders.index_add_(0, new_cell, torch.ones_like(new_cell, dtype=torch.int32))
+        # index_fill_, not ``dirty[cells] = value``: indexing a CUDA tensor with a Python value
+        # copies the value from the host first, a wait and a copy a CUDA graph cannot record.
         if training:
-            self.dirty[hit_cell] = True
-        self.dirty[new_cell] = training
+            self.dirty.index_fill_(0, hit_cell, True)
+        self.dirty.index_fill_(0, new_cell, training)
         if self.window_rows:
             self._note_next_reads(distinct, hit | admitted, hit_cell, new_cell, training)
         if self.policy in ("lfu", "lookahead"):
@@ -360,7 +362,7 @@ class DeviceDirectory:
         packed.scatter_(0, torch.where(fits, place, width), sorted_ids)
         self.window[row] = packed[:width]
         self._count(_DROPPED, sorted_ids, keep & ~fits)
-        self.window_steps[row] = self.announced
+        self.window_steps[row].fill_(self.announced)  # no host copy of the value (see `_hits_and_victims`)
         stored = self.window[row].to(torch.int64)
         if self.num_cells:
             cell = self._lookup(stored, stored != WINDOW_PAD, self.set_of(stored))[1]
@@ -412,6 +414,10 @@ class DeviceDirectory:
             for key, array in self.slots.items():
                 host = self.host[key]
                 host.index_copy_(0, self.static_ids.to(host.device), array[: self.num_static].to(host.device))
+        if self.device.type == "cuda":
+            # The write-backs are kernels writing host memory: the host reads and writes those
+            # rows next (a checkpoint, a load over them), so it waits for them here.
+            torch.cuda.current_stream(self.device).synchronize()
 
     def clear(self) -> None:
         """Forget every cached row, writing nothing back (the host rows were just loaded):

@@ -88,13 +88,19 @@ def check_the_kernels_read(array: Tensor, device: torch.device) -> None:
     if array.numel() == 0:
         return
     row = array[:1].reshape(1, -1)
+    saved = row.clone()
+    # Values of its own for the read (the rows may still be zero pages, which a read that
+    # fails quietly could return too), put back after it.
+    row.copy_(torch.arange(1, row.shape[1] + 1, dtype=row.dtype).view(1, -1))
     slots = torch.zeros(1, row.shape[1], device=device)
     location = triton_tbe.location_of_host_row(torch.zeros(1, dtype=torch.int64, device=device))
     try:
         read = triton_tbe.pooled(slots, location, torch.tensor([0, 1], device=device), host_weight=row).cpu()
     except (RuntimeError, ValueError) as error:  # Triton's launcher refuses a pointer it cannot resolve
         raise HostMappingError(f"the Triton kernels could not read the mapped host rows ({error})") from error
-    if not torch.equal(read, row.to(torch.float32)):
+    finally:
+        row.copy_(saved)
+    if not torch.equal(read, torch.arange(1, row.shape[1] + 1, dtype=torch.float32).view(1, -1)):
         raise HostMappingError("the Triton kernels read other values than the mapped host rows hold")
 
 

@@ -61,6 +61,9 @@ class StagedBatch:
     # Caches whose directory is in device memory (`DirectoryStaging`): what each holds from the
     # batch's admission until its release.
     held: dict[str, Any] = field(default_factory=dict)
+    # Staged inside a step a CUDA graph records (`step_graph.recording`): its device ops run only
+    # in the graph's replays, so where the recording is refused it holds nothing.
+    recorded: bool = False
 
 
 def same_batch(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:

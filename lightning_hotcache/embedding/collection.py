@@ -550,8 +550,7 @@ class HotColdEmbeddingBagCollection(nn.Module):
             return None
         return (
             "its caches' directory is on the host, which hands each batch's slots over (the directory is in device "
-            "memory on the Triton path in one process, with host_storage='memory', a policy of lfu, lru or static "
-            f"and sgd or rowwise_adagrad; here: {self.kernel_note})"
+            f"memory on the Triton path in one process, with host_storage='memory'; here: {self.kernel_note})"
         )
 
     def check(self, features: KeyedJaggedTensor) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 from torchrec import KeyedJaggedTensor
+from typing_extensions import override
 
 from lightning_hotcache.cache.device import DeviceCache
 from lightning_hotcache.cache.device_directory import DeviceDirectory
@@ -152,7 +153,7 @@ class DirectoryStaging(Staging):
         host = self._checked_host_batch(features)
         ours = self._in_our_order(features, host)
         indices, bounds = self._stack_ids(ours, self._base), ours.offset_per_key()
-        staged = StagedBatch(features, ours, indices, {}, [])
+        staged = StagedBatch(features, ours, indices, {}, [], recorded=step_graph.recording())
         for key, directory in self.directories.items():
             spans = [(bounds[a], bounds[b]) for a, b in self._runs[key]]
             # A window is announced to from a reader thread too.
@@ -193,6 +194,14 @@ class DirectoryStaging(Staging):
 
     def release(self, staged: StagedBatch) -> None:
         self._unlock(staged)
+
+    @override
+    def release_abandoned(self) -> None:
+        # A batch admitted in a recording that was refused: the admission never ran on the
+        # device (a CUDA capture runs nothing; the CPU stand-in puts back what it wrote), so it
+        # holds no cell, and releasing its cells would take holds of other batches away.
+        self.in_flight = [staged for staged in self.in_flight if not staged.recorded]
+        super().release_abandoned()
 
     def _unlock(self, staged: StagedBatch) -> None:
         while staged.held:  # each admission released once, whoever releases the batch
