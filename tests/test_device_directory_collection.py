@@ -197,6 +197,36 @@ def test_out_of_range_ids_are_refused_before_any_row_or_cell_is_touched(feature,
     torch.testing.assert_close(module.state_dict(), before, rtol=0, atol=0)
 
 
+def test_a_recording_refused_after_its_batch_was_admitted_leaves_no_cell_held() -> None:
+    # A step recorded for a CUDA graph admits its batch's rows, then reads the host and is refused.
+    # The admission never ran (on CUDA; the stand-in puts back what it wrote), so when the next
+    # forward finds the batch abandoned it must not release cells for it: that would take the
+    # holds of other batches away, and a row in flight could be evicted under them.
+    from torchrec.datasets.utils import Batch
+
+    from lightning_hotcache._ops.graph_batches import TorchRecBatches
+    from lightning_hotcache._ops.step_graph import StandInGraphs, StepGraph
+
+    config = RowWiseOptimizerConfig(name="rowwise_adagrad", lr=0.05)
+    batches = zipf_batches()
+    module = fresh(make_plan(batches, None, 0, "lfu"), config)
+
+    def reads_the_host(b: Batch) -> torch.Tensor:
+        out = module(b.sparse_features).values()
+        float(out.sum())  # refused by a capture, after the admission
+        out.backward(b.dense_features)
+        return out
+
+    graph = StepGraph(reads_the_host, TorchRecBatches(), StandInGraphs(), touched=module.step_tensors, warmup=1)
+    first = Batch(dense_features=UPSTREAM[0], sparse_features=batches[0], labels=torch.zeros(len(UPSTREAM[0])))
+    assert graph.run(first) is None and "HostReadInGraph" in graph.eager_reason
+    for batch, grad in zip(batches, UPSTREAM):  # the refused batch again, eagerly, and the rest
+        module(batch).values().backward(grad)
+    directory = module._caches[next(iter(module.layout.stacks))].on_device
+    assert int(directory.holders.min()) == 0 and directory.num_held() == 0
+    assert_same(module, train_reference(config, batches, UPSTREAM))
+
+
 def test_per_sample_weights_learn_what_torchrec_learns() -> None:
     config = RowWiseOptimizerConfig(name="rowwise_adagrad", lr=0.05)
     batches = zipf_batches(weighted=True, seed=3)

@@ -10,6 +10,7 @@ can record: the same ops at the same shapes whatever the batch's ids.
 from __future__ import annotations
 
 import functools
+import re
 
 from pathlib import Path
 
@@ -143,7 +144,22 @@ def test_a_python_value_written_by_indexing_is_refused_as_a_copy_from_the_host()
     assert recorded.run(one) is not None and recorded.eager_reason is None
 
 
-def test_a_refusal_names_the_first_error_and_the_project_line_that_raised_it() -> None:
+def test_a_refusal_names_the_line_of_the_library_that_read_the_host() -> None:
+    from lightning_hotcache.cache.device_directory import DeviceDirectory
+
+    directory = DeviceDirectory(torch.zeros(0, dtype=torch.int64), 4, "lru", {"weight": torch.zeros(4, 2)}, {"weight": torch.zeros(10, 2)})
+
+    class Flushes(Adder):  # whole-table work, which finds the dirty rows on the host
+        def __call__(self, b: Batch) -> torch.Tensor:
+            directory.flush()
+            return super().__call__(b)
+
+    graph, _ = graph_of(Flushes(), warmup=1)
+    assert graph.run(batch(torch.zeros(2, 4), [1, 2])) is None
+    assert re.search(r"aten::nonzero.* \(at device_directory\.py:\d+, flush\)$", graph.eager_reason), graph.eager_reason
+
+
+def test_a_refusal_names_the_first_error_not_the_one_the_capture_raises_as_it_ends() -> None:
     from lightning_hotcache._ops.step_graph import refusal_reason
 
     try:
@@ -268,10 +284,10 @@ def test_a_non_finite_loss_under_the_graph_stops_the_fit_before_a_checkpoint_has
     assert stand_in.replays >= 3  # it was a replayed step
 
 
-def dlrm_fit(strategy, model_class: type[CTRModel] | None = None, **trainer_options) -> tuple[CTRModel, pl.Trainer]:
+def dlrm_fit(strategy, **trainer_options) -> tuple[CTRModel, pl.Trainer]:
     pl.seed_everything(0)
     dm = tiny_synthetic(num_train_samples=52, batch_size=8, num_val_samples=8, num_embeddings_cap=800)  # a short last batch
-    model = (model_class or MODEL_REGISTRY["dlrm"])(dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
+    model = create_model("dlrm", dm.tables, dm.num_dense_features, embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05})
     trainer = cpu_trainer(strategy=strategy, max_epochs=1, log_every_n_steps=4, **trainer_options)
     trainer.fit(model, dm)
     return model, trainer
@@ -319,40 +335,6 @@ def test_a_graphed_hotcache_fit_trains_what_auto_trains(threads: bool, policy: s
         assert directory.announced == 7 and int(directory.retired) == 7
     torch.testing.assert_close(model.state_dict(), expected, rtol=1e-5, atol=1e-5)
     assert module._staging.in_flight == [] and len(module._staging._checked) <= 2  # no Python state a replay would miss
-
-
-class _ReadsTheHostWhenRecorded(torch.nn.BCEWithLogitsLoss):
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = super().forward(logits, labels)
-        if step_graph.recording():
-            float(loss.sum())  # a host read, which a capture refuses
-        return loss
-
-
-class ReadsItsLossWhenRecorded(MODEL_REGISTRY["dlrm"]):  # its step's hooks are CTRModel's: the graph records it
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.loss_fn = _ReadsTheHostWhenRecorded(reduction="none")
-
-
-def test_a_hotcache_recording_refused_after_its_rows_were_admitted_leaves_no_cell_held(stand_in: StandInGraphs, monkeypatch) -> None:
-    # The first recorded step admits its batch's rows on the device, then the loss reads the
-    # host and the capture is refused. What the recording admitted never ran (on CUDA; here the
-    # stand-in puts it back): the fit goes on eagerly, with no cell held for that batch.
-    monkeypatch.setenv(Switch.DEVICE_DIRECTORY.variable, "1")
-    expected = _auto_fit_with_a_validation_mid_epoch()
-    captures = stand_in.captures
-    strategy = forced_staging(
-        reader_thread=False, prefetch_depth=1, device_budget=0.001, profile_batches=2, cache_policy="lfu", kernel="triton",
-        grow_budget_to_minimum=True,
-    )  # fmt: skip
-    with pytest.warns(UserWarning, match=r"could not be recorded in a CUDA graph \(HostReadInGraph: .* \(at base.py:\d+, training_loss\)"):
-        model, _ = dlrm_fit(strategy, ReadsItsLossWhenRecorded, val_check_interval=0.5)
-    assert stand_in.captures == captures
-    module = next(iter(hot_cold_modules(model).values()))
-    directory = module._caches[next(iter(module.layout.stacks))].on_device
-    assert int(directory.holders.min()) == 0 and directory.num_held() == 0  # a release of cells never held would go below
-    torch.testing.assert_close(model.state_dict(), expected, rtol=1e-5, atol=1e-5)
 
 
 class SaysWhy(Callback):
