@@ -82,11 +82,13 @@ def timed_trainer(strategy: Any, max_steps: int, clock: StepClock, accelerator: 
 
 def cache_counters(model: nn.Module) -> dict[str, int]:
     """Running totals summed over every hotcache table of ``model`` (zeros without one): lookups,
-    hits, rows fetched, evicted, written back and read ahead, and the bytes those rows (with their optimizer state)
-    moved host -> device and device -> host."""
+    hits, rows fetched, evicted, written back, read ahead and read and stepped in place in host
+    memory, and the bytes those rows (with their optimizer state) moved host -> device and device
+    -> host (a row stepped in place: once each way, at least)."""
     from lightning_hotcache.embedding import hot_cold_modules
 
-    out = dict.fromkeys(("lookups", "hits", "fetched_rows", "evicted_rows", "written_back_rows", "read_ahead_rows", "h2d_bytes", "d2h_bytes"), 0)
+    counted = ("lookups", "hits", "fetched_rows", "evicted_rows", "written_back_rows", "read_ahead_rows", "from_host_rows", "h2d_bytes", "d2h_bytes")
+    out = dict.fromkeys(counted, 0)
     for module in hot_cold_modules(model).values():
         for cache in module.caches.values():
             c = cache.counters
@@ -97,8 +99,9 @@ def cache_counters(model: nn.Module) -> dict[str, int]:
             out["evicted_rows"] += c.evicted_rows
             out["written_back_rows"] += c.written_back_rows
             out["read_ahead_rows"] += c.read_ahead_rows
-            out["h2d_bytes"] += c.fetched_rows * row_bytes
-            out["d2h_bytes"] += c.written_back_rows * row_bytes
+            out["from_host_rows"] += c.from_host_rows
+            out["h2d_bytes"] += (c.fetched_rows + c.from_host_rows) * row_bytes
+            out["d2h_bytes"] += (c.written_back_rows + c.from_host_rows) * row_bytes
     return out
 
 

@@ -32,7 +32,7 @@ import torch
 from report import write_report
 
 from lightning_hotcache.cache.device_directory import DEVICE_POLICIES, DeviceDirectory
-from lightning_hotcache.cache.host_mapping import map_for_devices
+from lightning_hotcache.cache.host_mapping import HostMappingError, map_for_devices
 from lightning_hotcache.kernels import triton_tbe
 
 RESULTS = Path(__file__).parent / "results"
@@ -70,8 +70,13 @@ def main(argv: list[str] | None = None) -> None:
     num_static = slots_total // 2
     host = {"weight": torch.zeros(args.rows, args.dim), "momentum": torch.zeros(args.rows, 1)}
     if device.type == "cuda":
-        for array in host.values():
-            map_for_devices(array)
+        try:
+            for array in host.values():
+                map_for_devices(array)
+        except HostMappingError as error:  # the kernels cannot reach the host rows: no figure, and why
+            print(f"device_directory.py: the host rows could not be mapped for the kernels: {error}", flush=True)
+            write_report("device_directory", args, {"mapped": False, "why": str(error)}, interpreted=triton_tbe.interpreted())
+            return
     slots = {key: torch.zeros(slots_total, array.shape[1], device=device) for key, array in host.items()}
     window = args.window if args.policy == "lookahead" else 0
     directory = DeviceDirectory(torch.arange(num_static), slots_total - num_static, args.policy, slots, host, window_batches=window)

@@ -10,17 +10,18 @@
 # needed 150 s, stage 4 more than 90):
 #   1. imports and a 2-step CUDA fit of the demo config, without its W&B logger (the image has no
 #      wandb; 21 s on an H100; share 30 s);
-#   2. a chosen subset of the CUDA tests (58-76 s on an H200 before the graphed hotcache tests; share 90 s);
+#   2. a chosen subset of the CUDA tests, those no GPU has run yet first (58-76 s on an H200 for the 22
+#      of 861bd68; share 140 s);
 #   3. benchmarks/gpu.py at the Criteo Kaggle tables (scale 1.0; steps 80-120 timed, once a 10%
 #      cache is full): hotcache at 10% and at 1% (LFU, the caches' directory in GPU memory, the
 #      step in one CUDA graph), at 1% eagerly (+eager) and with the directory on the host
 #      (+hostdir, the prefetch thread staging), against all tables in GPU memory (auto: its step
 #      in one CUDA graph, and eagerly as auto+eager; last, where time is left, under bf16-mixed
 #      and with fp32 matmuls, then hotcache at 1% under lookahead, its window in GPU memory), one process, the batches drawn before fit
-#      and served from memory (gpu.py's --data; share 260 s: four runs took 160 s on an H200 at
+#      and served from memory (gpu.py's --data; share 220 s, a partial gpu.json after each run: four runs took 160 s on an H200 at
 #      861bd68), with the prefetch thread's pieces timed (benchmarks/pieces.py);
 #   4. tables larger than the GPU: the same tables with each run's GPU memory capped at 8 GiB,
-#      where auto cannot hold them and hotcache at 10% and 1% train (two runs took 86-96 s; share 120 s);
+#      where auto cannot hold them and hotcache at 10% and 1% train (two runs took 86-96 s; share 110 s);
 #   5. where a step's time goes: the host's row copies first (benchmarks/row_copy.py: a 1%
 #      cache's write-backs on 1, 2, 4 and 8 threads, ~10 s; its JSON goes to the log), the
 #      Triton TBE against embedding_bag + the PyTorch row step (benchmarks/triton_tbe.py), then
@@ -101,7 +102,7 @@ fi
 export WANDB_MODE=offline
 
 # Each stage's share of the check's seconds; GPU_CHECK_SECONDS is their sum unless set.
-SHARE=(0 30 90 260 120 60)
+SHARE=(0 30 140 220 110 60)
 BUDGET=${GPU_CHECK_SECONDS:-$((SHARE[1] + SHARE[2] + SHARE[3] + SHARE[4] + SHARE[5]))}
 BEGAN=$SECONDS
 
@@ -138,13 +139,46 @@ main(['fit', '-c', 'configs/dlrm_synthetic.yaml', '--trainer.accelerator=$ACCELE
       '--trainer.fast_dev_run=2', '--data.init_args.num_train_samples=4096', '--trainer.logger=false'])
 "
 first=$?
-# The GPU path's own checks first (kernel, budget, host syncs per step, pinned staging,
-# resume, 2 GPUs where there are two; -rP keeps the sync count they print), then one model
-# at every budget against auto, a checkpoint written on the GPU loading on the CPU, and the
-# CPU-lookup baseline, `auto`'s one-node lookup over stacked tables and a zoo model moved to
-# the GPU whole (skipped on a CPU: the dry run checks that they are found).
-# The Triton kernels' tests run there on the GPU's own kernels (here in Triton's interpreter).
-stage 2 cuda-tests "$PYTHON" -m pytest -q -rP -m "cuda or kernels" tests/test_cuda.py tests/test_triton_tbe.py -k "gpu_path or graphed_step_on_cuda or graphed_hotcache_step_on_cuda or dlrm- or checkpoint_written_on_cuda or cpu_lookup or whole_training_step or in_one_node or moved_to_the_gpu or hands_its_gradient_rows or test_triton_tbe"
+# Stage 2's tests, in the order they run, so that a stage cut off by its limit loses the last:
+# first what no GPU has run yet (the caches' directory in GPU memory, host rows read and stepped
+# in place, the graphed steps, their host syncs), then the Triton kernels against the PyTorch
+# path and the device directory against a plain set-associative cache, on the GPU's own kernels
+# (here in Triton's interpreter), a model against auto at three
+# budgets, and the GPU path's checks that ran on an H200 at 861bd68 (pinned staging, resume, a
+# checkpoint loading on the CPU, the CPU-lookup baseline, 2 GPUs where there are two). On a CPU
+# the CUDA tests skip: the dry run checks that they are found. -v and -s stream each test's name
+# and the counts it prints into the log as it runs.
+CUDA=tests/test_cuda.py
+CUDA_TESTS=(
+  "$CUDA::test_gpu_path_device_directory_step_waits_for_no_device"
+  "$CUDA::test_gpu_path_device_directory_reads_and_steps_host_rows_in_place_as_the_host_directory_trains"
+  "$CUDA::test_gpu_path_triton_reads_and_steps_mapped_host_rows_as_it_does_device_rows"
+  "$CUDA::test_the_graphed_hotcache_step_on_cuda_trains_what_its_eager_step_trains"
+  "$CUDA::test_the_graphed_hotcache_step_on_cuda_waits_for_no_later_step"
+  "$CUDA::test_the_graphed_step_on_cuda_trains_what_the_eager_step_trains"
+  "$CUDA::test_the_graphed_step_on_cuda_waits_for_no_later_step"
+  "$CUDA::test_gpu_path_logs_its_kernel_and_keeps_within_the_budget"
+  "$CUDA::test_whole_training_step_syncs_once"
+  "$CUDA::test_gpu_path_keeps_the_host_directory_where_host_rows_cannot_be_mapped"
+  "$CUDA::test_plain_tables_in_one_node_are_torchrecs_and_wait_for_no_device"
+  tests/test_triton_tbe.py
+  tests/test_device_directory.py
+  "$CUDA::test_hotcache_matches_auto_on_cuda[dlrm-0.1-lfu]"
+  "$CUDA::test_hotcache_matches_auto_on_cuda[dlrm-minimum-lookahead]"
+  "$CUDA::test_hotcache_matches_auto_on_cuda[dlrm-1.0-static]"
+  "$CUDA::test_gpu_path_step_of_a_staged_batch_waits_for_no_device"
+  "$CUDA::test_gpu_path_staging_a_host_batch_waits_for_no_device"
+  "$CUDA::test_gpu_path_moving_a_staged_batch_waits_for_no_device"
+  "$CUDA::test_gpu_path_stages_rows_through_pinned_buffers_not_pinned_tables"
+  "$CUDA::test_gpu_path_staged_side_by_side_matches_auto"
+  "$CUDA::test_gpu_path_resumes_exactly"
+  "$CUDA::test_checkpoint_written_on_cuda_loads_without_a_gpu"
+  "$CUDA::test_cpu_lookup_baseline_keeps_the_tables_on_the_host_and_learns_what_auto_learns"
+  "$CUDA::test_auto_on_cuda_hands_its_gradient_rows_over_and_learns_what_the_cpu_learns"
+  "$CUDA::test_a_zoo_model_moved_to_the_gpu_keeps_its_tables_stacked_and_trains_as_on_the_cpu"
+  "$CUDA::test_gpu_path_two_gpus_match_one_with_their_batches_together"
+)
+stage 2 cuda-tests "$PYTHON" -m pytest -v -s -p no:cacheprovider -m "(cuda or kernels) and not full" --timeout 120 "${CUDA_TESTS[@]}"
 second=$?
 # shellcheck disable=SC2086  # the benchmarks' settings, split as on a command line
 stage 3 gpu-benchmark "$PYTHON" benchmarks/gpu.py $BENCH_ARGS --out "$OUT/gpu.json"

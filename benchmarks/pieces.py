@@ -36,6 +36,8 @@ STAGING_PIECES: tuple[tuple[str, type, str], ...] = (
     # A cache whose directory is in device memory: the host only checks each batch's ids (on the
     # training loop); the rest is forward's device ops, which torch.profiler sees.
     ("check ids", DirectoryStaging, "_check"),
+    # Under lookahead it announces instead: the ids checked, and handed to each window.
+    ("announce", DirectoryStaging, "announce"),
 )
 
 
@@ -101,7 +103,7 @@ def print_pieces(results: dict[str, dict[str, Any]], key: str) -> None:
     timed = {name: r[key] for name, r in results.items() if any(r.get(key, {}).values())}
     if not timed:
         return
-    names = [name for name, _, _ in STAGING_PIECES]
+    names = list(dict.fromkeys(name for name, _, _ in STAGING_PIECES))  # methods of one name are one piece
     print(f"{'ms a batch':<24}" + "".join(f"{name:>18}" for name in names) + "   (inclusive: pieces nest)")
     for run, pieces in timed.items():
         print(f"{run:<24}" + "".join(f"{pieces.get(name, 0.0):>18.2f}" for name in names))

@@ -107,6 +107,7 @@ def rounds_of_jobs(
     names: Sequence[str],
     rounds: int,
     wrapper: Callable[[str], Sequence[str]] = lambda name: (),
+    after_each: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The median round (`median_round`) of each job of ``names``, run ``rounds`` times over
     all of them, every run a process of its own (`job_in_process`): a run's peak memory is then
@@ -115,11 +116,16 @@ def rounds_of_jobs(
     place in the round changes from round to round, so whatever its place costs (following
     the largest process, a warm or cold page cache) is spread over every job instead of
     handed to the same one each time. Each result's ``rounds`` are in round order, so
-    `add_ratios` can pair them with another job's."""
+    `add_ratios` can pair them with another job's. ``after_each`` gets the results so far after
+    every job (a partial report, so that a run cut off by a time limit keeps what finished)."""
     runs: list[dict[str, dict[str, Any]]] = []
     for r in range(rounds):
         shift = r % len(names)
-        runs.append({name: job_in_process(script, settings, name, wrapper(name)) for name in [*names[shift:], *names[:shift]]})
+        runs.append({})
+        for name in [*names[shift:], *names[:shift]]:
+            runs[-1][name] = job_in_process(script, settings, name, wrapper(name))
+            if after_each is not None:
+                after_each({n: median_round([run[n] for run in runs if n in run]) for n in names if any(n in run for run in runs)})
     return {name: median_round([run[name] for run in runs]) for name in names}
 
 

@@ -15,6 +15,7 @@ if triton_tbe.why_unavailable(torch.device("cuda" if torch.cuda.is_available() e
 from lightning_hotcache._ops.step_graph import HostReadInGraph, _OpTrace  # noqa: E402
 from lightning_hotcache._ops.switches import Switch  # noqa: E402
 from lightning_hotcache.cache.device_directory import NO_READ, DeviceDirectory  # noqa: E402
+from lightning_hotcache.cache.host_mapping import map_for_devices  # noqa: E402
 from lightning_hotcache.optim.rowwise import RowWiseOptimizerConfig  # noqa: E402
 from test_triton_tbe import initial_state, reference_step  # noqa: E402
 
@@ -37,6 +38,9 @@ def arrays(rows: int, rule: str, generator: torch.Generator) -> dict[str, torch.
 
 
 def directory_over(host: dict[str, torch.Tensor], static_ids: torch.Tensor, dynamic: int, policy: str, ways: int, window: int = 0):
+    if DEVICE.type == "cuda":  # host rows the kernels reach: page-locked and mapped, as the collection's
+        for array in host.values():
+            map_for_devices(array)
     slots = {key: torch.full((len(static_ids) + dynamic, a.shape[1]), float("nan"), device=DEVICE) for key, a in host.items()}
     for key in slots:
         slots[key][: len(static_ids)] = host[key][static_ids].to(DEVICE)

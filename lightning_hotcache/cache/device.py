@@ -112,6 +112,9 @@ class CacheCounters:
     evicted_rows: int = 0
     written_back_rows: int = 0
     read_ahead_rows: int = 0  # host rows paged in when their batch was announced (`DeviceCache.read_ahead`)
+    # Distinct rows a batch read and stepped in their host rows, in place (with the directory in
+    # device memory: those whose set had no way for them).
+    from_host_rows: int = 0
 
 
 class DeviceCache:
@@ -270,7 +273,9 @@ class DeviceCache:
         directory on the device, read from there: a wait for the device)."""
         if self.on_device is not None:
             c = self.on_device.counters(segment)
-            return CacheCounters(c["lookups"], c["hits"], c["fetched_rows"], c["evicted_rows"], c["written_back_rows"])
+            return CacheCounters(
+                c["lookups"], c["hits"], c["fetched_rows"], c["evicted_rows"], c["written_back_rows"], from_host_rows=c["from_host_rows"]
+            )
         lookups, misses, fetched, evicted, written_back, read_ahead = (int(tally[segment]) for tally in self._segment_tally)
         return CacheCounters(lookups, lookups - misses, fetched, evicted, written_back, read_ahead)
 
