@@ -118,8 +118,20 @@ class ReferenceCache:
                         ways[w] = None
 
 
-@pytest.mark.parametrize("sets", ["kernels", "kernels-3-ways", "torch-ops"])
-@pytest.mark.parametrize("policy", ["lru", "lfu", "static", "lookahead"])
+POLICIES = ["lru", "lfu", "static", "lookahead"]
+
+
+def cases(values: list[str], fast: set[tuple[str, str]]) -> list:
+    """``policy`` x ``values`` as ``pytest.param``s, those outside ``fast`` marked ``full``."""
+    return [pytest.param(p, v, marks=() if (p, v) in fast else pytest.mark.full) for p in POLICIES for v in values]
+
+
+# Every policy with the set kernels (CUDA's default), and the other two ways to find and choose by a policy each.
+@pytest.mark.parametrize(
+    ("policy", "sets"),
+    cases(["kernels", "kernels-3-ways", "torch-ops"],
+          {*((p, "kernels") for p in POLICIES), ("lfu", "kernels-3-ways"), ("lookahead", "torch-ops"), ("lru", "torch-ops")}),
+)  # fmt: skip
 def test_the_directory_places_rows_as_a_plain_set_associative_cache_does(policy, sets, monkeypatch):
     """Under lookahead each training batch is announced three batches ahead, and every fifth
     batch is an evaluation batch, announced never (its admission retires nothing). Ids found and
@@ -168,9 +180,14 @@ def test_the_directory_places_rows_as_a_plain_set_associative_cache_does(policy,
     assert saw_host and saw_hit
 
 
-@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad", "adam"])
-@pytest.mark.parametrize("policy", ["lru", "lfu", "static", "lookahead"])
-def test_training_through_the_device_directory_equals_training_the_whole_table(rule, policy):
+# Every policy and every rule, each rule under two policies (the rules' arithmetic is the kernels'
+# tests'; here the arrays each moves with its row).
+@pytest.mark.parametrize(
+    ("policy", "rule"),
+    cases(["sgd", "rowwise_adagrad", "adam"],
+          {("lru", "sgd"), ("lfu", "rowwise_adagrad"), ("static", "adam"), ("lookahead", "adam"), ("lookahead", "sgd"), ("lru", "rowwise_adagrad")}),
+)  # fmt: skip
+def test_training_through_the_device_directory_equals_training_the_whole_table(policy, rule):
     """A cache of 8 dynamic slots in sets of 4 over a batch of about 20 distinct rows: rows
     hit, get evicted dirty and come back, and lose conflicts to the host; every pooled row and,
     after `flush`, every row and its state equal the whole table's (under lookahead, training
