@@ -161,6 +161,7 @@ CUDA_TESTS=(
   "$CUDA::test_whole_training_step_syncs_once"
   "$CUDA::test_gpu_path_keeps_the_host_directory_where_host_rows_cannot_be_mapped"
   "$CUDA::test_plain_tables_in_one_node_are_torchrecs_and_wait_for_no_device"
+  "$CUDA::test_the_zoos_lazy_adam_in_the_triton_kernel_learns_what_its_pytorch_step_learns"
   tests/test_triton_tbe.py
   tests/test_device_directory.py
   "$CUDA::test_hotcache_matches_auto_on_cuda[dlrm-0.1-lfu]"

@@ -373,6 +373,17 @@ def test_auto_on_cuda_hands_its_gradient_rows_over_and_learns_what_the_cpu_learn
     torch.testing.assert_close(got, on_cpu.state_dict(), rtol=1e-4, atol=1e-5)
 
 
+def test_the_zoos_lazy_adam_in_the_triton_kernel_learns_what_its_pytorch_step_learns(monkeypatch) -> None:
+    # `auto` on a GPU: a stack of the zoo's tables pooled by the Triton TBE and stepped by lazy
+    # Adam in its kernel, against the same fit with the tables on embedding_bag and the row step in
+    # torch ops (test_triton_tbe compares them in Triton's interpreter).
+    adam = {"name": "adam", "lr": 0.01}
+    in_the_kernel, _, _ = fit("dlrm", "auto", optimizer=adam, **CUDA)
+    monkeypatch.setenv(Switch.PLAIN_TABLES_TRITON.variable, "0")
+    by_torch_ops, _, _ = fit("dlrm", "auto", optimizer=adam, **CUDA)
+    torch.testing.assert_close(in_the_kernel.state_dict(), by_torch_ops.state_dict(), rtol=1e-5, atol=1e-5)
+
+
 def _graphed_fit(
     graphed: bool, counter: pl.Callback | None = None, hotcache: bool = False, precision: str = "32-true", policy: str = "lfu"
 ) -> tuple[pl.LightningModule, dict]:

@@ -35,10 +35,10 @@ def data(**overrides):
     return tiny_synthetic(**{**settings, **overrides})
 
 
-def fit(name: str, strategy, epochs: int = 1, **trainer_kwargs) -> tuple[CTRModel, pl.Trainer, dict]:
+def fit(name: str, strategy, epochs: int = 1, optimizer: dict = OPTIMIZER, **trainer_kwargs) -> tuple[CTRModel, pl.Trainer, dict]:
     pl.seed_everything(0)
     dm = data()
-    model = create_model(name, dm.tables, dm.num_dense_features, embedding_optimizer=OPTIMIZER)
+    model = create_model(name, dm.tables, dm.num_dense_features, embedding_optimizer=optimizer)
     trainer = cpu_trainer(strategy=strategy, max_epochs=epochs, **trainer_kwargs)
     trainer.fit(model, dm)
     metrics = trainer.validate(model, dm, verbose=False)[0]
