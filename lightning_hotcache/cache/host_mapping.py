@@ -91,7 +91,8 @@ def check_the_kernels_read(array: Tensor, device: torch.device) -> None:
     saved = row.clone()
     # Values of its own for the read (the rows may still be zero pages, which a read that
     # fails quietly could return too), put back after it.
-    row.copy_(torch.arange(1, row.shape[1] + 1, dtype=row.dtype).view(1, -1))
+    probe = torch.arange(1, row.shape[1] + 1, dtype=torch.float32).view(1, -1)
+    row.copy_(probe)
     slots = torch.zeros(1, row.shape[1], device=device)
     location = triton_tbe.location_of_host_row(torch.zeros(1, dtype=torch.int64, device=device))
     try:
@@ -100,7 +101,7 @@ def check_the_kernels_read(array: Tensor, device: torch.device) -> None:
         raise HostMappingError(f"the Triton kernels could not read the mapped host rows ({error})") from error
     finally:
         row.copy_(saved)
-    if not torch.equal(read, torch.arange(1, row.shape[1] + 1, dtype=torch.float32).view(1, -1)):
+    if not torch.equal(read, probe):
         raise HostMappingError("the Triton kernels read other values than the mapped host rows hold")
 
 

@@ -332,14 +332,12 @@ def backward_step(
     ``step`` one value a row). One sort and two launches for the whole stack. With
     ``host_weight`` (and ``host_state``) the indices are locations, as for `pooled`: a row read
     from the host is stepped there, in place. A row must have one location in a batch."""
-    names = _STATE_OF_RULE.get(rule)
-    if names is None:
-        raise ValueError(f"the Triton kernels apply {', '.join(_STATE_OF_RULE)}, not {rule!r}.")
-    state = state or {}
-    if missing := [name for name in names if name not in state]:
-        raise ValueError(f"{rule} needs the rows' {' and '.join(missing)}.")
-    if host_weight is not None and (missing := [name for name in names if name not in (host_state or {})]):
-        raise ValueError(f"{rule} on rows read from the host needs the host rows' {' and '.join(missing)}.")
+    names = _state_names(rule)
+    slot_arrays = _state_arrays(names, state, f"{rule} needs the rows'")
+    if host_weight is None:
+        host_arrays = slot_arrays
+    else:
+        host_arrays = _state_arrays(names, host_state, f"{rule} on rows read from the host needs the host rows'")
     num_values = indices.numel()
     if num_values == 0:
         return
@@ -351,8 +349,6 @@ def backward_step(
     num_chunks = triton.cdiv(num_values, _CHUNK)
     heads = torch.empty(num_chunks, dim, dtype=torch.float32, device=weight.device)
     tails = torch.empty_like(heads)
-    slot_arrays = [state[name] for name in names]
-    host_arrays = [host_state[name] for name in names] if host_weight is not None and host_state else slot_arrays
     arrays = (weight, host, *_three(slot_arrays, weight), *_three(host_arrays, host))
     strides = (weight.stride(0), host.stride(0), _moments_stride(slot_arrays), _moments_stride(host_arrays))
     beta1, beta2 = betas
@@ -365,6 +361,23 @@ def backward_step(
     _long_runs_kernel[(num_chunks,)](
         *arrays, sorted_rows, heads, tails, num_values, num_chunks, dim, *strides, *hyper, SPAN=_SPAN, **switches,
     )  # fmt: skip
+
+
+def _state_names(rule: str) -> tuple[str, ...]:
+    """The state arrays ``rule`` keeps (`_STATE_OF_RULE`); an unknown rule is an error."""
+    names = _STATE_OF_RULE.get(rule)
+    if names is None:
+        raise ValueError(f"the Triton kernels apply {', '.join(_STATE_OF_RULE)}, not {rule!r}.")
+    return names
+
+
+def _state_arrays(names: tuple[str, ...], state: dict[str, Tensor] | None, needing: str) -> list[Tensor]:
+    """The arrays ``names`` of ``state``, in that order; where some are missing, an error that
+    says ``needing`` and names them."""
+    state = state or {}
+    if missing := [name for name in names if name not in state]:
+        raise ValueError(f"{needing} {' and '.join(missing)}.")
+    return [state[name] for name in names]
 
 
 def _three(arrays: list[Tensor], filler: Tensor) -> list[Tensor]:
@@ -410,14 +423,13 @@ class TritonTableBatchedEmbedding(torch.nn.Module):
 
     def __init__(self, weight: Tensor, rule: str, lr: float, eps: float, betas: tuple[float, float] = (0.9, 0.999)) -> None:
         super().__init__()
-        if rule not in _STATE_OF_RULE:
-            raise ValueError(f"the Triton kernels apply {', '.join(_STATE_OF_RULE)}, not {rule!r}.")
+        names = _state_names(rule)
         why = why_unavailable(weight.device)
         if why is not None:
             raise RuntimeError(f"kernel='triton' cannot run here: {why}.")
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         rows, dim = weight.shape
-        for name in _STATE_OF_RULE[rule]:
+        for name in names:
             width = dim if name.startswith("exp_avg") else 1
             self.register_buffer(name, torch.zeros(rows, width, dtype=torch.float32, device=weight.device))
         self.rule, self.lr, self.eps, self.betas = rule, lr, eps, betas
