@@ -116,16 +116,18 @@ def rounds_of_jobs(
     place in the round changes from round to round, so whatever its place costs (following
     the largest process, a warm or cold page cache) is spread over every job instead of
     handed to the same one each time. Each result's ``rounds`` are in round order, so
-    `add_ratios` can pair them with another job's. ``after_each`` gets the results so far after
-    every job (a partial report, so that a run cut off by a time limit keeps what finished)."""
+    `add_ratios` can pair them with another job's. ``after_each`` gets the results so far (a
+    partial report, so that a run cut off by a time limit keeps what finished): after every job
+    of the first round, then after each whole round, so that every job it gets has as many
+    rounds as the others (what `add_ratios` pairs)."""
     runs: list[dict[str, dict[str, Any]]] = []
     for r in range(rounds):
         shift = r % len(names)
         runs.append({})
         for name in [*names[shift:], *names[:shift]]:
             runs[-1][name] = job_in_process(script, settings, name, wrapper(name))
-            if after_each is not None:
-                after_each({n: median_round([run[n] for run in runs if n in run]) for n in names if any(n in run for run in runs)})
+            if after_each is not None and (r == 0 or len(runs[-1]) == len(names)):
+                after_each({n: median_round([run[n] for run in runs if n in run]) for n in names if n in runs[-1]})
     return {name: median_round([run[name] for run in runs]) for name in names}
 
 

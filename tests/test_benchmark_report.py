@@ -31,6 +31,20 @@ def test_rounds_rotate_the_order_and_ratios_pair_within_rounds(monkeypatch) -> N
     assert results["base"]["x_base_paired"] == pytest.approx(1.0)
 
 
+def test_partial_reports_come_after_each_first_round_job_then_each_round_and_pair(monkeypatch) -> None:
+    # gpu.py writes a partial report from each: its ratios pair rounds, so every job it gets must
+    # have as many rounds as the others.
+    monkeypatch.setattr(report, "job_in_process", lambda script, settings, name, wrapper=(): {"samples_per_s": 100.0})
+    seen: list[dict[str, int]] = []
+
+    def partial(done):
+        report.add_ratios(done, ["base"])
+        seen.append({name: len(r["rounds"]) for name, r in done.items()})
+
+    report.rounds_of_jobs("script.py", [], ["base", "fast"], rounds=3, after_each=partial)
+    assert seen == [{"base": 1}, {"base": 1, "fast": 1}, {"base": 2, "fast": 2}, {"base": 3, "fast": 3}]
+
+
 def test_scaling_jobs_run_behind_a_shaped_loopback_of_their_own() -> None:
     """scaling.py --link-gbit X: a job of N processes shares one tbf qdisc of N x X Gbit/s on
     the loopback of a network namespace of its own."""
