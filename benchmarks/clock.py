@@ -1,14 +1,18 @@
-"""StepClock: training throughput between a warm-up batch and the last batch of a fit; the
-cache counters and the bare Trainer the throughput benchmarks share."""
+"""StepClock: training throughput between a warm-up batch and the last batch of a fit (and
+TurnClock, its variant for jobs that take turns: `turns`); the cache counters and the bare
+Trainer the throughput benchmarks share."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from turns import Baton
 
 
 class StepClock(pl.Callback):
@@ -60,6 +64,54 @@ class StepClock(pl.Callback):
 def is_last_batch(trainer: pl.Trainer) -> bool:
     """Whether the batch that just ended is the fit's last: of the epoch, or of ``max_steps``."""
     return trainer.is_last_batch or 0 < trainer.max_steps <= trainer.global_step
+
+
+class TurnClock(StepClock):
+    """`StepClock` for a job that takes turns: its samples/s over the time it held the turn
+    in its timed steps, and each block's (``blocks``). The warm-up's last batch hands the turn
+    on before the timed steps start, so every job's set-up and warm-up precede every timed
+    block; the last block keeps the turn (the job hands it on once its fit is over: `train_in_turns`).
+    For CPU runs: unlike `StepClock` it never waits for a device's queued work."""
+
+    def __init__(self, warmup: int, block: int, baton: Baton, probe: Callable[[], Any] | None = None) -> None:
+        super().__init__(warmup, probe)
+        if block < 1 or warmup < 1:
+            raise ValueError(f"a turn is at least one step, after at least one warm-up step (block={block}, warmup={warmup})")
+        self.block, self.baton = block, baton
+        self.blocks: list[float] = []
+        self.held = 0.0
+        self._block_start = 0.0
+        self._block_samples = 0
+
+    def _next_turn(self) -> None:
+        self.baton.hand_over()
+        self.baton.take()
+        self._block_start, self._block_samples = time.perf_counter(), 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx < self.warmup - 1:
+            return
+        if batch_idx == self.warmup - 1:
+            self.at_start = self.probe() if self.probe else None
+            self._next_turn()
+            return
+        samples = batch.labels.shape[0]
+        self.samples += samples
+        self._block_samples += samples
+        last = is_last_batch(trainer)
+        if not last and (batch_idx - self.warmup + 1) % self.block:
+            return
+        held = time.perf_counter() - self._block_start
+        self.blocks.append(self._block_samples / held)
+        self.held += held
+        if last:
+            self.at_end = self.probe() if self.probe else None
+            return
+        self._next_turn()
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.held
 
 
 def rss_bytes() -> int:

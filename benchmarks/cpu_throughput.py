@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import lightning.pytorch as pl
-from clock import StepClock, cache_counters, hit_rate_text, print_filling_note, still_filling, timed_trainer
+from clock import StepClock, TurnClock, cache_counters, hit_rate_text, print_filling_note, still_filling, timed_trainer
 from pieces import PieceClock, print_pieces, window_ms_per_batch
 from report import add_ratios, rounds_of_jobs, write_report
-from turns import Baton, TurnClock, jobs_in_turns, train_in_turns
+from turns import Baton, jobs_in_turns, train_in_turns
 
 from datamodules import SyntheticCTRDataModule
 from lightning_hotcache import HotCacheStrategy  # importing the package registers "torchrec" too

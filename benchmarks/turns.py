@@ -8,7 +8,7 @@ machine drifts by more than the margins the targets ask about within minutes (To
 run). Here the jobs pass a token around a ring of pipes (`Baton`): a job runs only while it
 holds the token, set-up and warm-up included, so no job's set-up overlaps another's timed
 steps; after its warm-up, and after every ``block`` timed steps, it hands the token on and
-waits for it (`TurnClock`). Each job's block ``k`` then ran within one turn of everyone
+waits for it (`clock.TurnClock`). Each job's block ``k`` then ran within one turn of everyone
 else's, and `report.add_ratios` pairs them as it pairs rounds (a job's blocks are its
 ``rounds``): the paired ratio is the median over blocks of the ratio within a turn.
 
@@ -25,12 +25,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from clock import StepClock, is_last_batch
-from report import job_env, job_result
 
 TOKEN = b"t"
 
@@ -59,54 +56,6 @@ class Baton:
             pass  # the next job is done and gone: the last turn of the run
 
 
-class TurnClock(StepClock):
-    """`StepClock` for a job that takes turns: its samples/s over the time it held the turn
-    in its timed steps, and each block's (``blocks``). The warm-up's last batch hands the turn
-    on before the timed steps start, so every job's set-up and warm-up precede every timed
-    block; the last block keeps the turn (the job hands it on once its fit is over: `train_in_turns`).
-    For CPU runs: unlike `StepClock` it never waits for a device's queued work."""
-
-    def __init__(self, warmup: int, block: int, baton: Baton, probe: Callable[[], Any] | None = None) -> None:
-        super().__init__(warmup, probe)
-        if block < 1 or warmup < 1:
-            raise ValueError(f"a turn is at least one step, after at least one warm-up step (block={block}, warmup={warmup})")
-        self.block, self.baton = block, baton
-        self.blocks: list[float] = []
-        self.held = 0.0
-        self._block_start = 0.0
-        self._block_samples = 0
-
-    def _next_turn(self) -> None:
-        self.baton.hand_over()
-        self.baton.take()
-        self._block_start, self._block_samples = time.perf_counter(), 0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if batch_idx < self.warmup - 1:
-            return
-        if batch_idx == self.warmup - 1:
-            self.at_start = self.probe() if self.probe else None
-            self._next_turn()
-            return
-        samples = batch.labels.shape[0]
-        self.samples += samples
-        self._block_samples += samples
-        last = is_last_batch(trainer)
-        if not last and (batch_idx - self.warmup + 1) % self.block:
-            return
-        held = time.perf_counter() - self._block_start
-        self.blocks.append(self._block_samples / held)
-        self.held += held
-        if last:
-            self.at_end = self.probe() if self.probe else None
-            return
-        self._next_turn()
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.held
-
-
 def train_in_turns(baton: Baton, train: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Run ``train`` (a fit timed by a `TurnClock` on ``baton``) in its turns: it starts once
     the turn comes, and after the fit waits for the turn once more before handing it on for
@@ -123,6 +72,10 @@ def jobs_in_turns(script: str | Path, settings: Sequence[str], names: Sequence[s
     """Run ``script settings --job <name> --turns <fds> --block <block>`` for every job of
     ``names`` at once, taking turns in that order, and return each job's JSON (its last
     line), with its blocks' samples/s as its ``rounds`` (`report.add_ratios` pairs them)."""
+    # Imported here, not with the module: every job imports this module for its `Baton` before
+    # it takes its first turn, and the report's imports (torch) would delay that turn.
+    from report import job_env, job_result
+
     rings = [os.pipe() for _ in names]
     env = job_env()
     jobs: list[tuple[str, subprocess.Popen[str], Any, Any]] = []

@@ -14,6 +14,10 @@ from typing import Any
 # when it is imported (torch's compiler imports it) and when a kernel is defined.
 if not any(os.path.exists(path) for path in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version")):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreter_scan import install as install_interpreter_scan
+
+    install_interpreter_scan()
 
 import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402

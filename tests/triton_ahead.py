@@ -17,6 +17,7 @@ else ``i64``, and an int of 1 is specialized as a constant.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -51,29 +52,34 @@ def signature_of(kernel: Any, arguments: dict[str, list]) -> tuple[dict[str, str
     return signature, constexprs
 
 
-def compile_launches(launches: list[tuple[str, dict[str, list]]], capabilities: list[int]) -> list[str]:
-    """Compile each launch (a kernel by its module's and its own name, ``module:kernel``, and its
-    arguments) for CUDA GPUs of each compute capability (90: H100, H200; 80: A100); the error
-    of each one that does not compile."""
+def _compile(name: str, arguments: dict[str, list], capability: int) -> str | None:
+    """Compile one launch for one compute capability; its error, or None."""
     import importlib
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    failures = []
-    for name, arguments in launches:
-        module, function = name.split(":")
-        kernel = getattr(importlib.import_module(module), function)
-        signature, constexprs = signature_of(kernel, arguments)
-        for capability in capabilities:
-            try:
-                compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", capability, 32))
-                if not compiled.asm.get("cubin"):
-                    failures.append(f"{name} for sm_{capability} {signature} {constexprs}: no machine code")
-            except Exception as error:  # the compiler's own errors have no common base class
-                failures.append(f"{name} for sm_{capability} {signature} {constexprs}: {type(error).__name__}: {error}")
-    return failures
+    module, function = name.split(":")
+    kernel = getattr(importlib.import_module(module), function)
+    signature, constexprs = signature_of(kernel, arguments)
+    try:
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", capability, 32))
+    except Exception as error:  # the compiler's own errors have no common base class
+        return f"{name} for sm_{capability} {signature} {constexprs}: {type(error).__name__}: {error}"
+    return None if compiled.asm.get("cubin") else f"{name} for sm_{capability} {signature} {constexprs}: no machine code"
+
+
+def compile_launches(launches: list[tuple[str, dict[str, list]]], capabilities: list[int]) -> list[str]:
+    """Compile each launch (a kernel by its module's and its own name, ``module:kernel``, and its
+    arguments) for CUDA GPUs of each compute capability (90: H100, H200; 80: A100), a process
+    per core (each compile runs on one); the error of each one that does not compile, in order."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(name, arguments, capability) for name, arguments in launches for capability in capabilities]
+    with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1) or 1) as pool:
+        errors = list(pool.map(_compile, *zip(*jobs))) if jobs else []
+    return [error for error in errors if error is not None]
 
 
 if __name__ == "__main__":  # launches as JSON on stdin, capabilities as arguments; failures as JSON on stdout
