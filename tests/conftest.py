@@ -15,9 +15,9 @@ from typing import Any
 if not any(os.path.exists(path) for path in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version")):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from interpreter_scan import install as install_interpreter_scan
+    from interpreter_shims import install as install_interpreter_shims
 
-    install_interpreter_scan()
+    install_interpreter_shims()
 
 import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402

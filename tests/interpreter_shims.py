@@ -1,6 +1,8 @@
-"""A faster associative scan for Triton's interpreter, for the tests that run the kernels on a CPU.
+"""Two of Triton's interpreter's loops made faster, for the tests that run the kernels on a CPU.
+Written here because the interpreter (Triton's own) has no faster mode; the kernels' code is the
+one the GPU compiles, unchanged.
 
-The interpreter (``TRITON_INTERPRET=1``) runs ``tl.associative_scan`` with a combine function of
+**The associative scan.** The interpreter (``TRITON_INTERPRET=1``) runs ``tl.associative_scan`` with a combine function of
 the kernel's own (the backward's sums within runs of one row) one element at a time: a Python
 call of the combine function per element of the block, which made it most of the time the
 kernels' tests spent. `install` replaces that loop (``ScanOps.generic_scan``) with a
@@ -8,11 +10,17 @@ Hillis-Steele scan: ``ceil(log2(n))`` calls of the same combine function on whol
 blocks. Written here because Triton's interpreter has no vectorized scan of its own. Only the
 association of the combine function differs (a tree, as on a GPU, rather than a left fold);
 results are equal for any associative combination, and float sums differ by rounding only.
+
+**The language's patching.** Each launch, and each call of a ``@triton.jit`` helper inside one,
+lists every member of ``triton.language`` (``inspect.getmembers``) to wrap its builtins for the
+interpreter. `install` lists them once per module and wraps the same members, those not
+already wrapped by the launch that encloses the call, as Triton does.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, Callable
 
 import numpy as np
 
@@ -50,15 +58,35 @@ def generic_scan(self: Any, input: Any) -> list:
     return [self.to_tensor(a, dtype) for a, dtype in zip(acc, dtypes)]
 
 
-def install() -> bool:
-    """Replace the interpreter's element-by-element scan where this Triton has it (else keep
-    Triton's own, which is slower but the same); whether it was replaced."""
+def patching_builtins_listed_once(patch_attr: Callable[..., None], is_builtin: Callable[[Any], bool]) -> Callable[..., None]:
+    """The interpreter's ``_patch_builtin(pkg, builder, scope)``, with ``pkg``'s builtins listed
+    at its first call (when nothing is wrapped yet) rather than at every call."""
+    listed: dict[Any, list[tuple[str, Any]]] = {}
+
+    def patch_builtin(pkg: Any, builder: Any, scope: Any) -> None:
+        if pkg not in listed:
+            listed[pkg] = [(name, member) for name, member in inspect.getmembers(pkg) if is_builtin(member)]
+        for name, member in listed[pkg]:
+            if getattr(pkg, name, None) is member:  # else wrapped already, which Triton's own leaves as it is
+                patch_attr(pkg, name, member, builder, scope)
+
+    return patch_builtin
+
+
+def install() -> list[str]:
+    """Replace what this Triton's interpreter has of the two (else keep Triton's own, slower but
+    the same); the names of those replaced."""
     try:
+        import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
-        return False
+        return []
+    replaced = []
     scans = getattr(interpreter, "ScanOps", None)
-    if scans is None or not hasattr(scans, "generic_scan"):
-        return False
-    scans.generic_scan = generic_scan
-    return True
+    if scans is not None and hasattr(scans, "generic_scan"):
+        scans.generic_scan = generic_scan
+        replaced.append("ScanOps.generic_scan")
+    if all(hasattr(interpreter, name) for name in ("_patch_builtin", "_patch_attr")) and hasattr(tl.core, "is_builtin"):
+        interpreter._patch_builtin = patching_builtins_listed_once(interpreter._patch_attr, tl.core.is_builtin)
+        replaced.append("_patch_builtin")
+    return replaced

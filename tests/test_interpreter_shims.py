@@ -1,4 +1,4 @@
-"""tests/interpreter_scan.py: the interpreter's scan, replaced for speed, still scans as Triton's does."""
+"""tests/interpreter_shims.py: the interpreter's scan and patching, replaced for speed, still work as Triton's do."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ if triton_tbe.triton is None or not triton_tbe.interpreted():
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from interpreter_scan import generic_scan  # noqa: E402
+from interpreter_shims import generic_scan  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 pytestmark = pytest.mark.kernels
@@ -55,3 +55,25 @@ def test_the_replaced_scan_equals_a_fold_of_the_combine_function(axis: int, reve
     _scan_kernel[(1,)](mul, add, out_mul, out_add, AXIS=axis, REVERSE=reverse, R=rows, C=cols)
     expected_mul, expected_add = folded(mul, add, axis, reverse)
     assert torch.equal(out_mul, expected_mul) and torch.equal(out_add, expected_add)
+
+
+@triton.jit
+def _doubled(x):
+    return x * 2
+
+
+@triton.jit
+def _helper_kernel(src, dst, N: tl.constexpr):
+    at = tl.arange(0, N)
+    tl.store(dst + at, _doubled(tl.load(src + at)) + tl.sum(tl.load(src + at), 0))
+
+
+def test_launches_and_their_helpers_run_wrapped_and_leave_the_language_as_it_was() -> None:
+    assert interpreter._patch_builtin.__module__ == "interpreter_shims"  # installed by conftest
+    load, tensor_add = tl.load, tl.tensor.__add__
+    src = torch.arange(8, dtype=torch.float32)
+    for _ in range(2):  # the second launch wraps what the first listed
+        dst = torch.empty_like(src)
+        _helper_kernel[(1,)](src, dst, N=8)
+        assert torch.equal(dst, src * 2 + src.sum())
+        assert tl.load is load and tl.tensor.__add__ is tensor_add
