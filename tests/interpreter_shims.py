@@ -2,14 +2,13 @@
 Written here because the interpreter (Triton's own) has no faster mode; the kernels' code is the
 one the GPU compiles, unchanged.
 
-**The associative scan.** The interpreter (``TRITON_INTERPRET=1``) runs ``tl.associative_scan`` with a combine function of
-the kernel's own (the backward's sums within runs of one row) one element at a time: a Python
-call of the combine function per element of the block, which made it most of the time the
-kernels' tests spent. `install` replaces that loop (``ScanOps.generic_scan``) with a
-Hillis-Steele scan: ``ceil(log2(n))`` calls of the same combine function on whole shifted
-blocks. Written here because Triton's interpreter has no vectorized scan of its own. Only the
-association of the combine function differs (a tree, as on a GPU, rather than a left fold);
-results are equal for any associative combination, and float sums differ by rounding only.
+**The associative scan.** The interpreter (``TRITON_INTERPRET=1``) runs ``tl.associative_scan``
+with a combine function of the kernel's own (the backward's sums within runs of one row) one
+element at a time: a Python call of the combine function per element of the block. `install`
+replaces that loop (``ScanOps.generic_scan``) with a Hillis-Steele scan: ``ceil(log2(n))`` calls
+of the same combine function on whole shifted blocks. Only the association of the combine
+function differs (a tree, as on a GPU, rather than a left fold): results are equal for any
+associative combination, and float sums differ by rounding only.
 
 **The language's patching.** Each launch, and each call of a ``@triton.jit`` helper inside one,
 lists every member of ``triton.language`` (``inspect.getmembers``) to wrap its builtins for the
@@ -73,20 +72,16 @@ def patching_builtins_listed_once(patch_attr: Callable[..., None], is_builtin: C
     return patch_builtin
 
 
-def install() -> list[str]:
+def install() -> None:
     """Replace what this Triton's interpreter has of the two (else keep Triton's own, slower but
-    the same); the names of those replaced."""
+    the same)."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
-        return []
-    replaced = []
+        return
     scans = getattr(interpreter, "ScanOps", None)
     if scans is not None and hasattr(scans, "generic_scan"):
         scans.generic_scan = generic_scan
-        replaced.append("ScanOps.generic_scan")
     if all(hasattr(interpreter, name) for name in ("_patch_builtin", "_patch_attr")) and hasattr(tl.core, "is_builtin"):
         interpreter._patch_builtin = patching_builtins_listed_once(interpreter._patch_attr, tl.core.is_builtin)
-        replaced.append("_patch_builtin")
-    return replaced

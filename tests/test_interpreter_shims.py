@@ -7,7 +7,7 @@ import torch
 
 triton_tbe = pytest.importorskip("lightning_hotcache.kernels.triton_tbe")
 if triton_tbe.triton is None or not triton_tbe.interpreted():
-    pytest.skip("the replaced scan is the interpreter's (a CPU under TRITON_INTERPRET=1)", allow_module_level=True)
+    pytest.skip("the shims replace loops of the interpreter (a CPU under TRITON_INTERPRET=1)", allow_module_level=True)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

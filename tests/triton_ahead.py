@@ -77,8 +77,10 @@ def compile_launches(launches: list[tuple[str, dict[str, list]]], capabilities: 
     from concurrent.futures import ProcessPoolExecutor
 
     jobs = [(name, arguments, capability) for name, arguments in launches for capability in capabilities]
-    with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1) or 1) as pool:
-        errors = list(pool.map(_compile, *zip(*jobs))) if jobs else []
+    if not jobs:
+        return []
+    with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+        errors = list(pool.map(_compile, *zip(*jobs)))
     return [error for error in errors if error is not None]
 
 
